@@ -1,0 +1,5 @@
+import sys
+
+from fsdp_fp8.cli import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""Ranks agree before anyone mutates: one small collective, then all raise or none does.
+
+Each rank validates the checkpoint and the plan on its own; if ranks could see different
+files (a shard rewritten on one node) or one rank found a problem, proceeding would end
+in a hang at the first all-gather or in silently different weights. So every rank
+exchanges its verdict and a digest of what it read (file names, sizes, header SHA-256),
+and every rank raises the same ``CheckpointError`` listing every rank's problems.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from fsdp_fp8.errors import CheckpointError
+
+
+def checkpoint_identity(checkpoint) -> tuple:
+    return tuple(sorted((f.name, f.size, f.header_sha256) for f in checkpoint.files.values()))
+
+
+def agree_or_raise(problems: list[str], identity: tuple | None, context: str) -> None:
+    """Collective when a process group is up; raises the union of all ranks' problems."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if problems:
+            raise CheckpointError(problems, context)
+        return
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (dist.get_rank(), sorted(problems), identity))
+    merged = []
+    for rank, rank_problems, _ in verdicts:
+        merged.extend(f"rank {rank}: {p}" for p in rank_problems)
+    identities = {ident for _, rank_problems, ident in verdicts if not rank_problems}
+    if len(identities) > 1:
+        by_rank = ", ".join(f"rank {r}: {len(i or ())} files" for r, _, i in verdicts)
+        merged.append(
+            "ranks see different checkpoint files (sizes or header digests differ; "
+            f"a shard changed on one node?): {by_rank}"
+        )
+    if merged:
+        raise CheckpointError(merged, context)

@@ -1,0 +1,107 @@
+"""The static-FP8 linear: W8A8 through ``torch._scaled_mm``, or W8A16 on nominated steps.
+
+It fills the gaps TorchAO 0.18's ``PrototypeFloat8Tensor`` linear has: a zero-row input
+(TorchAO divides by the row count) returns an empty output, and inputs of any rank are
+flattened to 2-D tokens first (TorchAO's (1, 1) activation scale does not broadcast
+against >2-D inputs). The bias stays in high precision.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_fp8.fp8_tensor import dequantize, empty_static_fp8_weight, fp8_gemm, is_static_fp8, quantize_activation
+from fsdp_fp8.fsdp_ops import install_fsdp_support
+
+Mode = Literal["native", "a16"]
+
+
+class SharedActivation:
+    """Quantizes one input once for the projections that read it (q/k/v, gate/up).
+
+    Valid only while every member has the same ``input_scale``; the loader checks that
+    once, at load time, and never puts linears with different scales in one group (a
+    scale read in forward would sync the device). Identity of the input object (and its
+    version counter, so an in-place change invalidates) decides reuse.
+    """
+
+    def __init__(self, name: str, members: int):
+        self.name = name
+        self.members = members
+        self._source: torch.Tensor | None = None
+        self._version = -1
+        self._codes: torch.Tensor | None = None
+        self._uses = 0
+        self.quantizations = 0  # how many times this group actually quantized (for tests/bench)
+
+    def quantize(self, x: torch.Tensor, x2d: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+        if self._source is x and self._version == x._version and self._uses < self.members:
+            codes = self._codes
+        else:
+            codes = quantize_activation(x2d, input_scale)
+            self._source, self._version, self._codes, self._uses = x, x._version, codes, 0
+            self.quantizations += 1
+        self._uses += 1
+        if self._uses >= self.members:  # last reader: drop references, keep no activation alive
+            self._source = self._codes = None
+        return codes
+
+
+class Float8StaticLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` a per-tensor static-FP8 ``PrototypeFloat8Tensor``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        compute_dtype: torch.dtype,
+        device: torch.device | str = "meta",
+    ):
+        super().__init__()
+        install_fsdp_support()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+        weight = empty_static_fp8_weight(out_features, in_features, compute_dtype, device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.mode: Mode = "native"
+        self.shared: SharedActivation | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}, mode={self.mode}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not is_static_fp8(weight):
+            raise RuntimeError(
+                f"{type(self).__name__} weight is {type(weight).__name__}, not an unsharded static FP8 "
+                "tensor: run it inside its FSDP module, or load the model first"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features but the linear expects {self.in_features}")
+        out_shape = (*x.shape[:-1], self.out_features)
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            return x.new_empty(out_shape)
+        if self.mode == "a16":
+            y = F.linear(x2d, dequantize(weight, x.dtype), self.bias)
+        else:
+            input_scale = weight.act_quant_scale
+            if self.shared is not None:
+                codes = self.shared.quantize(x, x2d, input_scale)
+            else:
+                codes = quantize_activation(x2d, input_scale)
+            y = fp8_gemm(codes, input_scale, weight, self.bias, x.dtype)
+        return y.reshape(out_shape)

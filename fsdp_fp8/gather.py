@@ -1,0 +1,81 @@
+"""Gather a sharded model's full state onto rank 0, one tensor at a time, in checkpoint form.
+
+Every tensor travels as bytes (``uint8``): gloo refuses float8 ("Invalid scalar type"),
+and one byte path serves every dtype and backend. Each rank pads its rows to
+``ceil(rows / world)`` so the gather has equal sizes; rank 0 trims and views back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8
+
+
+def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
+    row_bytes = math.prod(row_shape) * local.element_size()
+    return local.contiguous().reshape(-1).view(torch.uint8).reshape(-1, row_bytes)
+
+
+def _gather_rows(param: DTensor, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The full tensor on the group's first rank (CPU), None elsewhere."""
+    group = param.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    rows, row_shape = param.shape[0], tuple(param.shape[1:])
+    row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
+    padded = torch.zeros(math.ceil(rows / world), row_bytes, dtype=torch.uint8, device=local.device)
+    if local.numel() > 0:
+        mine = _rows_as_bytes(local, row_shape)
+        padded[: mine.shape[0]].copy_(mine)
+    dst = dist.get_global_rank(group, 0)
+    is_dst = dist.get_rank() == dst
+    buckets = [torch.empty_like(padded) for _ in range(world)] if is_dst else None
+    dist.gather(padded, buckets, dst=dst, group=group)
+    if not is_dst:
+        return None
+    full = torch.cat(buckets)[:rows].cpu()
+    return full.reshape(-1).view(dtype).reshape(param.shape)
+
+
+def _entries(model: nn.Module):
+    persistent = {
+        f"{m}.{b}" if m else b for m, module in model.named_modules() for b in module._buffers
+        if b not in module._non_persistent_buffers_set
+    }
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n in persistent)
+
+
+def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0 gets full CPU tensors under the model's names (FP8 as E4M3 + 0-d F32 scales).
+
+    Collective: every rank must call it. Memory stays bounded by one full tensor.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _entries(model):
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if is_static_fp8(local):
+            stem = name.removesuffix(".weight")
+            codes = local.qdata
+            if isinstance(tensor, DTensor):
+                full = _gather_rows(tensor, codes, E4M3)
+            else:
+                full = codes.detach().cpu().clone() if rank == 0 else None
+            if rank == 0:
+                out[name] = full
+                out[f"{stem}.weight_scale"] = local.scale.detach().reshape(()).cpu().clone()
+                out[f"{stem}.input_scale"] = local.act_quant_scale.detach().reshape(()).cpu().clone()
+            continue
+        if isinstance(tensor, DTensor):
+            full = _gather_rows(tensor, local.detach(), local.dtype)
+            if rank == 0:
+                out[name] = full
+        elif rank == 0:
+            out[name] = tensor.detach().cpu().clone()
+    return out

@@ -1,0 +1,170 @@
+"""The rank-slice loader: each rank reads only its own rows, straight into its local storage.
+
+Reading is purely local (no collective per tensor): a rank works out which rows of each
+tensor its DTensor shard owns (``torch.chunk`` semantics, uneven and empty shards
+included), preads exactly those bytes from the safetensors file into the shard's storage
+(through a bounded staging buffer when the storage is on an accelerator), and fills the
+per-tensor scales. One small collective at the end makes every rank agree on the outcome,
+so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp_fp8 import slice_reader
+from fsdp_fp8.meta_build import tensors_on_meta
+
+log = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 << 20  # per read into accelerator memory; CPU storage is read into directly
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank loaded, read and held."""
+
+    rank: int
+    world_size: int
+    fp8_linears: int
+    tensors: int
+    bytes_read: int
+    bytes_held: int
+    seconds: float
+    peak_rss_bytes: int
+    peak_device_bytes: int | None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class ModelUnusableError(RuntimeError):
+    """Raised by the forward of a model whose load did not complete on every rank."""
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        if tuple(shape[1:]) != tuple(param.shape[1:]):
+            raise NotImplementedError(f"only dim-0 sharding is loaded, got placements {param.placements}")
+        local = param._local_tensor
+        rows = shape[0] if len(shape) else 1
+        start = offset[0] if len(offset) and rows else 0
+        return local, start, start + rows
+    return param, 0, (param.shape[0] if param.ndim else 1)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    assert t.is_contiguous(), "loader writes into contiguous storage only"
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _read_rows_into(entry, start: int, stop: int, dest: torch.Tensor) -> None:
+    """Fill ``dest`` (any dtype, contiguous) with rows [start, stop) of ``entry``'s bytes."""
+    if stop <= start:
+        return
+    dest_bytes = _byte_view(dest)
+    if dest_bytes.device.type == "cpu":
+        slice_reader.read_bytes(entry, start, stop, out=dest_bytes)
+        return
+    row_bytes = dest_bytes.numel() // (stop - start)
+    step = max(1, STAGING_BYTES // max(row_bytes, 1))
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        staged = slice_reader.read_bytes(entry, lo, hi).reshape(-1).view(torch.uint8)
+        dest_bytes[(lo - start) * row_bytes : (hi - start) * row_bytes].copy_(staged)
+
+
+def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        return module._parameters[leaf]
+    return module._buffers[leaf]
+
+
+def _load_local(model: nn.Module, plan) -> tuple[int, int]:
+    """Every read this rank does; returns (bytes held by the targets, number of tensors)."""
+    held = 0
+    with torch.no_grad():
+        for target in plan.fp8:
+            weight = model.get_submodule(target.module).weight
+            local, start, stop = local_rows(weight)
+            _read_rows_into(target.entry.weight, start, stop, local.qdata)
+            local.scale.copy_(slice_reader.read_scale(target.entry.weight_scale).reshape(1, 1))
+            local.act_quant_scale.copy_(slice_reader.read_scale(target.entry.input_scale).reshape(1, 1))
+            held += local.qdata.numel() + 8
+        for target in plan.tensors:
+            local, start, stop = local_rows(_named_tensor(model, target.name))
+            _read_rows_into(target.entry, start, stop, local)
+            held += local.numel() * local.element_size()
+    return held, len(plan.fp8) + len(plan.tensors)
+
+
+def _mark_unusable(model: nn.Module, reason: str) -> None:
+    def refuse(module, args):
+        raise ModelUnusableError(f"this model did not finish loading and must not be used: {reason}")
+
+    model.register_forward_pre_hook(refuse)
+    model.fsdp_fp8_unusable = reason
+
+
+def _agree(ok: bool, message: str) -> list[tuple[int, str]]:
+    """Every rank's failure (rank, message); a single process just reports its own."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [] if ok else [(0, message)]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dist.get_rank(), ok, message))
+    return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
+
+
+def load_checkpoint(model: nn.Module, checkpoint, plan) -> LoadReport:
+    """Fill a swapped, sharded and materialized model from ``checkpoint`` following ``plan``.
+
+    Collective over the default process group when one is initialized. On any rank's
+    failure every rank raises the same error and the model's forward refuses to run.
+    """
+    del checkpoint  # the plan carries its checkpoint's entries; kept for the public signature
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    read_before = slice_reader.bytes_read()
+    t0 = time.perf_counter()
+    ok, message, held, count = True, "", 0, 0
+    try:
+        on_meta = tensors_on_meta(model)
+        if on_meta:
+            raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")
+        held, count = _load_local(model, plan)
+        left = tensors_on_meta(model)
+        assert not left, left
+    except Exception as exc:  # every rank must learn of it: re-raised below after agreement
+        ok, message = False, f"{type(exc).__name__}: {exc}"
+        log.error("rank %d: load failed: %s", rank, message)
+    failures = _agree(ok, message)
+    if failures:
+        reason = "; ".join(f"rank {r}: {m}" for r, m in failures)
+        _mark_unusable(model, reason)
+        raise RuntimeError(f"checkpoint load failed on {len(failures)} of {world} ranks: {reason}")
+    device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return LoadReport(
+        rank=rank,
+        world_size=world,
+        fp8_linears=len(plan.fp8),
+        tensors=count,
+        bytes_read=slice_reader.bytes_read() - read_before,
+        bytes_held=held,
+        seconds=time.perf_counter() - t0,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_device_bytes=device_peak,
+    )

@@ -1,0 +1,151 @@
+"""Match an opened checkpoint against a meta-device model, checking everything, changing nothing.
+
+The plan is what the loader executes: which ``nn.Linear`` becomes FP8 (and from which
+weight/scales), which parameter or persistent buffer gets which high-precision tensor.
+Shape and dtype must match exactly; a dtype mismatch is refused rather than cast, because a
+silent cast changes numerics the user did not ask to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from fsdp_fp8.checkpoint import Checkpoint, Fp8ModuleEntry
+from fsdp_fp8.errors import raise_if_problems
+from fsdp_fp8.safetensors_header import TensorEntry
+from fsdp_fp8.sharding import entry_rank_bytes
+
+
+@dataclass(frozen=True)
+class Fp8Target:
+    module: str  # model module name
+    entry: Fp8ModuleEntry
+    out_features: int
+    in_features: int
+    compute_dtype: torch.dtype  # the model Linear weight's dtype
+
+
+@dataclass(frozen=True)
+class TensorTarget:
+    name: str  # model state_dict key (parameter or persistent buffer)
+    entry: TensorEntry
+
+
+@dataclass(frozen=True, eq=False)
+class LoadPlan:
+    checkpoint: Checkpoint
+    fp8: tuple[Fp8Target, ...]
+    tensors: tuple[TensorTarget, ...]
+    missing: tuple[str, ...]  # model keys nothing in the checkpoint fills
+    unexpected: tuple[str, ...]  # checkpoint keys with no place in the model
+    skipped: tuple[str, ...]  # checkpoint keys key_map mapped to None
+    kv_scales: tuple[str, ...]  # checkpoint keys, left to the KV-cache consumer
+
+    def _entries(self) -> list[TensorEntry]:
+        out = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
+        return out + [t.entry for t in self.tensors]
+
+    @property
+    def fp8_bytes(self) -> int:
+        """FP8 weight codes plus their scales."""
+        return sum(e.nbytes for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale))
+
+    @property
+    def high_precision_bytes(self) -> int:
+        return sum(t.entry.nbytes for t in self.tensors)
+
+    def rank_bytes(self, world_size: int, rank: int) -> int:
+        """Bytes ``rank`` reads if every tensor is Shard(0)-split; 0-d scales count on every rank."""
+        return sum(entry_rank_bytes(e, world_size, rank) for e in self._entries())
+
+
+def _quantized(weight: torch.Tensor) -> bool:
+    # A torchao/float8 weight is a tensor subclass; a plain Linear holds Parameter/Tensor.
+    return type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype.itemsize == 1
+
+
+def plan_load(checkpoint: Checkpoint, model: nn.Module,
+              key_map: Callable[[str], str | None] | None = None, strict: bool = True) -> LoadPlan:
+    key_map = key_map or (lambda key: key)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
+    owner: dict[int, str] = {}  # id(model tensor) -> checkpoint key filling it; catches tied weights too
+    problems: list[str] = []
+    fp8: list[Fp8Target] = []
+    tensors: list[TensorTarget] = []
+    unexpected: list[str] = []
+    skipped: list[str] = []
+
+    def claim(model_key: str, ckpt_key: str) -> bool:
+        tensor_id = id(state[model_key])
+        if tensor_id in owner:
+            problems.append(f"`{ckpt_key}` and `{owner[tensor_id]}` both map to model `{model_key}`")
+            return False
+        owner[tensor_id] = ckpt_key
+        return True
+
+    for name, m in sorted(checkpoint.fp8_modules.items()):
+        own_keys = [m.weight.key, m.weight_scale.key, m.input_scale.key]
+        where = f"`{m.weight.key}` in {m.weight.file}"
+        mapped = key_map(m.weight.key)
+        if mapped is None:
+            skipped += own_keys
+            continue
+        if not mapped.endswith(".weight"):
+            problems.append(f"{where} maps to `{mapped}`, which is not a `.weight`")
+            continue
+        target = mapped[: -len(".weight")]
+        module = modules.get(target)
+        if module is None:
+            unexpected += own_keys
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and _quantized(weight):
+            problems.append(f"{where}: model module `{target}` is already quantized "
+                            f"(weight is {type(weight).__name__} {weight.dtype})")
+            continue
+        if not isinstance(module, nn.Linear):
+            problems.append(f"{where}: model module `{target}` is a {type(module).__name__}, not an nn.Linear")
+            continue
+        expected = (module.out_features, module.in_features)
+        if m.weight.shape != expected or tuple(module.weight.shape) != expected:
+            problems.append(f"{where} has shape {m.weight.shape} but the model expects {expected} "
+                            f"for `{target}.weight`")
+        if (m.bias is None) != (module.bias is None):
+            has = "has" if m.bias is not None else "has no"
+            problems.append(f"{where}: the checkpoint {has} `{name}.bias` but model `{target}` "
+                            f"{'has no' if module.bias is None else 'has a'} bias")
+        if claim(mapped, m.weight.key):
+            fp8.append(Fp8Target(target, m, module.out_features, module.in_features, module.weight.dtype))
+
+    for key, entry in sorted(checkpoint.high_precision.items()):
+        mapped = key_map(key)
+        if mapped is None:
+            skipped.append(key)
+            continue
+        if mapped not in state:
+            unexpected.append(key)
+            continue
+        have = state[mapped]
+        where = f"`{key}` in {entry.file}"
+        if entry.shape != tuple(have.shape):
+            problems.append(f"{where} has shape {entry.shape} but the model expects {tuple(have.shape)} for `{mapped}`")
+        if entry.torch_dtype != have.dtype:
+            problems.append(f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
+                            f"{have.dtype}; refusing to cast silently")
+        if claim(mapped, key):
+            tensors.append(TensorTarget(mapped, entry))
+
+    covered = set(owner)
+    missing = sorted(k for k, v in state.items() if id(v) not in covered)
+    if strict:
+        problems += [f"model `{k}` is not filled by any checkpoint tensor" for k in missing]
+        problems += [f"checkpoint tensor `{k}` in {checkpoint.tensors[k].file} has no place in the model"
+                     for k in unexpected]
+    raise_if_problems(problems, f"load plan for {checkpoint.directory}")
+    return LoadPlan(checkpoint, tuple(fp8), tuple(tensors), tuple(missing), tuple(sorted(unexpected)),
+                    tuple(sorted(skipped)), tuple(sorted(checkpoint.kv_scales)))

@@ -1,0 +1,98 @@
+"""Read exactly the bytes a rank needs: a row range of one tensor, or one scale.
+
+Every data read in the package goes through ``_pread_into`` so ``bytes_read()`` is an honest
+count of tensor bytes this process pulled from disk; tests use it to prove that planning
+reads only scales and that each rank reads only its own rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+
+import torch
+
+from fsdp_fp8.safetensors_header import TensorEntry
+
+# safetensors stores little-endian; viewing the bytes in place is only right on such hosts.
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("fsdp_fp8.slice_reader needs a little-endian host")
+
+_lock = threading.Lock()
+_bytes_read = 0
+
+
+def bytes_read() -> int:
+    """Tensor-data bytes read by this process since the last reset."""
+    return _bytes_read
+
+
+def reset_bytes_read() -> None:
+    global _bytes_read
+    with _lock:
+        _bytes_read = 0
+
+
+def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
+    global _bytes_read
+    if not (entry.begin <= offset and offset + len(buf) <= entry.end):
+        raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
+    done = 0
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        while done < len(buf):
+            chunk = os.preadv(fd, [buf[done:]], offset + done)
+            if chunk == 0:
+                raise ValueError(
+                    f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
+                    f"bytes at offset {offset} (truncated since the header was checked?)")
+            done += chunk
+    finally:
+        os.close(fd)
+    with _lock:
+        _bytes_read += done
+
+
+def _rows(entry: TensorEntry) -> int:
+    return entry.shape[0] if entry.shape else 1
+
+
+def row_nbytes(entry: TensorEntry) -> int:
+    """Bytes in one dim-0 row; a 0-d tensor is one row holding its single element."""
+    return entry.torch_dtype.itemsize * math.prod(entry.shape[1:])
+
+
+def read_bytes(entry: TensorEntry, start_row: int, stop_row: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[start_row, stop_row)`` of ``entry`` as a CPU tensor of its dtype.
+
+    The result has shape ``(stop_row - start_row, *entry.shape[1:])`` and shares memory
+    with ``out`` when given (a contiguous uint8 CPU tensor of exactly the right size).
+    """
+    rows = _rows(entry)
+    if not 0 <= start_row <= stop_row <= rows:
+        raise ValueError(f"`{entry.key}` in {entry.file}: row range [{start_row}, {stop_row}) "
+                         f"is outside its {rows} rows (shape {entry.shape})")
+    nbytes = (stop_row - start_row) * row_nbytes(entry)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    elif (out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous()
+          or out.numel() != nbytes):
+        raise ValueError(f"`{entry.key}`: out must be a contiguous uint8 CPU tensor of {nbytes} "
+                         f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    flat = out.view(-1)
+    if nbytes:
+        _pread_into(entry, entry.begin + start_row * row_nbytes(entry), memoryview(flat.numpy()))
+    return flat.view(entry.torch_dtype).view((stop_row - start_row, *entry.shape[1:]))
+
+
+def read_scale(entry: TensorEntry) -> torch.Tensor:
+    """A one-element F32 tensor (any shape) as a 0-d float32 tensor."""
+    if entry.dtype != "F32" or entry.numel != 1:
+        raise ValueError(f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
+                         f"got {entry.dtype} shape {entry.shape}")
+    flat = torch.empty(4, dtype=torch.uint8)
+    _pread_into(entry, entry.begin, memoryview(flat.numpy()))
+    return flat.view(torch.float32).reshape(())

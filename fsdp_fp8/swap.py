@@ -1,0 +1,33 @@
+"""Replace planned ``nn.Linear``s by static-FP8 linears on the meta device, before ``fully_shard``.
+
+Swapping first means FSDP2 sees the ``PrototypeFloat8Tensor`` extension at wrap time and
+``to_empty`` allocates 1 byte per FP8 element: no high-precision copy of an FP8 weight
+ever exists.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_fp8.fp8_linear import Float8StaticLinear
+
+
+def swap_fp8_linears(model: nn.Module, plan) -> list[str]:
+    """Swap every FP8 target of ``plan`` (a validated ``LoadPlan``); returns the module names."""
+    swapped = []
+    for target in plan.fp8:
+        parent_name, _, child_name = target.module.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child_name)
+        if not isinstance(old, nn.Linear):  # the plan validated this; a changed model is a bug
+            raise TypeError(f"`{target.module}` is {type(old).__name__}, no longer the planned nn.Linear")
+        new = Float8StaticLinear(
+            target.in_features,
+            target.out_features,
+            bias=old.bias is not None,
+            compute_dtype=target.compute_dtype,
+            device=old.weight.device,
+        )
+        setattr(parent, child_name, new)
+        swapped.append(target.module)
+    return swapped

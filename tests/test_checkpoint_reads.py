@@ -1,0 +1,150 @@
+"""What touches tensor bytes: the slice reader, and proof that opening and planning read only scales."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckpt_writer import small_tensors, write_checkpoint
+from fsdp_fp8 import cli, slice_reader
+from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.safetensors_header import read_header
+from fsdp_fp8.sharding import chunk_rows
+from test_checkpoint_fixture import FIXTURE, llama_on_meta
+
+
+@pytest.fixture
+def written(tmp_path):
+    t = {"m3": torch.arange(5 * 3 * 2, dtype=torch.float32).reshape(5, 3, 2),
+         "v": torch.arange(7, dtype=torch.int16), "s": torch.tensor(2.5), "e": torch.zeros(0, 4, dtype=torch.bfloat16),
+         "f8": torch.linspace(-4, 4, 12).reshape(3, 4).to(torch.float8_e4m3fn)}
+    write_checkpoint(tmp_path, t, quant=None)
+    return tmp_path, t
+
+
+def entries(path) -> dict:
+    # read_header, not open_checkpoint: an F8 tensor without a ModelOpt config is refused there
+    header, problems = read_header(path / "model.safetensors")
+    assert problems == []
+    return header.tensors
+
+
+def test_read_bytes_every_row_range(written):
+    path, t = written
+    for key, expected in t.items():
+        entry = entries(path)[key]
+        rows = expected.shape[0] if expected.dim() else 1
+        full = expected.reshape(rows, *expected.shape[1:])
+        for start in range(rows + 1):
+            for stop in range(start, rows + 1):
+                got = slice_reader.read_bytes(entry, start, stop)
+                assert got.dtype == expected.dtype and got.shape == (stop - start, *expected.shape[1:])
+                assert torch.equal(got.view(torch.uint8), full[start:stop].contiguous().view(torch.uint8))
+
+
+def test_read_bytes_into_out_and_its_checks(written):
+    path, _ = written
+    entry = entries(path)["m3"]
+    out = torch.full((2 * 3 * 2 * 4,), 255, dtype=torch.uint8)
+    got = slice_reader.read_bytes(entry, 1, 3, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, torch.arange(6, 18, dtype=torch.float32).reshape(2, 3, 2))
+    for bad in (torch.empty(47, dtype=torch.uint8), torch.empty(48, dtype=torch.int8),
+                torch.empty(96, dtype=torch.uint8)[::2]):
+        with pytest.raises(ValueError, match="out must be a contiguous uint8 CPU tensor of 48 bytes"):
+            slice_reader.read_bytes(entry, 1, 3, out=bad)
+    with pytest.raises(ValueError, match=r"`m3` .* row range \[4, 6\)"):
+        slice_reader.read_bytes(entry, 4, 6)
+
+
+def test_read_scale_is_0d_float32(written):
+    path, _ = written
+    tensors = entries(path)
+    scale = slice_reader.read_scale(tensors["s"])
+    assert scale.shape == () and scale.dtype == torch.float32 and float(scale) == 2.5
+    with pytest.raises(ValueError, match="`v` .* F32 with one element, got I16 shape \\(7,\\)"):
+        slice_reader.read_scale(tensors["v"])
+
+
+def test_byte_counter_counts_exactly_what_was_read(written):
+    path, _ = written
+    entry = entries(path)["m3"]
+    slice_reader.reset_bytes_read()
+    slice_reader.read_bytes(entry, 2, 5)
+    assert slice_reader.bytes_read() == 3 * 3 * 2 * 4
+
+
+def test_truncation_after_open_is_reported(written):
+    path, _ = written
+    entry = entries(path)["m3"]
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: entry.begin + 10])
+    with pytest.raises(ValueError, match="`m3` in model.safetensors: file ended after 10 of"):
+        slice_reader.read_bytes(entry, 0, 5)
+
+
+def test_open_and_plan_read_only_scale_bytes(monkeypatch):
+    real = slice_reader._pread_into
+    reads = []
+
+    def guarded(entry, offset, buf):
+        if not entry.key.endswith(("_scale", ".k_scale", ".v_scale")):
+            raise AssertionError(f"read tensor data of `{entry.key}`")
+        reads.append(entry.key)
+        return real(entry, offset, buf)
+
+    monkeypatch.setattr(slice_reader, "_pread_into", guarded)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
+    slice_reader.reset_bytes_read()
+    ckpt = open_checkpoint(FIXTURE)
+    ckpt.plan(llama_on_meta())
+    assert slice_reader.bytes_read() == 4 * 2 * len(ckpt.fp8_modules)
+    assert sorted(reads) == sorted(k for m in ckpt.fp8_modules.values() for k in (m.weight_scale.key, m.input_scale.key))
+    assert len(opened) == len(reads)  # the only raw opens are the scale reads
+
+
+def test_plan_rank_bytes_match_reading_each_rank(tmp_path):
+    """Reading each rank's chunk with the slice reader costs exactly plan.rank_bytes."""
+    from test_plan import SmallModel, meta
+
+    ckpt = open_checkpoint(write_checkpoint(tmp_path, small_tensors()))
+    plan = ckpt.plan(meta(SmallModel))
+    for world in (1, 2, 3, 5):
+        for rank in range(world):
+            slice_reader.reset_bytes_read()
+            for e in [t.entry for t in plan.tensors] + [t.entry.weight for t in plan.fp8]:
+                slice_reader.read_bytes(e, *chunk_rows(e.shape[0], world, rank))
+            for t in plan.fp8:
+                slice_reader.read_scale(t.entry.weight_scale), slice_reader.read_scale(t.entry.input_scale)
+            assert slice_reader.bytes_read() == plan.rank_bytes(world, rank)
+
+
+def test_fp8_bytes_equal_safetensors_view():
+    ckpt = open_checkpoint(FIXTURE)
+    m = ckpt.fp8_modules["model.layers.0.self_attn.q_proj"]
+    with safe_open(m.weight.path, "pt") as f:
+        w = f.get_tensor(m.weight.key)
+    with safe_open(m.weight_scale.path, "pt") as f:
+        s = f.get_tensor(m.weight_scale.key)
+    assert torch.equal(slice_reader.read_bytes(m.weight, 0, 64).view(torch.uint8), w.view(torch.uint8))
+    assert float(slice_reader.read_scale(m.weight_scale)) == float(s)
+
+
+def test_cli_inspect_and_verify(tmp_path, capsys):
+    assert cli.main(["inspect", str(FIXTURE), "--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "producer:        modelopt 0.47.0" in out and "FP8 linears:     14" in out
+    assert "rank 2: reads" in out and "step policy:     absent" in out
+    assert cli.main(["verify", "--sha256", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "model-00003-of-00005.safetensors" in out and out.startswith("OK:")
+    bad = write_checkpoint(tmp_path, small_tensors())
+    (bad / "model.safetensors").write_bytes(b"\0" * 4)
+    assert cli.main(["inspect", str(bad)]) == 1
+    assert "model.safetensors: truncated" in capsys.readouterr().err
+    assert cli.main(["verify", str(tmp_path / "nope")]) == 1
