@@ -96,6 +96,9 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     finally:
         dist.all_gather_single = real
     obs["all_gather_bytes"] = sum(n for n, _ in sent)
+    from fsdp_fp8.fsdp_ops import OP_CALLS
+
+    obs["op_calls"] = dict(OP_CALLS)
     obs["storage_after_forward"] = {
         t.module: model.get_submodule(t.module).weight._local_tensor.qdata.untyped_storage().nbytes() for t in plan.fp8
     }
@@ -219,3 +222,14 @@ def test_each_rank_reads_about_one_over_world_of_the_bytes(observed, uneven_dir,
     fixture_total = sum(t.numel() * t.element_size() for t in load_files(FIXTURE).values())
     fixture_read = sum(obs["fixture_bytes_read"] for obs in observed[world])
     assert fixture_total <= fixture_read <= fixture_total * 1.05 + world * 14 * 8
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_fsdp2_goes_through_our_ops(observed, world):
+    """fully_shard, to_empty, lazy init and the all-gather use these ops on our tensors;
+    test_fsdp_ops.py shows each fails without our registration."""
+    hit = set().union(*(obs["op_calls"] for obs in observed[world]))
+    expected = {"split.Tensor", "slice.Tensor", "view.default", "as_strided.default", "new_zeros.default", "empty_like.default"}
+    if world == 4:  # the 1-row linear has fewer chunks than ranks: FSDP2 pads with new_empty(0)
+        expected.add("new_empty.default")
+    assert expected <= hit

@@ -1,0 +1,265 @@
+"""A small multi-rank test harness: run a function on N gloo ranks in spawned processes.
+
+PyTorch's ``FSDPTest`` skips on CPU and ``torch.testing._internal`` is private, so the
+distributed tests use this instead::
+
+    from ranks import run_ranks
+
+    def _check(rank, world_size, rows):      # module level: spawn imports it by name
+        ...
+        return something_picklable
+
+    def test_something():
+        results = run_ranks(_check, 3, 7)     # [rank 0's return, rank 1's, rank 2's]
+
+Each rank joins a gloo process group through a ``file://`` store in a fresh temporary
+directory, so there is no port to collide on. Results are judged, not only exit codes:
+each rank sends its return value (or its traceback) through its own pipe *before* it
+tears down, and a rank that delivered its result and then died at interpreter exit
+counts as a success (its exit code is kept in ``results.exitcodes``). See docs/shutdown.md
+for why such late deaths happen with FSDP2 + gloo on CPU.
+
+Nothing can hang: the whole run is bounded by ``timeout``; once one rank fails, or once
+every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
+``LAG_GRACE_S``) and are then killed. ``pg_timeout`` (seconds) is passed to
+``init_process_group``, so a collective waiting on a peer that never arrives raises inside
+the rank after that long instead of at gloo's 30-minute default: the tests that check how
+the library reports such a hang use it, the way a launcher should set its own timeout.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+# Once a rank fails, the others get this long to report their own failure (gloo notices a
+# dead peer at once, so they usually do) before they are killed.
+FAIL_GRACE_S = 3.0
+# Once a rank has finished, the stragglers get this long after the latest finish; a rank
+# that really hangs while the others are done is killed then, not at the overall timeout.
+LAG_GRACE_S = 10.0
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks raised, died before returning, hung, or the run timed out."""
+
+
+class RankResults(list):
+    """Per-rank return values in rank order; ``exitcodes`` holds each process's exit code.
+
+    A non-zero exit code next to a delivered result means the rank died *after* returning
+    (e.g. an abort at interpreter exit); the result is still trusted.
+    """
+
+    exitcodes: list[int | None]
+    late_deaths: dict[int, str]
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              pg_timeout: float | None = None, **kwargs: Any) -> RankResults:  # fmt: skip
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns every rank's return value in rank order, or raises ``RanksFailed`` with the
+    traceback of every rank that raised and the fate of every rank that died or hung.
+    ``fn`` must be a module-level function; its return value must be picklable.
+    ``pg_timeout``: the process group's timeout in seconds (None: torch's default).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    fn_ref = (fn.__module__, fn.__qualname__, getattr(sys.modules.get(fn.__module__), "__file__", None))
+    store_dir = tempfile.mkdtemp(prefix="fsdp_fp8-ranks-")
+    init_method = Path(store_dir, "store").as_uri()
+    ctx = mp.get_context("spawn")
+    procs: list[mp.process.BaseProcess] = []
+    readers: list[mp_connection.Connection] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(rank, world_size, init_method, fn_ref, args, kwargs, writer, pg_timeout),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()  # the child holds the only writer: EOF then means it is gone
+            procs.append(proc)
+            readers.append(reader)
+        return _collect(procs, readers, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=FAIL_GRACE_S)
+        for reader in readers:
+            reader.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _collect(procs, readers, timeout: float) -> RankResults:
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    messages: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", value) | ("error", traceback)
+    teardown: dict[int, str] = {}  # rank -> traceback of a failed teardown after its result
+    exited: dict[int, int | None] = {}
+    eof: set[int] = set()
+    first_failure: float | None = None
+    last_finish: float | None = None
+
+    def drain(rank: int) -> None:
+        while rank not in eof and readers[rank].poll(0):
+            try:
+                kind, payload = readers[rank].recv()
+            except (EOFError, OSError):  # died before or while sending
+                eof.add(rank)
+                return
+            if kind == "ok":
+                payload = pickle.loads(payload)
+            if kind == "teardown":
+                teardown[rank] = payload
+            else:
+                messages[rank] = (kind, payload)
+
+    stopped = ""
+    while len(exited) < world_size:
+        now = time.monotonic()
+        finished = {r for r in range(world_size) if r in messages or r in exited}
+        failed = {r for r in finished if r not in messages or messages[r][0] == "error"}
+        if failed and first_failure is None:
+            first_failure = now
+        stop_at = deadline
+        if first_failure is not None:
+            stop_at = min(stop_at, first_failure + FAIL_GRACE_S)
+        if last_finish is not None:
+            stop_at = min(stop_at, last_finish + LAG_GRACE_S)
+        if now >= stop_at:
+            stopped = (
+                f"the run timed out after {timeout:.1f} s" if now >= deadline
+                else f"it was still running {FAIL_GRACE_S:.0f} s after another rank failed"
+                if first_failure is not None
+                else f"it was still running {LAG_GRACE_S:.0f} s after the last other rank finished"
+            )
+            break
+        waitables: dict[Any, tuple[str, int]] = {}
+        for rank in range(world_size):
+            if rank not in exited:
+                waitables[procs[rank].sentinel] = ("exit", rank)
+            if rank not in eof and rank not in messages:
+                waitables[readers[rank]] = ("message", rank)
+        for ready in mp_connection.wait(list(waitables), timeout=stop_at - now):
+            what, rank = waitables[ready]
+            if what == "exit":
+                procs[rank].join()
+                exited[rank] = procs[rank].exitcode
+            drain(rank)  # after an exit too: its result may still sit in the pipe
+        if {r for r in range(world_size) if r in messages or r in exited} != finished:
+            last_finish = time.monotonic()
+
+    killed = {rank for rank in range(world_size) if rank not in exited}
+    for rank in sorted(killed):
+        procs[rank].kill()
+        procs[rank].join(timeout=FAIL_GRACE_S)
+        exited[rank] = procs[rank].exitcode
+        drain(rank)
+
+    problems = []
+    for rank in range(world_size):
+        kind, payload = messages.get(rank, (None, None))
+        if kind == "error":
+            problems.append(f"rank {rank} raised:\n{payload}")
+        elif kind is None and rank in killed:
+            problems.append(f"rank {rank} returned no result and was killed: {stopped}")
+        elif kind is None:
+            problems.append(
+                f"rank {rank} {_describe_exit(exited[rank])} before returning a result"
+            )
+    if problems:
+        raise RanksFailed(f"{len(problems)} of {world_size} ranks failed:\n\n" + "\n\n".join(problems))
+
+    results = RankResults(messages[rank][1] for rank in range(world_size))
+    results.exitcodes = [exited[rank] for rank in range(world_size)]
+    results.late_deaths = {
+        rank: f"{_describe_exit(code)} after delivering its result"
+        + (f"; teardown failed:\n{teardown[rank]}" if rank in teardown else "")
+        for rank, code in enumerate(results.exitcodes)
+        if code != 0 or rank in teardown
+    }
+    return results
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"died of {name}"
+    return f"exited with code {code}"
+
+
+def _resolve(module: str, qualname: str, filename: str | None) -> Callable[..., Any]:
+    """Find ``fn`` in the child: by module name, else from its file.
+
+    Test modules are imported by pytest under a name that depends on its import mode
+    (``test_x`` with rootdir-relative sys.path entries, something unimportable under
+    ``importlib`` mode); the file path always works.
+    """
+    try:
+        mod = importlib.import_module(module) if module != "__main__" else sys.modules["__mp_main__"]
+    except ImportError:
+        if filename is None:
+            raise
+        spec = importlib.util.spec_from_file_location(module, filename)
+        assert spec is not None and spec.loader is not None, filename
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None) -> None:
+    # A segfault or a hang dump then shows a Python stack in the test's captured stderr.
+    faulthandler.enable()
+    import torch.distributed as dist
+
+    try:
+        fn = _resolve(*fn_ref)
+        extra = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **extra)
+        result = fn(rank, world_size, *args, **kwargs)
+        # Plain pickle, not multiprocessing's: its tensor reduction shares storage through
+        # file descriptors that vanish when this process exits before the parent reads them.
+        conn.send(("ok", pickle.dumps(result)))  # before teardown: a crash at exit must not lose it
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
+        _send_quietly(conn, ("error", traceback.format_exc()))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        _send_quietly(conn, ("teardown", traceback.format_exc()))
+    conn.close()
+
+
+def _send_quietly(conn, message) -> None:
+    try:
+        conn.send(message)
+    except Exception:  # noqa: BLE001 - the parent then reports the missing result
+        pass
