@@ -21,6 +21,9 @@ FLAT = "hf_quant_config.json (flat)"
 CONFIG_JSON = "config.json quantization_config"
 
 _NESTED_TOP = {"producer", "quantization"}
+# Writers of the ModelOpt static-FP8 layout: ModelOpt itself, and fsdp_fp8's own exporter
+# (fsdp_fp8.export), which writes the same files and names itself honestly.
+PRODUCERS = frozenset({"modelopt", "fsdp_fp8"})
 _NESTED_QUANT = {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}
 _FLAT = {"quant_method", "quant_algo", "kv_cache_quant_algo", "exclude_modules", "ignore", "producer"}
 _CONFIG = {"quant_method", "quant_algo", "ignore", "config_groups", "kv_cache_scheme", "producer", "runtime"}
@@ -79,8 +82,10 @@ def _producer(obj: dict, file: str, prefix: str, problems: list[str]) -> str | N
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("name", "version")):
         problems.append(f"{_where(file, prefix + 'producer')} must be {{'name': str, 'version': str}}, got {raw!r}")
         return None
-    if raw["name"] != "modelopt":
-        problems.append(f"{_where(file, prefix + 'producer.name')} is {raw['name']!r}; only 'modelopt' is supported")
+    if raw["name"] not in PRODUCERS:
+        problems.append(
+            f"{_where(file, prefix + 'producer.name')} is {raw['name']!r}; supported: {sorted(PRODUCERS)}"
+        )
     return f"{raw['name']} {raw['version']}"
 
 

@@ -34,7 +34,6 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import pickle
 import shutil
 import signal
 import sys
@@ -127,7 +126,7 @@ def _collect(procs, readers, timeout: float) -> RankResults:
                 eof.add(rank)
                 return
             if kind == "ok":
-                payload = pickle.loads(payload)
+                payload = _from_bytes(payload)
             if kind == "teardown":
                 teardown[rank] = payload
             else:
@@ -245,9 +244,10 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
         extra = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **extra)
         result = fn(rank, world_size, *args, **kwargs)
-        # Plain pickle, not multiprocessing's: its tensor reduction shares storage through
-        # file descriptors that vanish when this process exits before the parent reads them.
-        conn.send(("ok", pickle.dumps(result)))  # before teardown: a crash at exit must not lose it
+        # Bytes from torch.save, not multiprocessing's pickling: its tensor reduction shares
+        # storage through file descriptors that vanish when this process exits before the
+        # parent reads them, and plain pickle cannot carry float8 tensors (torch 2.13).
+        conn.send(("ok", _to_bytes(result)))  # before teardown: a crash at exit must not lose it
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         _send_quietly(conn, ("error", traceback.format_exc()))
     try:
@@ -256,6 +256,24 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
     except BaseException:  # noqa: BLE001
         _send_quietly(conn, ("teardown", traceback.format_exc()))
     conn.close()
+
+
+def _to_bytes(obj) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _send_quietly(conn, message) -> None:

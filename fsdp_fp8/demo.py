@@ -1,0 +1,115 @@
+"""A deterministic demo FP8 checkpoint of the reference MoT model, made on first use and cached.
+
+Several torchrun ranks may call :func:`demo_checkpoint` at once: an ``fcntl.flock`` on a lock
+file serialises them, the first builds into a temporary directory and renames it into place
+(atomic on one filesystem), the rest find it finished. A crashed build leaves only a
+temporary directory, which the next caller removes; a damaged cache fails its manifest check
+and is rebuilt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fsdp_fp8.export import export_fp8, producer_version
+from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
+from fsdp_fp8.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+DEMO_PRESET = "demo"
+DEMO_SEED = 0
+DEMO_PROMPT_TOKENS = 16
+DEMO_LATENT_TOKENS = 64
+DEMO_CALIBRATION_STEPS = 8
+DEMO_MAX_SHARD_SIZE = 3_000_000  # bytes: the ~7.5 MB demo lands in a few shards
+DEMO_STEP_POLICY = {
+    "schema_version": 1, "type": "first_last_n", "index_space": "denoising_loop_iteration",
+    "scope": ["transformer"], "default_mode": "native",
+    "first_steps": {"count": 3, "mode": "a16"}, "last_steps": {"count": 3, "mode": "a16"},
+    "overlap": "a16", "reasoner": "a16",
+}
+MANIFEST = "fsdp_fp8_manifest.json"
+
+
+def demo_prompt_ids(batch: int = 1) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(DEMO_SEED + 1)
+    vocab = PRESETS[DEMO_PRESET].vocab_size
+    return torch.randint(0, vocab, (batch, DEMO_PROMPT_TOKENS), generator=gen)
+
+
+def demo_model() -> ReferenceMoTTransformer:
+    """The high-precision (BF16) demo model the checkpoint is quantized from."""
+    return init_weights(build_model(PRESETS[DEMO_PRESET], device="cpu"), seed=DEMO_SEED)
+
+
+def _calibrate(model: ReferenceMoTTransformer) -> None:
+    sample(model, demo_prompt_ids(), steps=DEMO_CALIBRATION_STEPS, seed=DEMO_SEED,
+           num_latent_tokens=DEMO_LATENT_TOKENS)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_complete(directory: Path) -> bool:
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+        return all(_sha256(directory / name) == sha for name, sha in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _build(target: Path) -> None:
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model = demo_model()
+        export_fp8(
+            model, tmp, config=model.config.to_config_dict(), calibrate=_calibrate,
+            step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE,
+        )
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
+        if target.exists():  # damaged: checked under the lock, so nobody is reading it
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("built demo checkpoint %s in %.1f s", target, time.perf_counter() - started)
+
+
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the demo checkpoint ``<cache>/demo-<version>``, building it on first call.
+
+    ``cache_dir`` defaults to ``$FSDP_FP8_CACHE``, else ``~/.cache/fsdp_fp8``.
+    """
+    default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
+    root = Path(cache_dir or default)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"demo-{producer_version()}"
+    with open(root / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not _is_complete(target):
+                for stale in root.glob(f".{target.name}.tmp-*"):  # from a crashed build
+                    shutil.rmtree(stale, ignore_errors=True)
+                _build(target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
