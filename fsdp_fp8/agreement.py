@@ -4,7 +4,9 @@ Each rank validates the checkpoint and the plan on its own; if ranks could see d
 files (a shard rewritten on one node) or one rank found a problem, proceeding would end
 in a hang at the first all-gather or in silently different weights. So every rank
 exchanges its verdict and a digest of what it read (file names, sizes, header SHA-256),
-and every rank raises the same ``CheckpointError`` listing every rank's problems.
+and every rank raises the same ``CheckpointError`` listing every rank's problems. A rank
+whose peer never takes part (it died, or hangs until the process-group timeout) raises a
+``RuntimeError`` instead of gloo's bare error, still before anything is mutated.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ def agree_or_raise(problems: list[str], identity: tuple | None, context: str) ->
             raise CheckpointError(problems, context)
         return
     verdicts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (dist.get_rank(), sorted(problems), identity))
+    try:
+        dist.all_gather_object(verdicts, (dist.get_rank(), sorted(problems), identity))
+    except Exception as exc:  # a peer died before agreeing, or hung past the process-group timeout
+        own = f"; this rank's own problems: {sorted(problems)}" if problems else ""
+        raise RuntimeError(
+            f"{context}: rank {dist.get_rank()} could not exchange verdicts with the other ranks "
+            f"(a peer died, failed or hung past the process-group timeout); nothing was changed"
+            f"{own}: {type(exc).__name__}: {exc}") from exc
     merged = []
     for rank, rank_problems, _ in verdicts:
         merged.extend(f"rank {rank}: {p}" for p in rank_problems)

@@ -95,8 +95,8 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
     tensors: dict[str, TensorEntry] = {}
     index = layout.index_file
     for key, name in layout.weight_map.items():
-        if name not in headers:
-            continue  # the file itself was refused; that problem is already recorded
+        if not isinstance(name, str) or name not in headers:
+            continue  # the name or the file itself was refused; that problem is already recorded
         entry = headers[name].tensors.get(key)
         if entry is None:
             found = f" (it is in {holders[key]})" if holders.get(key) else ""

@@ -115,7 +115,7 @@ def _parse_entry(key: str, raw: object, name: str, path: Path, data_start: int,
         return None
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     ok = True
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or object is unhashable
         problems.append(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         ok = False
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):

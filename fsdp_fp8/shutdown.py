@@ -1,0 +1,69 @@
+"""Leave a gloo/FSDP2 process without the SIGABRT that interpreter shutdown can cause.
+
+Why (docs/shutdown.md has the evidence): gloo's worker threads release a finished async
+collective (the all-gathers FSDP2 issues) on their own thread, and freeing its tensors needs
+the GIL. ``destroy_process_group()`` neither joins those threads nor frees the backend while
+FSDP's device mesh still references it. When the main thread has begun ``Py_FinalizeEx``, a
+worker that asks for the GIL is ended by ``pthread_exit`` inside a ``noexcept`` C++
+destructor, and libstdc++ calls ``std::terminate``: "terminate called without an active
+exception", SIGABRT, after every result was already correct. No Python-level cleanup
+(barrier, ``gc.collect()``, sleeping) closes that race for certain; not finalizing does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def shutdown_distributed(exit_code: int | None = None) -> None:
+    """Destroy the default process group; with ``exit_code``, also end the process cleanly.
+
+    ``exit_code=None``: destroy the process group (if any) and return. The interpreter's own
+    exit may still abort as described above; use this form only where the process goes on
+    living (a notebook, a test that keeps running).
+
+    ``exit_code=<int>``: destroy the process group, then do what a normal exit does that
+    matters - run ``atexit`` handlers (this includes ``logging.shutdown()``, which flushes
+    and closes every handler), flush ``sys.stdout``/``sys.stderr`` - and leave with
+    ``os._exit(exit_code)``, skipping only interpreter finalization, where the race lives.
+    Never returns. Files the program left open without ``with`` are not flushed: close them
+    first. Non-daemon threads are not waited for; a warning names them.
+
+    Call it last, on every rank, with the code the process should exit with::
+
+        try:
+            code = main()
+        except BaseException:
+            shutdown_distributed()   # keep the traceback and Python's own exit status
+            raise
+        shutdown_distributed(code)
+    """
+    if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
+        raise ValueError(f"exit_code must be an int in [0, 255] or None, got {exit_code!r}")
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if exit_code is None:
+        return
+    import threading
+
+    others = [t.name for t in threading.enumerate()
+              if t is not threading.main_thread() and not t.daemon and t.is_alive()]  # fmt: skip
+    if others:
+        logger.warning("exiting with non-daemon threads still running: %s", ", ".join(others))
+    # atexit handlers run before finalization in a normal exit too; logging's flushes and
+    # closes the log handlers.
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(exit_code)
