@@ -8,7 +8,7 @@ import sys
 
 from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.sharding import entry_rank_bytes
+from fsdp_fp8.sharding import rank_forecast
 
 
 def _mib(n: int) -> str:
@@ -35,12 +35,17 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
     if world_size:
-        entries = list(ckpt.tensors.values())
-        lines.append(f"world size {world_size} (every tensor Shard(0), 0-d scales replicated):")
+        from fsdp_fp8.loader import STAGING_BYTES
+
+        fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
+        other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
+        lines.append(f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
+                     f"staging: largest single read into an accelerator, budget {_mib(STAGING_BYTES)}):")
         for rank in range(world_size):
-            reads = sum(entry_rank_bytes(e, world_size, rank) for e in entries)
-            holds = sum(entry_rank_bytes(e, world_size, rank, padded=True) for e in entries)
-            lines.append(f"  rank {rank}: reads {_mib(reads)}, holds {_mib(holds)} (padded)")
+            f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES)
+            lines.append(f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
+                         f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
+                         f"staging peak {_mib(f.staging_peak_bytes)}")
     return "\n".join(lines)
 
 

@@ -6,6 +6,9 @@ included), preads exactly those bytes from the safetensors file into the shard's
 (through a bounded staging buffer when the storage is on an accelerator), and fills the
 per-tensor scales. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
+If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
+by the process-group timeout the launcher sets), this rank marks the model unusable and
+raises a ``RuntimeError`` saying so: the model is never left usable after a failed load.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdp_fp8 import slice_reader
 from fsdp_fp8.meta_build import tensors_on_meta
+from fsdp_fp8.sharding import staging_rows
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ def _read_rows_into(entry, start: int, stop: int, dest: torch.Tensor) -> None:
         slice_reader.read_bytes(entry, start, stop, out=dest_bytes)
         return
     row_bytes = dest_bytes.numel() // (stop - start)
-    step = max(1, STAGING_BYTES // max(row_bytes, 1))
+    step = staging_rows(row_bytes, STAGING_BYTES)  # shared with the forecast (sharding.rank_forecast)
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         staged = slice_reader.read_bytes(entry, lo, hi).reshape(-1).view(torch.uint8)
@@ -116,7 +120,10 @@ def _mark_unusable(model: nn.Module, reason: str) -> None:
     def refuse(module, args):
         raise ModelUnusableError(f"this model did not finish loading and must not be used: {reason}")
 
-    model.register_forward_pre_hook(refuse)
+    # prepend: FSDP2's root pre-forward hook (lazy init, then an all-gather) would otherwise
+    # run first, and with a dead or absent peer that collective hangs or fails in gloo
+    # instead of this clear refusal.
+    model.register_forward_pre_hook(refuse, prepend=True)
     model.fsdp_fp8_unusable = reason
 
 
@@ -151,7 +158,15 @@ def load_checkpoint(model: nn.Module, checkpoint, plan) -> LoadReport:
     except Exception as exc:  # every rank must learn of it: re-raised below after agreement
         ok, message = False, f"{type(exc).__name__}: {exc}"
         log.error("rank %d: load failed: %s", rank, message)
-    failures = _agree(ok, message)
+    try:
+        failures = _agree(ok, message)
+    except Exception as exc:  # a peer died, hung past the process-group timeout, or dropped out
+        reason = (f"rank {rank} could not agree on the outcome with the other ranks (a peer died, "
+                  f"failed or hung past the process-group timeout): {type(exc).__name__}: {exc}")
+        if not ok:
+            reason = f"rank {rank}: {message}; {reason}"
+        _mark_unusable(model, reason)
+        raise RuntimeError(f"checkpoint load failed: {reason}") from exc
     if failures:
         reason = "; ".join(f"rank {r}: {m}" for r, m in failures)
         _mark_unusable(model, reason)

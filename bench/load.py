@@ -1,0 +1,371 @@
+"""Load time, memory and bytes read: fsdp_fp8 against the standard FSDP2 path, prior-art FP8
+loading, and the read-only floor, in one run, interleaved.
+
+    torchrun --nproc-per-node 4 bench/load.py [--size small|default] [--reps 3] [--dir DIR]
+
+Methods (each in a fresh process per rank, so peak RSS is this method's alone):
+  a  fsdp_fp8 ``load_model`` from the FP8 checkpoint (each rank preads its own rows)
+  b  standard FSDP2: meta build, fully_shard, to_empty, BF16 checkpoint read on rank 0,
+     ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``
+  c  prior-art FP8: every rank reads each full FP8 tensor (safetensors) and
+     ``distribute_tensor``s it (as uint8: gloo refuses float8) into the same sharded model
+  d  floor: the same ranks pread only the bytes they need into preallocated buffers
+
+Before every trial the checkpoint files are evicted from the page cache
+(POSIX_FADV_DONTNEED); ``--warm`` skips that. Results go to a table on stdout and JSON
+lines in ``--results`` (default bench/results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+METHODS = ("a", "b", "c", "d")
+NAMES = {"a": "fsdp_fp8", "b": "FSDP2 BF16 bcast", "c": "full FP8 + distribute", "d": "floor (pread)"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(common.SIZES), default="default")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--methods", default="abcd")
+    p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
+    p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
+    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--timeout", type=float, default=900.0)
+    return p.parse_args(argv)
+
+
+# --- the four methods: run in a fresh child process, inside the timed, measured block ----
+
+
+def _local_bytes(model) -> int:
+    """Bytes of every distinct storage this rank's model holds (FP8 codes, scales, shards)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        local = getattr(t, "_local_tensor", t)
+        inner = [local]
+        if hasattr(local, "__tensor_flatten__"):
+            inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+        for x in inner:
+            s = x.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def method_a(fp8_dir, bf16_dir, cfg) -> dict:
+    import torch
+
+    from fsdp_fp8 import slice_reader
+    from fsdp_fp8.api import load_model
+    from fsdp_fp8.architectures import resolve_architecture
+
+    slice_reader.reset_bytes_read()
+    arch = resolve_architecture(cfg.to_config_dict())
+    loaded = load_model(arch.model_fn, fp8_dir, device=torch.device("cpu"))
+    return {"bytes_read": slice_reader.bytes_read(), "held": _local_bytes(loaded.model),
+            "read_phase_s": loaded.report.seconds, "_keep": loaded}
+
+
+def method_b(fp8_dir, bf16_dir, cfg) -> dict:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.models import build_model
+
+    model = build_model(cfg, device="meta")
+    shard_model(model, default_mesh("cpu"))
+    model.to_empty(device="cpu")
+    sd, read = {}, 0
+    if dist.get_rank() == 0:
+        for path in common.checkpoint_files(Path(bf16_dir)):
+            sd.update(load_file(path))
+        read = sum(t.numel() * t.element_size() for t in sd.values())
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del sd
+    return {"bytes_read": read, "held": _local_bytes(model), "_keep": model}
+
+
+def _open_and_shard(fp8_dir):
+    import torch
+
+    from fsdp_fp8.architectures import resolve_architecture
+    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.meta_build import materialize, meta_init
+    from fsdp_fp8.swap import swap_fp8_linears
+
+    checkpoint = open_checkpoint(fp8_dir)
+    with meta_init():
+        model = resolve_architecture(checkpoint.config).model_fn(checkpoint.config)
+    plan = checkpoint.plan(model)
+    swap_fp8_linears(model, plan)
+    shard_model(model, default_mesh("cpu"))
+    materialize(model, torch.device("cpu"))
+    return model, plan
+
+
+def method_c(fp8_dir, bf16_dir, cfg) -> dict:
+    """Prior art: full tensors on every rank, then ``distribute_tensor`` (rank 0's copy is scattered)."""
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdp_fp8.loader import _named_tensor
+
+    model, plan = _open_and_shard(fp8_dir)
+    jobs = {}  # file -> [(key, dest param, what)]
+    for t in plan.fp8:
+        weight = model.get_submodule(t.module).weight
+        jobs.setdefault(t.entry.weight.path, []).append((t.entry.weight.key, weight, "codes"))
+        jobs.setdefault(t.entry.weight_scale.path, []).append((t.entry.weight_scale.key, weight, "scale"))
+        jobs.setdefault(t.entry.input_scale.path, []).append((t.entry.input_scale.key, weight, "input_scale"))
+    for t in plan.tensors:
+        jobs.setdefault(t.entry.path, []).append((t.entry.key, _named_tensor(model, t.name), "tensor"))
+    read = 0
+    with torch.no_grad():
+        for path, items in sorted(jobs.items()):
+            with safe_open(path, framework="pt") as f:
+                for key, param, what in items:
+                    full = f.get_tensor(key)
+                    read += full.numel() * full.element_size()
+                    local = param._local_tensor
+                    if what == "scale":
+                        local.scale.copy_(full.reshape(1, 1))
+                        continue
+                    if what == "input_scale":
+                        local.act_quant_scale.copy_(full.reshape(1, 1))
+                        continue
+                    dest = local.qdata if what == "codes" else local
+                    rows = full.shape[0] if full.ndim else 1
+                    as_bytes = full.reshape(rows, -1).view(torch.uint8)  # rows of bytes: same chunks
+                    shard = distribute_tensor(as_bytes, param.device_mesh, [Shard(0)])
+                    dest.reshape(dest.shape[0] if dest.ndim else 1, -1).view(torch.uint8).copy_(shard._local_tensor)
+                    del full, as_bytes, shard
+    return {"bytes_read": read, "held": _local_bytes(model), "_keep": model}
+
+
+def method_d(fp8_dir, bf16_dir, cfg) -> dict:
+    """The floor: read this rank's rows of every tensor, nothing else; no model, no collective."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.safetensors_header import read_header
+    from fsdp_fp8.sharding import chunk_rows
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranges = []  # (path, offset, nbytes)
+    for path in common.checkpoint_files(Path(fp8_dir)):
+        header, problems = read_header(path)
+        assert header is not None and not problems, problems
+        for e in header.tensors.values():
+            rows = e.shape[0] if e.shape else 1
+            start, stop = chunk_rows(rows, world, rank) if e.shape else (0, 1)
+            row = e.nbytes // rows if rows else 0
+            if stop > start:
+                ranges.append((path, e.begin + start * row, (stop - start) * row))
+    buffer = torch.empty(sum(n for _, _, n in ranges), dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
+    at, fds = 0, {}
+    try:
+        for path, offset, n in ranges:
+            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
+            done = 0
+            while done < n:
+                done += os.preadv(fd, [view[at + done : at + n]], offset + done)
+            at += n
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"bytes_read": at, "held": buffer.numel(), "_keep": buffer}
+
+
+def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn) -> None:
+    """One method on one rank, in a fresh process: imports first, then the measured block."""
+    try:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
+        import safetensors.torch  # noqa: F401
+
+        import fsdp_fp8  # noqa: F401
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        cfg = common.SIZES[size]
+        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d}[method]
+        dist.barrier()
+        with common.PeakRSS() as mem:
+            t0 = time.perf_counter()
+            out = fn(fp8_dir, bf16_dir, cfg)
+            dist.barrier()
+            seconds = time.perf_counter() - t0
+        out.pop("_keep")
+        conn.send({"rank": rank, "seconds": seconds, "rss_growth": mem.growth, **out})
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        conn.send({"rank": rank, "error": traceback.format_exc()})
+    conn.close()
+    os._exit(0)  # skip interpreter finalization (docs/shutdown.md: gloo + FSDP2 can abort there)
+
+
+def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [None, None]
+    if rank == 0:
+        cold = False if args.warm else common.drop_page_cache([fp8_dir, bf16_dir])
+        box = [(Path(tempfile.mkdtemp(prefix="fsdp_fp8-bench-")) / "store").as_uri(), cold]
+    dist.broadcast_object_list(box)
+    store, cold = box
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_trial_child, args=(method, rank, world, store, str(fp8_dir), str(bf16_dir),
+                                                  args.size, writer))
+    proc.start()
+    writer.close()
+    result = reader.recv() if reader.poll(args.timeout) else {"rank": rank, "error": "timed out"}
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+    result["cold"] = cold
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def _forecast(fp8_dir, world) -> dict:
+    """Per rank: the bytes it must hold (padded local shards) and read, from the plan."""
+    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.sharding import entry_rank_bytes
+
+    ckpt = open_checkpoint(fp8_dir)
+    entries = list(ckpt.tensors.values())
+    return {
+        "checkpoint_bytes": sum(e.nbytes for e in entries),
+        "local_shard_bytes": [sum(entry_rank_bytes(e, world, r, padded=True) for e in entries)
+                              for r in range(world)],
+    }
+
+
+def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
+    rows = []
+    for m, runs in trials.items():
+        ok = [r for r in runs if all("error" not in x for x in r)]
+        if not ok:
+            rows.append({"method": m, "error": next(x["error"] for r in runs for x in r if "error" in x)})
+            continue
+        seconds = [max(x["seconds"] for x in r) for r in ok]
+        rows.append({
+            "method": m, "name": NAMES[m], "runs": len(ok), "seconds_median": statistics.median(seconds),
+            "seconds_all": [round(s, 3) for s in seconds],
+            "rss_growth_per_rank": [max(r[i]["rss_growth"] for r in ok) for i in range(world)],
+            "bytes_read_per_rank": [ok[0][i]["bytes_read"] for i in range(world)],
+            "bytes_read_total": sum(x["bytes_read"] for x in ok[0]),
+            "held_per_rank": [ok[0][i]["held"] for i in range(world)],
+            "cold_cache": all(x["cold"] for r in ok for x in r),
+        })
+        if m == "a":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
+            rows[-1]["read_phase_s_median"] = statistics.median(max(x["read_phase_s"] for x in r) for r in ok)
+    by = {r["method"]: r for r in rows if "error" not in r}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    for r in rows:
+        r.update(bench="load", size=args.size, world_size=world, time=stamp, cpus=os.cpu_count(), backend="gloo",
+                 checkpoint_bytes=forecast["checkpoint_bytes"], local_shard_bytes=forecast["local_shard_bytes"])
+    if "a" in by:
+        for other in "bcd":
+            if other in by:
+                by["a"][f"a/{other}"] = by["a"]["seconds_median"] / by[other]["seconds_median"]
+    return rows
+
+
+def format_table(rows: list[dict], world: int, forecast: dict) -> str:
+    lines = [f"world size {world}, checkpoint (FP8) {common.mib(forecast['checkpoint_bytes'])} MiB, "
+             f"local shard per rank {', '.join(common.mib(b) for b in forecast['local_shard_bytes'])} MiB",
+             f"{'method':<24} {'median s':>9} {'runs s':>24} {'read total MiB':>15} "
+             f"{'read/rank MiB':>22} {'peak RSS growth/rank MiB':>34} {'cold':>5}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['method']} FAILED: {r['error'].strip().splitlines()[-1]}")
+            continue
+        lines.append(
+            f"{r['method'] + ' ' + r['name']:<24} {r['seconds_median']:>9.3f} {str(r['seconds_all']):>24} "
+            f"{common.mib(r['bytes_read_total']):>15} "
+            f"{'/'.join(common.mib(b) for b in r['bytes_read_per_rank']):>22} "
+            f"{'/'.join(common.mib(b) for b in r['rss_growth_per_rank']):>34} {str(r['cold_cache']):>5}")
+    a = next((r for r in rows if r["method"] == "a" and "error" not in r), None)
+    if a:
+        lines.append("ratios (wall time): " + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c") if k in a))
+        d = next((r for r in rows if r["method"] == "d" and "error" not in r), None)
+        if d:
+            phase = a["read_phase_s_median"]
+            lines.append(f"a's load_checkpoint (reads + the agreement, which waits for the slowest rank's "
+                         f"fully_shard): {phase:.3f} s = {phase / d['seconds_median']:.2f} x d; "
+                         "bench/load_phases.py times the reads alone")
+        lines.append(f"a: bytes read / checkpoint bytes = {a['bytes_read_total'] / forecast['checkpoint_bytes']:.4f}")
+        bound = [1.15 * b + (64 << 20) for b in forecast["local_shard_bytes"]]
+        lines.append("a: peak RSS growth / (1.15 x local shard + 64 MiB) = "
+                     + ", ".join(f"{g / b:.2f}" for g, b in zip(a["rss_growth_per_rank"], bound)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout + 60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if rank == 0:  # build once, in its own process so this one stays small
+            ctx = mp.get_context("spawn")
+            with ctx.Pool(1) as pool:
+                dirs = pool.apply(common.checkpoints, (args.size, args.dir))
+        box = [dirs if rank == 0 else None]
+        dist.broadcast_object_list(box)
+        fp8_dir, bf16_dir = box[0]
+        methods = [m for m in args.methods if m in METHODS]
+        trials: dict[str, list] = {m: [] for m in methods}
+        for rep in range(args.reps):
+            for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # rotate the order
+                trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
+                if rank == 0:
+                    r = trials[m][-1]
+                    print(f"rep {rep} {m}: " + ("error" if any("error" in x for x in r)
+                          else f"{max(x['seconds'] for x in r):.3f} s"), flush=True)
+        if rank == 0:
+            forecast = _forecast(fp8_dir, world)
+            rows = summarize(trials, args, world, forecast)
+            print(format_table(rows, world, forecast), flush=True)
+            common.append_jsonl(args.results, rows)
+            for r in rows:
+                if "error" in r:
+                    print(r["error"], file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,90 @@
+"""Where fsdp_fp8's load time goes, phase by phase, per rank (what bench/load.py's a/d hides).
+
+    torchrun --nproc-per-node 4 bench/load_phases.py [--size default]
+
+Phases between barriers: open_checkpoint, meta build, plan, FP8 swap, fully_shard, to_empty
+(materialize), and the rank-slice reads (``loader._load_local``: every pread of this rank,
+without the final agreement). The checkpoint is evicted from the page cache before the reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from fsdp_fp8 import loader, slice_reader  # noqa: E402
+from fsdp_fp8.architectures import resolve_architecture  # noqa: E402
+from fsdp_fp8.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.fsdp_wrap import default_mesh, shard_model  # noqa: E402
+from fsdp_fp8.meta_build import materialize, meta_init  # noqa: E402
+from fsdp_fp8.swap import swap_fp8_linears  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", choices=sorted(common.SIZES), default="default")
+    p.add_argument("--dir")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    fp8_dir = common.checkpoints(args.size, args.dir)[0] if rank == 0 else None
+    box = [fp8_dir]
+    dist.broadcast_object_list(box)
+    fp8_dir = box[0]
+    phases: dict[str, float] = {}
+
+    def phase(name, fn):
+        dist.barrier()
+        t = time.perf_counter()
+        out = fn()
+        phases[name] = time.perf_counter() - t
+        return out
+
+    if rank == 0:
+        common.drop_page_cache([fp8_dir])
+    ckpt = phase("open_checkpoint", lambda: open_checkpoint(fp8_dir))
+    with meta_init():
+        model = phase("meta build", lambda: resolve_architecture(ckpt.config).model_fn(ckpt.config))
+    plan = phase("plan", lambda: ckpt.plan(model))
+    phase("swap", lambda: swap_fp8_linears(model, plan))
+    phase("fully_shard", lambda: shard_model(model, default_mesh("cpu")))
+    phase("to_empty", lambda: materialize(model, torch.device("cpu")))
+    if rank == 0:
+        common.drop_page_cache([fp8_dir])
+    pread = [0.0]
+    real = slice_reader._pread_into
+
+    def timed(entry, offset, buf):
+        t = time.perf_counter()
+        real(entry, offset, buf)
+        pread[0] += time.perf_counter() - t
+
+    slice_reader._pread_into = timed
+    with torch.no_grad():
+        phase("reads", lambda: loader._load_local(model, plan))
+    slice_reader._pread_into = real
+    phases["  of which in pread"] = pread[0]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, phases)
+    if rank == 0:
+        print(f"{'phase':<22}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(gathered))))
+        for name in phases:
+            print(f"{name:<22}" + "".join(f"{g[name]:>10.3f}" for g in gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
