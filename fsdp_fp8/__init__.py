@@ -19,27 +19,48 @@ for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).addFilter(_ImportNoise())
 
 from fsdp_fp8.api import LoadedModel, load_model
+from fsdp_fp8.architectures import Architecture, resolve_architecture
 from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.export import export_bf16, export_fp8
 from fsdp_fp8.fp8_linear import Float8StaticLinear
 from fsdp_fp8.fsdp_ops import install_fsdp_support
 from fsdp_fp8.gather import gather_state_dict
 from fsdp_fp8.loader import LoadReport, ModelUnusableError, load_checkpoint
+from fsdp_fp8.plan import LoadPlan
+from fsdp_fp8.precision import denoising_step, install_step_policy
+from fsdp_fp8.ptq import quantize_model
+from fsdp_fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.step_policy import StepPolicy, parse_step_policy, resolve_step_policy
 from fsdp_fp8.swap import swap_fp8_linears
+from fsdp_fp8.topology import fuse_fp8_projections
 
 install_fsdp_support()
 
 __all__ = [
+    "Architecture",
     "Checkpoint",
     "CheckpointError",
     "Float8StaticLinear",
+    "LoadPlan",
     "LoadReport",
     "LoadedModel",
     "ModelUnusableError",
+    "StepPolicy",
+    "denoising_step",
+    "export_bf16",
+    "export_fp8",
+    "fuse_fp8_projections",
     "gather_state_dict",
     "install_fsdp_support",
+    "install_step_policy",
     "load_checkpoint",
     "load_model",
     "open_checkpoint",
+    "parse_step_policy",
+    "quantize_model",
+    "resolve_architecture",
+    "resolve_step_policy",
+    "share_quantized_inputs",
     "swap_fp8_linears",
 ]

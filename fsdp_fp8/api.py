@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_fp8.agreement import agree_or_raise, checkpoint_identity
+from fsdp_fp8.architectures import Architecture, resolve_architecture
 from fsdp_fp8.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
@@ -34,6 +35,7 @@ class LoadedModel:
     plan: object
     report: LoadReport
     fp8_linears: list[str]
+    architecture: Architecture | None = None  # set when load_model resolved the model from config.json
 
 
 def default_device() -> torch.device:
@@ -42,24 +44,34 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _open_and_plan(model_fn, path, key_map, strict):
+def _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales):
     checkpoint = open_checkpoint(path)
+    arch = None
+    if model_fn is None:
+        arch = resolve_architecture(checkpoint.config, f"{checkpoint.directory}/config.json", checkpoint)
+        model_fn = arch.model_fn
     with meta_init():
         model = model_fn(checkpoint.config)
-    plan = checkpoint.plan(model, key_map=key_map, strict=strict)
-    return checkpoint, model, plan
+    plan = checkpoint.plan(model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
+    return checkpoint, model, plan, arch
 
 
 def load_model(
-    model_fn: Callable[[dict], nn.Module],
+    model_fn: Callable[[dict], nn.Module] | None,
     path: str | os.PathLike,
     mesh: DeviceMesh | None = None,
     key_map: Callable[[str], str | None] | None = None,
     *,
     device: torch.device | None = None,
     strict: bool = True,
+    strict_kv_scales: bool = False,
 ) -> LoadedModel:
     """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
+
+    ``model_fn=None`` builds the class the checkpoint's ``config.json`` names (our reference
+    model, or a transformers / diffusers class with ``fsdp_fp8[hf]``; see
+    ``fsdp_fp8.architectures``). ``strict_kv_scales`` refuses FP8 KV-cache scales the model
+    has no place for instead of warning (``fsdp_fp8.plan``).
 
     With a process group up, this is collective: the model is ``fully_shard``-ed over
     ``mesh`` (default: every rank) and each rank loads only its rows. Without one, it
@@ -68,10 +80,10 @@ def load_model(
     """
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
-    checkpoint = model = plan = None
+    checkpoint = model = plan = arch = None
     problems: list[str] = []
     try:
-        checkpoint, model, plan = _open_and_plan(model_fn, path, key_map, strict)
+        checkpoint, model, plan, arch = _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales)
     except CheckpointError as exc:
         problems = exc.problems
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -82,7 +94,8 @@ def load_model(
     swapped = swap_fp8_linears(model, plan)
     if distributed:
         shard_model(model, mesh or default_mesh(device.type))
-    materialize(model, device)
+    materialize(model, device)  # keeps non-persistent buffers and tied parameters
     report = load_checkpoint(model, checkpoint, plan)
     model.eval()
-    return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped)
+    return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
+                       architecture=arch)

@@ -1,12 +1,23 @@
-"""Which model class a checkpoint's ``config.json`` asks for, built from that config."""
+"""Which model class a checkpoint's ``config.json`` asks for, built from that config.
+
+    _class_name == ReferenceMoTTransformer  -> our reference MoT        (kind "mot")
+    _class_name == <a diffusers class>      -> diffusers from_config    (kind "diffusers")
+    architectures == [<a transformers class>] -> transformers _from_config
+                                               (kind "causal_lm" for *ForCausalLM, else "transformers")
+
+transformers and diffusers are optional (``fsdp_fp8[hf]``) and imported by ``fsdp_fp8.hf``
+only when a checkpoint names one of their classes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from fsdp_fp8 import hf
 from fsdp_fp8.models import MoTConfig, build_model, linear_towers
 from fsdp_fp8.models.mot_config import CLASS_NAME as MOT_CLASS_NAME
 
@@ -14,9 +25,10 @@ from fsdp_fp8.models.mot_config import CLASS_NAME as MOT_CLASS_NAME
 @dataclass(frozen=True)
 class Architecture:
     name: str
-    kind: str  # "mot": the reference denoiser, sampled by the launcher
+    kind: str  # "mot" | "causal_lm" | "transformers" | "diffusers"
     model_fn: Callable[[dict], nn.Module]
     towers: Callable[[nn.Module], dict[str, str]] | None  # linear name -> tower, for the step policy
+    dtype: torch.dtype | None = None  # what an HF model is built in (None: the model decides)
 
 
 def _mot(config: dict) -> nn.Module:
@@ -25,12 +37,25 @@ def _mot(config: dict) -> nn.Module:
     return build_model(MoTConfig.from_config_dict(config), device="cpu")
 
 
-def resolve_architecture(config: dict, source: str = "config.json") -> Architecture:
+def resolve_architecture(config: dict, source: str = "config.json", checkpoint=None) -> Architecture:
+    """The model a checkpoint's config names; ``checkpoint`` (opened) supplies the dtype a
+    config does not record (always so for diffusers).
+
+    Raises ``ValueError`` naming the class when it is unknown, or when its library is
+    missing (with the extra to install).
+    """
     class_name = config.get("_class_name")
     if class_name == MOT_CLASS_NAME:
         return Architecture(MOT_CLASS_NAME, "mot", _mot, linear_towers)
-    named = class_name or (config.get("architectures") or [None])[0]
+    stored = hf.stored_dtype(checkpoint) if checkpoint is not None else None
+    if isinstance(class_name, str):
+        name, fn, dtype = hf.diffusers_model_fn(config, source, stored)
+        return Architecture(name, "diffusers", fn, None, dtype)
+    if "architectures" in config:
+        name, fn, dtype = hf.transformers_model_fn(config, source, stored)
+        return Architecture(name, "causal_lm" if hf.is_causal_lm(name) else "transformers", fn, None, dtype)
     raise ValueError(
-        f"{source}: unknown model class {named!r}; this launcher runs {MOT_CLASS_NAME!r} checkpoints "
-        "(load other models from Python with fsdp_fp8.load_model and your own model_fn)"
+        f"{source}: names no model class (no `_class_name`, no `architectures`); pass your own "
+        f"model_fn to fsdp_fp8.load_model (this launcher runs {MOT_CLASS_NAME!r}, transformers "
+        "and diffusers checkpoints)"
     )

@@ -68,11 +68,11 @@ class Checkpoint:
     index_file: str | None = None
 
     def plan(self, model: nn.Module, key_map: Callable[[str], str | None] | None = None,
-             strict: bool = True) -> LoadPlan:
+             strict: bool = True, strict_kv_scales: bool = False) -> LoadPlan:
         """Match this checkpoint against a meta-device ``model``; see ``fsdp_fp8.plan``."""
         from fsdp_fp8.plan import plan_load  # plan imports this module
 
-        return plan_load(self, model, key_map=key_map, strict=strict)
+        return plan_load(self, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
 
 
 def _read_config(directory: Path, problems: list[str]) -> dict:

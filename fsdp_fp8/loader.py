@@ -52,6 +52,10 @@ class LoadReport:
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+class LoadFailedError(RuntimeError):
+    """The load failed on at least one rank; every rank that agreed raises the same error."""
+
+
 class ModelUnusableError(RuntimeError):
     """Raised by the forward of a model whose load did not complete on every rank."""
 
@@ -170,7 +174,7 @@ def load_checkpoint(model: nn.Module, checkpoint, plan) -> LoadReport:
     if failures:
         reason = "; ".join(f"rank {r}: {m}" for r, m in failures)
         _mark_unusable(model, reason)
-        raise RuntimeError(f"checkpoint load failed on {len(failures)} of {world} ranks: {reason}")
+        raise LoadFailedError(f"checkpoint load failed on {len(failures)} of {world} ranks: {reason}")
     device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return LoadReport(
         rank=rank,

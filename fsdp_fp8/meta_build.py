@@ -4,7 +4,8 @@ Parameters go to meta as they are registered and their initializers are skipped 
 Super-class model would otherwise spend minutes filling weights we overwrite). Buffers
 stay real: non-persistent ones (rotary ``inv_freq``, ...) are in no checkpoint, and
 ``to_empty`` would leave garbage in them, so ``materialize`` puts them back. This is the
-idea behind accelerate's ``init_empty_weights(include_buffers=False)``.
+idea behind accelerate's ``init_empty_weights(include_buffers=False)``. ``materialize``
+also keeps tied parameters tied, which ``to_empty`` alone does not.
 """
 
 from __future__ import annotations
@@ -54,14 +55,43 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one parameter object, owner first."""
+    groups: dict[int, list[tuple[str, str]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None or (id(module), name) in seen:
+                continue
+            seen.add((id(module), name))
+            groups.setdefault(id(param), []).append((module_name, name))
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    for (owner, name), *aliases in groups:
+        param = model.get_submodule(owner)._parameters[name]
+        for module_name, alias in aliases:
+            model.get_submodule(module_name)._parameters[alias] = param
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """``to_empty(device)`` keeping the values of non-persistent buffers built for real."""
+    """``to_empty(device)`` keeping non-persistent buffer values and tied parameters.
+
+    ``to_empty`` wraps each new tensor in a fresh ``Parameter`` per (module, name), so a
+    weight shared by two modules (Hugging Face ``tie_word_embeddings``: ``lm_head.weight is
+    embed_tokens.weight``) would come out as two unrelated tensors, only one of them in the
+    checkpoint. The sharing is recorded before and restored after, keeping the first owner
+    in ``named_modules`` order: the one FSDP2 treats as the primary owner.
+    """
     kept = {name: buf.detach().clone() for name, buf in non_persistent_buffers(model).items() if not buf.is_meta}
+    ties = shared_parameters(model)
     model.to_empty(device=device)
     for name, value in kept.items():
         module_name, _, buf_name = name.rpartition(".")
         module = model.get_submodule(module_name)
         module._buffers[buf_name] = value.to(device)
+    _retie(model, ties)
 
 
 def tensors_on_meta(model: nn.Module) -> list[str]:

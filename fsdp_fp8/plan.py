@@ -8,6 +8,8 @@ silent cast changes numerics the user did not ask to change.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +19,9 @@ import torch.nn as nn
 from fsdp_fp8.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.safetensors_header import TensorEntry
-from fsdp_fp8.sharding import entry_rank_bytes
+from fsdp_fp8.sharding import RankForecast, entry_rank_bytes, rank_forecast
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class LoadPlan:
     missing: tuple[str, ...]  # model keys nothing in the checkpoint fills
     unexpected: tuple[str, ...]  # checkpoint keys with no place in the model
     skipped: tuple[str, ...]  # checkpoint keys key_map mapped to None
-    kv_scales: tuple[str, ...]  # checkpoint keys, left to the KV-cache consumer
+    kv_scales: tuple[str, ...]  # checkpoint KV-cache scales the model has no place for: present, unused
 
     def _entries(self) -> list[TensorEntry]:
         out = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
@@ -62,14 +66,47 @@ class LoadPlan:
         """Bytes ``rank`` reads if every tensor is Shard(0)-split; 0-d scales count on every rank."""
         return sum(entry_rank_bytes(e, world_size, rank) for e in self._entries())
 
+    def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
+        """What ``rank`` reads (FP8 / high precision), holds, and stages at most in one read
+        into an accelerator (``staging_bytes`` defaults to the loader's ``STAGING_BYTES``)."""
+        if staging_bytes is None:
+            from fsdp_fp8 import loader  # read at call time: tests and users may change it
+
+            staging_bytes = loader.STAGING_BYTES
+        fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
+        return rank_forecast(fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes)
+
 
 def _quantized(weight: torch.Tensor) -> bool:
     # A torchao/float8 weight is a tensor subclass; a plain Linear holds Parameter/Tensor.
     return type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype.itemsize == 1
 
 
+# A per-expert linear as ModelOpt exports MoE layers: `<...>.experts.<e>.<proj>`.
+_EXPERT = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.[^.]+$")
+
+
+def _fused_experts(target: str, modules: dict[str, nn.Module]) -> str | None:
+    """The model module holding fused expert weights where ``target`` is a per-expert linear."""
+    match = _EXPERT.match(target)
+    if match is None or match["experts"] not in modules or f"{match['experts']}.{match['index']}" in modules:
+        return None
+    holder = modules[match["experts"]]
+    return match["experts"] if any(p.ndim == 3 for p in holder.parameters(recurse=False)) else None
+
+
 def plan_load(checkpoint: Checkpoint, model: nn.Module,
-              key_map: Callable[[str], str | None] | None = None, strict: bool = True) -> LoadPlan:
+              key_map: Callable[[str], str | None] | None = None, strict: bool = True,
+              strict_kv_scales: bool = False) -> LoadPlan:
+    """The load plan, or one ``CheckpointError`` listing every problem.
+
+    ``strict``: refuse model tensors nothing fills and checkpoint tensors with no place.
+    FP8 KV-cache scales (``*.k_scale`` / ``*.v_scale``) load into model tensors of the same
+    name when the model has them; otherwise they are reported as present but unused (a
+    warning, ``LoadPlan.kv_scales``), or refused with ``strict_kv_scales``. Per-expert FP8
+    linears that meet fused 3-D expert parameters are always refused: loading the rest
+    would leave the experts empty.
+    """
     key_map = key_map or (lambda key: key)
     modules = dict(model.named_modules(remove_duplicate=False))
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
@@ -79,6 +116,8 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
     tensors: list[TensorTarget] = []
     unexpected: list[str] = []
     skipped: list[str] = []
+    kv_unused: list[str] = []
+    fused: dict[str, list[str]] = {}  # model experts module -> per-expert FP8 checkpoint weights
 
     def claim(model_key: str, ckpt_key: str) -> bool:
         tensor_id = id(state[model_key])
@@ -100,6 +139,9 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
             continue
         target = mapped[: -len(".weight")]
         module = modules.get(target)
+        if module is None and (experts := _fused_experts(target, modules)) is not None:
+            fused.setdefault(experts, []).append(m.weight.key)
+            continue
         if module is None:
             unexpected += own_keys
             continue
@@ -122,13 +164,13 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
         if claim(mapped, m.weight.key):
             fp8.append(Fp8Target(target, m, module.out_features, module.in_features, module.weight.dtype))
 
-    for key, entry in sorted(checkpoint.high_precision.items()):
+    for key, entry in sorted({**checkpoint.high_precision, **checkpoint.kv_scales}.items()):
         mapped = key_map(key)
         if mapped is None:
             skipped.append(key)
             continue
         if mapped not in state:
-            unexpected.append(key)
+            (kv_unused if key in checkpoint.kv_scales else unexpected).append(key)
             continue
         have = state[mapped]
         where = f"`{key}` in {entry.file}"
@@ -140,6 +182,22 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
         if claim(mapped, key):
             tensors.append(TensorTarget(mapped, entry))
 
+    for experts, keys in sorted(fused.items()):
+        holder = modules[experts]
+        params = ", ".join(f"`{n}` {tuple(p.shape)}" for n, p in holder.named_parameters(recurse=False))
+        problems.append(
+            f"{len(keys)} per-expert FP8 linears (`{keys[0]}`, ...) in the checkpoint, but model module "
+            f"`{experts}` is a {type(holder).__name__} with fused expert parameters {params}: per-expert "
+            "static-FP8 weights each carry their own scale and cannot be loaded into fused tensors; "
+            "refusing rather than loading the model without its experts"
+        )
+    if kv_unused:
+        what = (f"{len(kv_unused)} FP8 KV-cache scales (`{kv_unused[0]}`, ...) are in the checkpoint but the "
+                "model has no tensor for them (its attention does not quantize the KV cache)")
+        if strict_kv_scales:
+            problems.append(f"{what}; refusing under strict_kv_scales")
+        else:
+            logger.warning("%s: present but unused; the KV cache stays in the model dtype", what)
     covered = set(owner)
     missing = sorted(k for k, v in state.items() if id(v) not in covered)
     if strict:
@@ -148,4 +206,4 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
                      for k in unexpected]
     raise_if_problems(problems, f"load plan for {checkpoint.directory}")
     return LoadPlan(checkpoint, tuple(fp8), tuple(tensors), tuple(missing), tuple(sorted(unexpected)),
-                    tuple(sorted(skipped)), tuple(sorted(checkpoint.kv_scales)))
+                    tuple(sorted(skipped)), tuple(sorted(kv_unused)))

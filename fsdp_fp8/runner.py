@@ -3,7 +3,9 @@
     torchrun --nproc-per-node N launch/infer.py [--checkpoint DIR] [--steps S] [--seed K]
              [--prompt TEXT] [--report PATH]
 
-Without ``--checkpoint`` it runs the embedded demo (built and cached on first use).
+Without ``--checkpoint`` it runs the embedded demo (built and cached on first use). A
+transformers causal LM generates ``--new-tokens`` greedily from ``--prompt-ids`` (or the
+prompt); a diffusers transformer runs one forward on ``--seed``-ed inputs (fsdp_fp8.hf_run).
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ import torch.distributed as dist
 from fsdp_fp8.api import default_device, load_model
 from fsdp_fp8.architectures import resolve_architecture
 from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.hf_run import run_hf
+from fsdp_fp8.loader import LoadFailedError
 from fsdp_fp8.precision import denoising_step, install_step_policy
+from fsdp_fp8.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.sampler import sample
 from fsdp_fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.step_policy import describe_trace, resolve_step_policy
 
 log = logging.getLogger("fsdp_fp8")
 
+ERROR_GRACE_S = 3.0
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64
 
@@ -44,12 +51,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latent-tokens", type=int, default=DEFAULT_LATENT_TOKENS)
     p.add_argument("--step-policy", choices=("auto", "off"), default="auto",
                    help="auto: the checkpoint's diffusion step policy; off: every step W8A8")
+    p.add_argument("--prompt-ids", type=_id_list, help="causal LM prompt as token ids, e.g. 1,2,3")
+    p.add_argument("--new-tokens", type=int, default=8, help="causal LM: greedy tokens to generate (default 8)")
     p.add_argument("--report", help="also write the report as JSON to this path (rank 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--quantize", choices=METHODS,
+                   help="quantize a high-precision checkpoint's linears with TorchAO at load (one process)")
+    p.add_argument("--include", action="append", default=[], metavar="RE",
+                   help="with --quantize: only linears whose name matches RE (re.search; repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="RE",
+                   help="with --quantize: leave linears whose name matches RE in high precision (repeatable)")
     args = p.parse_args(argv)
+    if (args.include or args.exclude) and not args.quantize:
+        p.error("--include / --exclude select linears for --quantize; pass --quantize too")
     if args.steps < 1:
         p.error("--steps must be >= 1")
     return args
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
 def prompt_ids(text: str, vocab_size: int) -> torch.Tensor:
@@ -89,16 +113,34 @@ def run(args: argparse.Namespace) -> dict:
         if _rank() == 0:
             log.info("using the embedded demo checkpoint (built once, then cached)")
         path = demo_checkpoint()
-    config = open_checkpoint(path).config
-    arch = resolve_architecture(config, f"{path}/config.json")
+    checkpoint = open_checkpoint(path)
+    if args.quantize:
+        check_ptq_checkpoint(checkpoint)
+    config = checkpoint.config
+    arch = resolve_architecture(config, f"{path}/config.json", checkpoint)
     device = default_device()
     t0 = time.perf_counter()
     loaded = load_model(arch.model_fn, path, device=device)
     model = loaded.model
+    quantized = None
+    if args.quantize:
+        before = linear_weight_bytes(model)
+        names = quantize_model(model, args.quantize, include=args.include, exclude=args.exclude)
+        quantized = {"method": args.quantize, "linears": len(names),
+                     "weight_bytes_before": before, "weight_bytes_after": linear_weight_bytes(model)}
     policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, args.step_policy)
     routing = install_step_policy(model, policy, arch.towers(model) if arch.towers else None)
     share_quantized_inputs(model)
     load_s = time.perf_counter() - t0
+    if arch.kind != "mot":  # transformers / diffusers: one deterministic run, digested
+        t1 = time.perf_counter()
+        output = run_hf(model, arch, loaded.checkpoint.directory, args)
+        return {"checkpoint": str(loaded.checkpoint.directory), "architecture": arch.name,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1, "device": str(device),
+                "fp8_linears": len(loaded.fp8_linears), "kv_scales_unused": len(loaded.plan.kv_scales),
+                "quantize": quantized, "load_seconds": round(load_s, 3),
+                "run_seconds": round(time.perf_counter() - t1, 3), **output,
+                "ranks": _rank_rows(_all_reports(loaded.report))}
     if _rank() == 0:
         log.info("loaded %d FP8 linears in %.2f s; sampling %d steps", len(loaded.fp8_linears), load_s, args.steps)
 
@@ -125,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         "world_size": reports[0].world_size,
         "device": str(device),
         "fp8_linears": len(loaded.fp8_linears),
+        "quantize": quantized,
         "load_seconds": round(load_s, 3),
         "sample_seconds": round(sample_s, 3),
         "steps": args.steps,
@@ -132,23 +175,49 @@ def run(args: argparse.Namespace) -> dict:
         "step_policy": "checkpoint" if policy is not None else "none",
         "latent_shape": list(latent.shape),
         "latent_sha256": hashlib.sha256(latent_bytes).hexdigest(),
-        "ranks": [
-            {
-                "rank": r.rank,
-                "bytes_held": r.bytes_held,
-                "bytes_read": r.bytes_read,
-                "load_seconds": round(r.seconds, 3),
-                "read_gb_per_s": round(r.gb_per_s, 3),
-                "peak_rss_bytes": r.peak_rss_bytes,
-                "peak_device_bytes": r.peak_device_bytes,
-            }
-            for r in reports
-        ],
+        "ranks": _rank_rows(reports),
     }
+
+
+def _rank_rows(reports) -> list[dict]:
+    return [
+        {
+            "rank": r.rank,
+            "bytes_held": r.bytes_held,
+            "bytes_read": r.bytes_read,
+            "load_seconds": round(r.seconds, 3),
+            "read_gb_per_s": round(r.gb_per_s, 3),
+            "peak_rss_bytes": r.peak_rss_bytes,
+            "peak_device_bytes": r.peak_device_bytes,
+        }
+        for r in reports
+    ]
 
 
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _quantize_lines(q: dict | None) -> list[str]:
+    if q is None:
+        return []
+    before, after = q["weight_bytes_before"], q["weight_bytes_after"]
+    return [f"quantized       {q['linears']} linears to {q['method']} at load (TorchAO)",
+            f"linear weights  {before:,} -> {after:,} bytes ({after / before:.2f}x)"]
+
+
+def _output_lines(result: dict) -> list[str]:
+    if "generated_ids" in result:  # a transformers causal LM (fsdp_fp8.hf_run)
+        return [f"model           {result['architecture']}, KV-cache scales unused: {result['kv_scales_unused']}",
+                f"prompt          {result['prompt_ids']} ({result['prompt_source']})",
+                f"generated       {result['generated_ids']} in {result['run_seconds']:.2f} s (greedy)",
+                f"logits          sha256 {result['logits_sha256']}"]
+    if "output_sha256" in result:  # a diffusers transformer
+        return [f"model           {result['architecture']}, one forward in {result['run_seconds']:.2f} s",
+                f"output          {tuple(result['output_shape'])} sha256 {result['output_sha256']}"]
+    return [f"sampling        {result['steps']} steps in {result['sample_seconds']:.2f} s",
+            f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
+            f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
 
 
 def format_report(result: dict) -> str:
@@ -156,10 +225,9 @@ def format_report(result: dict) -> str:
         f"checkpoint      {result['checkpoint']}",
         f"world size      {result['world_size']} ({result['device']})",
         f"FP8 linears     {result['fp8_linears']}",
+        *_quantize_lines(result.get("quantize")),
         f"load            {result['load_seconds']:.2f} s",
-        f"sampling        {result['steps']} steps in {result['sample_seconds']:.2f} s",
-        f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
-        f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}",
+        *_output_lines(result),
         "",
         f"{'rank':>4}  {'held':>12}  {'read':>12}  {'load s':>7}  {'GB/s':>6}  {'peak RSS':>12}  {'peak device':>12}",
     ]
@@ -176,11 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="[fsdp_fp8] %(message)s")
     try:
-        init_distributed(args.timeout)
+        if args.quantize:  # a replicated model: no process group, refused at world size > 1
+            check_ptq_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        else:
+            init_distributed(args.timeout)
         result = run(args)
     except Exception as exc:  # one clear message on rank 0, not a traceback per rank
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        # Errors every rank raised alike (agreed, or before any collective) print once, on
+        # rank 0; any other is this rank's own and says which rank it is.
+        agreed = isinstance(exc, (CheckpointError, LoadFailedError)) or not dist.is_initialized()
+        if rank == 0 or not agreed:
+            print(f"error{'' if rank == 0 else f' (rank {rank})'}: {exc}", file=sys.stderr, flush=True)
+        if rank != 0:
+            # torchrun stops every rank once one exits non-zero: give rank 0 time to print.
+            time.sleep(ERROR_GRACE_S)
         if os.environ.get("FSDP_FP8_TRACEBACK"):
             raise
         return 1

@@ -1,0 +1,115 @@
+"""Run a loaded Hugging Face model once, deterministically, and digest what it produced.
+
+A causal LM generates greedily from token ids; a diffusers transformer runs one forward on
+seeded inputs. Each call goes through the model itself, never a submodule: FSDP2's root
+parameters (embeddings, final norm, head) are all-gathered by the root's own pre-forward.
+No KV cache: every step re-runs the whole sequence, which is exact and simple, and HF
+``generate`` adds nothing a few tokens need. The digests are SHA-256 of float32 bytes, so
+equal digests at different world sizes mean bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], str]:
+    """Greedy decoding; returns (generated ids, SHA-256 of every step's full logits)."""
+    device = next(model.parameters()).device
+    ids = prompt.to(device)
+    digest = hashlib.sha256()
+    generated: list[int] = []
+    for _ in range(new_tokens):
+        logits = model(input_ids=ids, use_cache=False).logits
+        digest.update(_bytes(logits))
+        nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
+        generated.append(int(nxt[0, 0]))
+        ids = torch.cat([ids, nxt.to(ids.dtype)], dim=1)
+    return generated, digest.hexdigest()
+
+
+def _flux_inputs(config, dtype: torch.dtype, g: torch.Generator) -> dict:
+    side, text = 4, 8  # a 4x4 latent grid of packed tokens, 8 text tokens
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+    inputs = {
+        "hidden_states": torch.randn(1, side * side, config.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+        "return_dict": False,
+    }
+    if config.guidance_embeds:
+        inputs["guidance"] = torch.tensor([3.5])
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"):
+        if key in inputs:
+            inputs[key] = inputs[key].to(dtype)
+    return inputs
+
+
+# Seeded-input recipes by diffusers class name; the launcher runs only these.
+INPUT_RECIPES = {"FluxTransformer2DModel": _flux_inputs}
+
+
+def diffusers_inputs(model: nn.Module, seed: int = 0, dtype: torch.dtype | None = None) -> dict:
+    """Seeded forward kwargs for a diffusers transformer of a class in ``INPUT_RECIPES``."""
+    # By MRO: fully_shard swaps the class for a generated FSDP<name> subclass.
+    name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in INPUT_RECIPES), None)
+    if name is None:
+        raise ValueError(f"no seeded-input recipe for diffusers class {type(model).__name__!r}; the launcher "
+                         f"runs {sorted(INPUT_RECIPES)} (load any class from Python with fsdp_fp8.load_model)")
+    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return INPUT_RECIPES[name](model.config, dtype, torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def diffusers_forward(model: nn.Module, seed: int, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], str]:
+    """One forward on seeded inputs; returns (output shape, SHA-256 of the output)."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in diffusers_inputs(model, seed, dtype).items()}
+    out = model(**inputs)[0]
+    return tuple(out.shape), hashlib.sha256(_bytes(out)).hexdigest()
+
+
+def prompt_token_ids(text: str, ids: list[int] | None, vocab_size: int, directory) -> tuple[torch.Tensor, str]:
+    """(1, n) prompt ids and where they came from: explicit ids, a tokenizer stored in the
+    checkpoint directory (never downloaded), or the UTF-8 bytes of ``text`` folded into the vocab."""
+    from pathlib import Path
+
+    if ids:
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids {bad} are outside the vocabulary [0, {vocab_size})")
+        return torch.tensor([ids], dtype=torch.long), "--prompt-ids"
+    if any((Path(directory) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        return torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long), "tokenizer"
+    data = text.encode("utf-8") or b" "
+    return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long), "prompt bytes mod vocab"
+
+
+def run_hf(model: nn.Module, arch, directory, args) -> dict:
+    """The launcher's run of a transformers / diffusers model (``arch``: its Architecture)."""
+    kind = arch.kind
+    if kind == "causal_lm":
+        prompt, source = prompt_token_ids(args.prompt, args.prompt_ids, model.config.vocab_size, directory)
+        generated, digest = greedy_generate(model, prompt, args.new_tokens)
+        return {"prompt_ids": prompt[0].tolist(), "prompt_source": source,
+                "generated_ids": generated, "logits_sha256": digest}
+    if kind == "diffusers":
+        shape, digest = diffusers_forward(model, args.seed, arch.dtype)
+        return {"output_shape": list(shape), "output_sha256": digest}
+    raise ValueError(f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
+                     "(load it from Python with fsdp_fp8.load_model)")
