@@ -39,6 +39,20 @@ def resolve_directory(path: str | os.PathLike) -> Path:
     return directory
 
 
+def hub_blobs(directory: Path) -> Path | None:
+    """``<cache>/models--<org>--<name>/blobs`` when ``directory`` is one of that repo's snapshots.
+
+    The Hugging Face hub cache keeps every file once, in ``blobs/``, and each snapshot
+    ``snapshots/<revision>/<file>`` is a symlink to ``../../blobs/<hash>``. Links into that one
+    folder are the cache's own layout; any other link still counts as leaving the directory.
+    """
+    snapshot = directory.resolve()
+    repo = snapshot.parent.parent
+    if snapshot.parent.name == "snapshots" and repo.name.startswith("models--"):
+        return repo / "blobs"
+    return None
+
+
 def shard_path(directory: Path, name: object, what: str) -> tuple[Path | None, str | None]:
     """``directory / name`` if ``name`` is a safe, existing safetensors file there."""
     if not isinstance(name, str) or not name:
@@ -53,7 +67,7 @@ def shard_path(directory: Path, name: object, what: str) -> tuple[Path | None, s
     if not name.endswith(".safetensors"):
         return None, f"{what} names {name!r}, which is not a .safetensors file (pickles are never loaded)"
     path = directory / name
-    if path.is_symlink() and path.resolve().parent != directory.resolve():
+    if path.is_symlink() and path.resolve().parent not in (directory.resolve(), hub_blobs(directory)):
         return None, f"{what} names {name!r}, a symlink to {path.resolve()} outside {directory}"
     if not path.exists():
         return None, f"{what} names {name!r}, which does not exist in {directory}"

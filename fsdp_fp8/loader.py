@@ -102,9 +102,28 @@ def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return module._buffers[leaf]
 
 
+class _Progress:
+    """Rank 0 logs how far the load is, at most every ``every_s`` seconds (long loads only)."""
+
+    def __init__(self, total: int, every_s: float = 5.0):
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.start = self.last = time.perf_counter()
+        self.enabled = (dist.get_rank() if dist.is_initialized() else 0) == 0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.every_s:
+            self.last = now
+            read = slice_reader.bytes_read()
+            log.info("loading: %d/%d tensors, %.2f GB read by rank 0 in %.0f s",
+                     self.done, self.total, read / 1e9, now - self.start)
+
+
 def _load_local(model: nn.Module, plan) -> tuple[int, int]:
     """Every read this rank does; returns (bytes held by the targets, number of tensors)."""
     held = 0
+    progress = _Progress(len(plan.fp8) + len(plan.tensors))
     with torch.no_grad():
         for target in plan.fp8:
             weight = model.get_submodule(target.module).weight
@@ -113,10 +132,12 @@ def _load_local(model: nn.Module, plan) -> tuple[int, int]:
             local.scale.copy_(slice_reader.read_scale(target.entry.weight_scale).reshape(1, 1))
             local.act_quant_scale.copy_(slice_reader.read_scale(target.entry.input_scale).reshape(1, 1))
             held += local.qdata.numel() + 8
+            progress.step()
         for target in plan.tensors:
             local, start, stop = local_rows(_named_tensor(model, target.name))
             _read_rows_into(target.entry, start, stop, local)
             held += local.numel() * local.element_size()
+            progress.step()
     return held, len(plan.fp8) + len(plan.tensors)
 
 

@@ -363,3 +363,31 @@ def test_plain_checkpoint_is_all_high_precision(tmp_path):
 def test_missing_directory():
     with pytest.raises(FileNotFoundError):
         open_checkpoint("/nonexistent/checkpoint")
+
+
+def _hub_snapshot(tmp_path):
+    """A Hugging Face cache repo: files once in blobs/, snapshot entries link to them."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    written = write_checkpoint(tmp_path / "export", small_tensors(), shards=SHARDS)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(written.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        os.replace(f, blob)
+        os.symlink(f"../../blobs/blob{i}", snapshot / f.name)
+    return repo, snapshot
+
+
+def test_hub_cache_snapshot_links_into_its_blobs_are_followed(tmp_path):
+    _, snapshot = _hub_snapshot(tmp_path)
+    assert "norm.weight" in open_checkpoint(snapshot).high_precision
+
+
+def test_hub_cache_snapshot_link_elsewhere_is_still_refused(tmp_path):
+    repo, snapshot = _hub_snapshot(tmp_path)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    os.replace((snapshot / S1).resolve(), elsewhere)
+    (snapshot / S1).unlink()
+    os.symlink(elsewhere, snapshot / S1)
+    one(refused(snapshot), repr(S1), "symlink", "outside")
