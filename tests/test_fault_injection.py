@@ -434,7 +434,7 @@ def test_ranks_that_see_different_files_are_refused(observed, world):
 def test_failure_during_load_fails_every_rank_and_leaves_the_model_unusable(observed, world, case, needles):
     for record in _records(observed, world, case):
         kind, text, _ = record["error"]
-        assert kind == "RuntimeError", record["error"]
+        assert kind == "LoadFailedError", record["error"]
         assert text.startswith(f"checkpoint load failed on 1 of {world} ranks: "), text
         assert all(n in text for n in needles), (needles, text)
         assert record["seconds"] < FAIL_WITHIN_S
