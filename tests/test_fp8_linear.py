@@ -195,3 +195,20 @@ def test_weight_is_a_torchao_prototype_tensor_with_e4m3_codes():
     assert w.qdata.dtype == E4M3 and w.scale.dtype == torch.float32 and w.dtype == torch.bfloat16
     again = make_static_fp8_weight(w.qdata, w.scale, w.act_quant_scale, torch.bfloat16)
     assert torch.equal(F.linear(_x(2, 16), again), F.linear(_x(2, 16), w))
+
+
+def test_precision_selector_compiles_whole_and_switches_without_a_sync():
+    """fullgraph=True: a device sync (``.item()``, a scale read) would break the graph."""
+    import torch._dynamo
+
+    lin, _ = _linear()
+    x = _x(4, 16)
+    expected = {}
+    for mode in ("native", "a16"):
+        lin.mode = mode
+        expected[mode] = lin(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+    for mode in ("native", "a16", "native"):
+        lin.mode = mode
+        assert torch.equal(compiled(x), expected[mode]), mode
