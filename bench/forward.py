@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
 from fsdp_fp8.architectures import resolve_architecture  # noqa: E402
 from fsdp_fp8.checkpoint import open_checkpoint  # noqa: E402
@@ -191,11 +192,9 @@ def main(argv=None) -> int:
             print(f"  {k:<6} {v * 1e3:9.1f} ms   ({v / med['BF16']:.2f}x BF16)")
         common.append_jsonl(args.results, [record])
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    # Destroys the group and leaves through os._exit after flushing (docs/shutdown.md).
+    shutdown_distributed(main())

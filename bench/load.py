@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
+
 METHODS = ("a", "b", "c", "d")
 NAMES = {"a": "fsdp_fp8", "b": "FSDP2 BF16 bcast", "c": "full FP8 + distribute", "d": "floor (pread)"}
 
@@ -360,12 +362,12 @@ def main(argv=None) -> int:
             for r in rows:
                 if "error" in r:
                     print(r["error"], file=sys.stderr)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown_distributed()  # keep the traceback
+        raise
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    # Destroys the group and leaves through os._exit after flushing (docs/shutdown.md).
+    shutdown_distributed(main())

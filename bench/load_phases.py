@@ -21,6 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8 import loader, slice_reader  # noqa: E402
 from fsdp_fp8.architectures import resolve_architecture  # noqa: E402
 from fsdp_fp8.checkpoint import open_checkpoint  # noqa: E402
@@ -80,11 +81,9 @@ def main() -> int:
         for name in phases:
             print(f"{name:<22}" + "".join(f"{g[name]:>10.3f}" for g in gathered))
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    # Destroys the group and leaves through os._exit after flushing (docs/shutdown.md).
+    shutdown_distributed(main())
