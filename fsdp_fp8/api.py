@@ -18,10 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_fp8.agreement import agree_or_raise, checkpoint_identity
 from fsdp_fp8.architectures import Architecture, resolve_architecture
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
 from fsdp_fp8.loader import LoadReport, load_checkpoint
+from fsdp_fp8.plan import LoadPlan
 from fsdp_fp8.meta_build import materialize, meta_init
 from fsdp_fp8.swap import swap_fp8_linears
 
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     model: nn.Module
-    checkpoint: object
-    plan: object
+    checkpoint: Checkpoint
+    plan: LoadPlan
     report: LoadReport
     fp8_linears: list[str]
     architecture: Architecture | None = None  # set when load_model resolved the model from config.json
@@ -81,21 +82,52 @@ def load_model(
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
     checkpoint = model = plan = arch = None
-    problems: list[str] = []
+    problems = _setup_problems(device, mesh, distributed)
     try:
         checkpoint, model, plan, arch = _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales)
     except CheckpointError as exc:
-        problems = exc.problems
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        problems = [f"{type(exc).__name__}: {exc}"]
+        problems += exc.problems
+    except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
+        problems.append(f"{type(exc).__name__}: {exc}")
     identity = checkpoint_identity(checkpoint) if checkpoint is not None else None
     agree_or_raise(problems, identity, f"cannot load {path}")
+    _warn_not_strict(plan)
 
-    swapped = swap_fp8_linears(model, plan)
-    if distributed:
-        shard_model(model, mesh or default_mesh(device.type))
-    materialize(model, device)  # keeps non-persistent buffers and tied parameters
-    report = load_checkpoint(model, checkpoint, plan)
+    swapped: list[str] = []
+
+    def prepare() -> None:
+        swapped.extend(swap_fp8_linears(model, plan))
+        if distributed:
+            shard_model(model, mesh or default_mesh(device.type))
+        materialize(model, device)  # keeps non-persistent buffers and tied parameters
+
+    report = load_checkpoint(model, checkpoint, plan, prepare=prepare)
     model.eval()
     return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
                        architecture=arch)
+
+
+def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:
+    """What would make the first collective hang or land on the wrong device."""
+    problems = []
+    if mesh is not None and mesh.ndim != 1:
+        problems.append(f"mesh has {mesh.ndim} dimensions; fsdp_fp8 shards over a 1-D mesh (FSDP, not HSDP)")
+    if distributed and device.type == "cuda" and dist.get_backend() == "nccl":
+        current = torch.cuda.current_device()
+        if device.index is not None and current != device.index:
+            problems.append(
+                f"this rank loads onto {device} but its current CUDA device is cuda:{current}; "
+                f"call torch.cuda.set_device({device.index}) before init_process_group"
+            )
+    return problems
+
+
+def _warn_not_strict(plan) -> None:
+    """With strict=False, what stays unfilled (uninitialized memory) or unused is said aloud."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and plan.missing:
+        log.warning("strict=False: %d model tensors are in no checkpoint file and stay uninitialized: %s",
+                    len(plan.missing), ", ".join(plan.missing[:20]))
+    if rank0 and plan.unexpected:
+        log.warning("strict=False: %d checkpoint tensors have no place in the model and are not loaded: %s",
+                    len(plan.unexpected), ", ".join(plan.unexpected[:20]))

@@ -14,18 +14,25 @@ def default_mesh(device_type: str) -> DeviceMesh:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one.
+    """The repeated blocks to shard one by one, outermost only.
 
     Hugging Face models name their block classes in ``_no_split_modules``; otherwise every
-    member of an ``nn.ModuleList`` that holds parameters is a block.
+    member of an ``nn.ModuleList`` that holds parameters is a block. A block inside another
+    block (an expert list inside a layer) stays part of its outer block: FSDP2 cannot wrap a
+    module whose child was wrapped after it.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        return [m for m in model.modules() if type(m).__name__ in names]
-    found = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            found.extend(m for m in module if any(True for _ in m.parameters()))
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents before children
+        if id(module) in inside:
+            continue
+        members = [module] if type(module).__name__ in names else []
+        if not names and isinstance(module, nn.ModuleList):
+            members = [m for m in module if any(True for _ in m.parameters())]
+        for block in members:
+            found.append(block)
+            inside.update(id(m) for m in block.modules())
     return found
 
 

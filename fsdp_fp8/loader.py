@@ -161,19 +161,25 @@ def _agree(ok: bool, message: str) -> list[tuple[int, str]]:
     return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
 
 
-def load_checkpoint(model: nn.Module, checkpoint, plan) -> LoadReport:
+def load_checkpoint(model: nn.Module, checkpoint, plan, *, prepare=None) -> LoadReport:
     """Fill a swapped, sharded and materialized model from ``checkpoint`` following ``plan``.
 
     Collective over the default process group when one is initialized. On any rank's
     failure every rank raises the same error and the model's forward refuses to run.
+    ``prepare``, if given, runs first inside that agreement (``load_model`` passes the swap,
+    ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank too).
     """
-    del checkpoint  # the plan carries its checkpoint's entries; kept for the public signature
+    if plan.checkpoint is not checkpoint:
+        raise ValueError("this plan was made for another checkpoint: plan with checkpoint.plan(model)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
     ok, message, held, count = True, "", 0, 0
     try:
+        if prepare is not None:
+            prepare()
+            read_before, t0 = slice_reader.bytes_read(), time.perf_counter()
         on_meta = tensors_on_meta(model)
         if on_meta:
             raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")

@@ -14,7 +14,9 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.safetensors_header import load_json_object
+from fsdp_fp8.step_policy import parse_step_policy
 
 NESTED = "hf_quant_config.json (nested)"
 FLAT = "hf_quant_config.json (flat)"
@@ -185,6 +187,10 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
             if policy is not None and not isinstance(policy, dict):
                 problems.append(f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {policy!r}")
             elif policy is not None:
+                try:  # validated here, with the rest of the config: before any model is built
+                    parse_step_policy(policy, source=file)
+                except CheckpointError as exc:
+                    problems.extend(f"{file}: quantization_config.runtime.{p}" for p in exc.problems)
                 parsed.step_policy = policy
     return parsed
 

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fp8.api import default_device, load_model
-from fsdp_fp8.architectures import resolve_architecture
 from fsdp_fp8.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.hf_run import run_hf
@@ -113,15 +112,14 @@ def run(args: argparse.Namespace) -> dict:
         if _rank() == 0:
             log.info("using the embedded demo checkpoint (built once, then cached)")
         path = demo_checkpoint()
-    checkpoint = open_checkpoint(path)
-    if args.quantize:
-        check_ptq_checkpoint(checkpoint)
-    config = checkpoint.config
-    arch = resolve_architecture(config, f"{path}/config.json", checkpoint)
+    if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
+        check_ptq_checkpoint(open_checkpoint(path))
     device = default_device()
     t0 = time.perf_counter()
-    loaded = load_model(arch.model_fn, path, device=device)
-    model = loaded.model
+    # The model class comes from config.json; every rank opens and plans inside load_model,
+    # where the ranks agree before anything is built, sharded or read.
+    loaded = load_model(None, path, device=device)
+    model, arch = loaded.model, loaded.architecture
     quantized = None
     if args.quantize:
         before = linear_weight_bytes(model)

@@ -8,11 +8,12 @@ import json
 import pytest
 
 from ckpt_writer import config_json_quant, flat_config, nested_config, small_tensors, write_checkpoint
+from fsdp_fp8.step_policy import PUBLISHED_POLICY
 from fsdp_fp8.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.quant_config import CONFIG_JSON, FLAT, NESTED
 
-POLICY = {"schema_version": 1, "type": "first_last_n"}
+POLICY = PUBLISHED_POLICY  # a valid policy, carried as is
 
 
 @pytest.mark.parametrize("quant, spellings, producer", [("nested", (NESTED,), "modelopt 0.47.0"),
@@ -174,3 +175,23 @@ def test_fixture_configs_round_trip(tmp_path):
     bad["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = True
     with pytest.raises(CheckpointError, match="input_activations.dynamic"):
         open_checkpoint(write_checkpoint(tmp_path / "bad", small_tensors(), config=bad, hf_quant=hf))
+
+
+def test_a_malformed_step_policy_is_refused_when_the_checkpoint_is_opened(tmp_path):
+    """Not later, by the launcher, after a whole sharded load."""
+    from ckpt_writer import config_json_quant, small_tensors, write_checkpoint
+    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.errors import CheckpointError
+    from fsdp_fp8.step_policy import PUBLISHED_POLICY
+
+    policy = {**PUBLISHED_POLICY, "schema_version": 2, "bogus": 1}
+    ckpt = write_checkpoint(tmp_path, small_tensors(), quant="config",
+                            config={"model_type": "test", "quantization_config": config_json_quant(policy=policy)})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(ckpt)
+    text = str(err.value)
+    assert "config.json: quantization_config.runtime.`diffusion_step_policy.schema_version` must be 1" in text
+    assert "bogus" in text
+    good = write_checkpoint(tmp_path / "good", small_tensors(), quant="config",
+                            config={"model_type": "test", "quantization_config": config_json_quant(policy=PUBLISHED_POLICY)})
+    assert open_checkpoint(good).quant.step_policy == PUBLISHED_POLICY

@@ -1,0 +1,92 @@
+"""Failures on one rank outside the reader (the user's model_fn, fully_shard, to_empty) still
+fail every rank with the same error, never strand the others in a collective."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from small_models import uneven_model_fn, write_uneven_checkpoint
+
+
+def _one_rank_fails(rank, world, path):
+    import fsdp_fp8.api as api
+    from fsdp_fp8 import CheckpointError, load_model
+    from fsdp_fp8.loader import LoadFailedError, ModelUnusableError
+
+    out = {}
+
+    def model_fn(config):
+        if rank == 1:
+            raise RuntimeError("model_fn broke on rank 1")
+        return uneven_model_fn(config)
+
+    t0 = time.perf_counter()
+    try:
+        load_model(model_fn, path)
+    except CheckpointError as exc:
+        out["model_fn"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+
+    real = api.shard_model
+
+    def shard_model(model, mesh):
+        if rank == 1:
+            raise RuntimeError("fully_shard broke on rank 1")
+        return real(model, mesh)
+
+    api.shard_model = shard_model
+    captured = {}
+    real_materialize = api.materialize
+
+    def materialize(model, device):
+        captured["model"] = model
+        return real_materialize(model, device)
+
+    api.materialize = materialize
+    t0 = time.perf_counter()
+    try:
+        load_model(uneven_model_fn, path)
+    except LoadFailedError as exc:
+        out["prepare"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+    finally:
+        api.shard_model, api.materialize = real, real_materialize
+    if rank == 0:  # rank 0's model was sharded and materialized but must refuse to run
+        try:
+            captured["model"](torch.zeros(1, 16, dtype=torch.bfloat16))
+        except ModelUnusableError as exc:
+            out["unusable"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    path = write_uneven_checkpoint(tmp_path_factory.mktemp("uneven"))
+    return run_ranks(_one_rank_fails, 2, str(path), timeout=120)
+
+
+def test_a_model_fn_failing_on_one_rank_fails_every_rank_before_anything_is_built(observed):
+    for obs in observed:
+        kind, text, seconds = obs["model_fn"]
+        assert kind == "CheckpointError" and "rank 1: RuntimeError: model_fn broke on rank 1" in text
+        assert seconds < 30
+
+
+def test_fully_shard_failing_on_one_rank_fails_every_rank_and_the_model_is_unusable(observed):
+    for obs in observed:
+        kind, text, seconds = obs["prepare"]
+        assert kind == "LoadFailedError" and "rank 1: RuntimeError: fully_shard broke on rank 1" in text
+        assert seconds < 30
+    assert "fully_shard broke on rank 1" in observed[0]["unusable"]
+
+
+def test_a_two_dimensional_mesh_is_refused_before_any_collective():
+    from fsdp_fp8.api import _setup_problems
+
+    class Mesh2D:
+        ndim = 2
+
+    problems = _setup_problems(torch.device("cpu"), Mesh2D(), distributed=False)
+    assert problems and "1-D mesh" in problems[0]
