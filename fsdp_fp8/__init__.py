@@ -25,8 +25,10 @@ from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.export import export_bf16, export_fp8
 from fsdp_fp8.fp8_linear import Float8StaticLinear
 from fsdp_fp8.fsdp_ops import install_fsdp_support
+from fsdp_fp8.fsdp_wrap import shard_model
 from fsdp_fp8.gather import gather_state_dict
-from fsdp_fp8.loader import LoadReport, ModelUnusableError, load_checkpoint
+from fsdp_fp8.loader import LoadFailedError, LoadReport, ModelUnusableError, load_checkpoint
+from fsdp_fp8.meta_build import materialize, meta_init
 from fsdp_fp8.plan import LoadPlan
 from fsdp_fp8.precision import denoising_step, install_step_policy
 from fsdp_fp8.ptq import quantize_model
@@ -42,6 +44,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "Float8StaticLinear",
+    "LoadFailedError",
     "LoadPlan",
     "LoadReport",
     "LoadedModel",
@@ -56,11 +59,14 @@ __all__ = [
     "install_step_policy",
     "load_checkpoint",
     "load_model",
+    "materialize",
+    "meta_init",
     "open_checkpoint",
     "parse_step_policy",
     "quantize_model",
     "resolve_architecture",
     "resolve_step_policy",
+    "shard_model",
     "share_quantized_inputs",
     "swap_fp8_linears",
 ]

@@ -1,7 +1,7 @@
 """What ``launch/infer.py`` does: load a checkpoint sharded across the ranks, sample, report.
 
     torchrun --nproc-per-node N launch/infer.py [--checkpoint DIR] [--steps S] [--seed K]
-             [--prompt TEXT] [--report PATH]
+             [--prompt TEXT] [--report PATH] ...   (docs/usage.md lists every option)
 
 Without ``--checkpoint`` it runs the embedded demo (built and cached on first use). A
 transformers causal LM generates ``--new-tokens`` greedily from ``--prompt-ids`` (or the
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (bytes become token ids)")
     p.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale")
-    p.add_argument("--latent-tokens", type=int, default=DEFAULT_LATENT_TOKENS)
+    p.add_argument("--latent-tokens", type=int, default=DEFAULT_LATENT_TOKENS, help="latent tokens (default 64)")
     p.add_argument("--step-policy", choices=("auto", "off"), default="auto",
                    help="auto: the checkpoint's diffusion step policy; off: every step W8A8")
     p.add_argument("--prompt-ids", type=_id_list, help="causal LM prompt as token ids, e.g. 1,2,3")
