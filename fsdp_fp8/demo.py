@@ -24,6 +24,7 @@ import torch
 from fsdp_fp8.export import export_fp8, producer_version
 from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
 from fsdp_fp8.sampler import sample
+from fsdp_fp8.step_policy import PUBLISHED_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,7 @@ DEMO_PROMPT_TOKENS = 16
 DEMO_LATENT_TOKENS = 64
 DEMO_CALIBRATION_STEPS = 8
 DEMO_MAX_SHARD_SIZE = 3_000_000  # bytes: the ~7.5 MB demo lands in a few shards
-DEMO_STEP_POLICY = {
-    "schema_version": 1, "type": "first_last_n", "index_space": "denoising_loop_iteration",
-    "scope": ["transformer"], "default_mode": "native",
-    "first_steps": {"count": 3, "mode": "a16"}, "last_steps": {"count": 3, "mode": "a16"},
-    "overlap": "a16", "reasoner": "a16",
-}
+DEMO_STEP_POLICY = PUBLISHED_POLICY  # the published first/last-3 policy
 MANIFEST = "fsdp_fp8_manifest.json"
 
 

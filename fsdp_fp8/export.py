@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from fsdp_fp8.fp8_tensor import E4M3_MAX
 from fsdp_fp8.step_policy import parse_step_policy
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_IGNORE = ("proj_in", "proj_out", "time_embedder*", "lm_head", "embed_tokens")
 _STEM = "diffusion_pytorch_model"
 _SCALE_SUFFIXES = (".weight_scale", ".input_scale")
@@ -40,8 +40,8 @@ def is_ignored(name: str, ignore: Iterable[str]) -> bool:
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor static FP8: (codes, 0-d float32 ``weight_scale = amax(|W|) / 448``)."""
     w = weight.detach().float()
-    scale = w.abs().amax() / FP8_MAX
-    codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = w.abs().amax() / E4M3_MAX
+    codes = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes, scale.reshape(())
 
 
@@ -66,7 +66,7 @@ def calibrate_input_scales(
     finally:
         for handle in handles:
             handle.remove()
-    return {n: (a / FP8_MAX).reshape(()) for n, a in amax.items()}
+    return {n: (a / E4M3_MAX).reshape(()) for n, a in amax.items()}
 
 
 def _state_dict(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

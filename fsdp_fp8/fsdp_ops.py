@@ -26,10 +26,10 @@ from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor 
 )
 
 from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8, rebuild
+from fsdp_fp8.sharding import padded_rows
 
 aten = torch.ops.aten
 _INSTALLED = False
-OP_CALLS: dict[str, int] = {}  # op name -> calls through our overrides (tests prove each is needed)
 TORCHAO_ORIGINALS: dict = {}  # op -> TorchAO's own entry (or None), what a non-static tensor gets
 
 
@@ -47,8 +47,6 @@ def _register(ops, impl) -> None:
 
         def wrapper(func, types, args, kwargs, _original=original):
             if is_static_fp8(args[0]):
-                name = func.__name__
-                OP_CALLS[name] = OP_CALLS.get(name, 0) + 1
                 return impl(func, args, kwargs or {})
             if _original is None:
                 raise NotImplementedError(f"PrototypeFloat8Tensor: {func} is not implemented")
@@ -130,9 +128,7 @@ def _to_copy(func, args, kwargs):
 
 def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
     """Send this rank's rows of ``qdata`` as bytes, padded to ``ceil(rows / world)`` rows."""
-    world = mesh.size()
-    padded_rows = math.ceil(outer_size[0] / world)
-    padded_shape = (padded_rows, *outer_size[1:])
+    padded_shape = (padded_rows(outer_size[0], mesh.size()), *outer_size[1:])
     codes = self.qdata
     if tuple(codes.shape) == padded_shape:
         payload = codes.view(torch.uint8)

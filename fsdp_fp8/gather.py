@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8
+from fsdp_fp8.sharding import padded_rows
 
 
 def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
@@ -28,7 +29,7 @@ def _gather_rows(param: DTensor, local: torch.Tensor, dtype: torch.dtype) -> tor
     world = dist.get_world_size(group)
     rows, row_shape = param.shape[0], tuple(param.shape[1:])
     row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
-    padded = torch.zeros(math.ceil(rows / world), row_bytes, dtype=torch.uint8, device=local.device)
+    padded = torch.zeros(padded_rows(rows, world), row_bytes, dtype=torch.uint8, device=local.device)
     if local.numel() > 0:
         mine = _rows_as_bytes(local, row_shape)
         padded[: mine.shape[0]].copy_(mine)

@@ -60,12 +60,15 @@ class ModelUnusableError(RuntimeError):
     """Raised by the forward of a model whose load did not complete on every rank."""
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
     """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds."""
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         if tuple(shape[1:]) != tuple(param.shape[1:]):
-            raise NotImplementedError(f"only dim-0 sharding is loaded, got placements {param.placements}")
+            raise NotImplementedError(
+                f"`{name}` is sharded as {param.placements} (local shape {tuple(shape)} of "
+                f"{tuple(param.shape)}); only dim-0 sharding (FSDP2's Shard(0)) is loaded"
+            )
         local = param._local_tensor
         rows = shape[0] if len(shape) else 1
         start = offset[0] if len(offset) and rows else 0
@@ -99,7 +102,9 @@ def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     module = model.get_submodule(module_name)
     if leaf in module._parameters:
         return module._parameters[leaf]
-    return module._buffers[leaf]
+    if leaf in module._buffers:
+        return module._buffers[leaf]
+    raise KeyError(f"`{name}` is neither a parameter nor a buffer of the model (was it changed after planning?)")
 
 
 class _Progress:
@@ -127,14 +132,14 @@ def _load_local(model: nn.Module, plan) -> tuple[int, int]:
     with torch.no_grad():
         for target in plan.fp8:
             weight = model.get_submodule(target.module).weight
-            local, start, stop = local_rows(weight)
+            local, start, stop = local_rows(weight, f"{target.module}.weight")
             _read_rows_into(target.entry.weight, start, stop, local.qdata)
             local.scale.copy_(slice_reader.read_scale(target.entry.weight_scale).reshape(1, 1))
             local.act_quant_scale.copy_(slice_reader.read_scale(target.entry.input_scale).reshape(1, 1))
             held += local.qdata.numel() + 8
             progress.step()
         for target in plan.tensors:
-            local, start, stop = local_rows(_named_tensor(model, target.name))
+            local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
             _read_rows_into(target.entry, start, stop, local)
             held += local.numel() * local.element_size()
             progress.step()

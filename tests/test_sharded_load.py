@@ -50,6 +50,25 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def _count_our_ops() -> dict[str, int]:
+    """Wrap each op fsdp_fp8 registered; counts the calls that reach it on static FP8 tensors."""
+    from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
+
+    from fsdp_fp8.fp8_tensor import is_static_fp8
+    from fsdp_fp8.fsdp_ops import TORCHAO_ORIGINALS
+
+    calls: dict[str, int] = {}
+    table = PrototypeFloat8Tensor._ATEN_OP_TABLE[PrototypeFloat8Tensor]
+    for op in TORCHAO_ORIGINALS:
+        def counting(func, types, args, kwargs, _inner=table[op]):
+            if is_static_fp8(args[0]):
+                calls[func.__name__] = calls.get(func.__name__, 0) + 1
+            return _inner(func, types, args, kwargs)
+
+        table[op] = counting
+    return calls
+
+
 def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     import torch.distributed as dist
 
@@ -59,6 +78,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     from fsdp_fp8.api import load_model
 
     obs: dict = {}
+    op_calls = _count_our_ops()
     # Phase by phase, so allocations during materialize + load can be watched.
     ckpt = open_checkpoint(uneven_dir)
     with meta_init():
@@ -96,9 +116,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     finally:
         dist.all_gather_single = real
     obs["all_gather_bytes"] = sum(n for n, _ in sent)
-    from fsdp_fp8.fsdp_ops import OP_CALLS
-
-    obs["op_calls"] = dict(OP_CALLS)
+    obs["op_calls"] = dict(op_calls)
     obs["storage_after_forward"] = {
         t.module: model.get_submodule(t.module).weight._local_tensor.qdata.untyped_storage().nbytes() for t in plan.fp8
     }
