@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         }
         print(f"world size {world} ({backend}, {record['device']}), size {args.size}, "
               f"{args.latent_tokens} latent + {args.prompt_tokens} prompt tokens")
-        print(f"all-gather bytes per forward (this rank; first forward, then steady state):")
+        print("all-gather bytes per forward (this rank; first forward, then steady state):")
         print(f"  FP8  model: {gathered['fp8']}")
         print(f"  BF16 model: {gathered['bf16']}")
         if world > 1:

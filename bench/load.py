@@ -84,7 +84,6 @@ def method_a(fp8_dir, bf16_dir, cfg) -> dict:
 
 
 def method_b(fp8_dir, bf16_dir, cfg) -> dict:
-    import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

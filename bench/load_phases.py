@@ -10,7 +10,6 @@ without the final agreement). The checkpoint is evicted from the page cache befo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from fsdp_fp8.checkpoint import open_checkpoint
-from fsdp_fp8.meta_build import meta_init
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
 from fsdp_fp8.sparse_checkpoint import write_sparse_checkpoint
 

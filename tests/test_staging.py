@@ -5,7 +5,6 @@ into CPU storage it reads in place, with no staging buffer at all."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fsdp_fp8 import loader, slice_reader
 from fsdp_fp8.checkpoint import open_checkpoint
