@@ -20,6 +20,7 @@ from fsdp_fp8.agreement import agree_or_raise, checkpoint_identity
 from fsdp_fp8.architectures import Architecture, resolve_architecture
 from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.fp8_linear import cuda_shape_problems
 from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
 from fsdp_fp8.loader import LoadReport, load_checkpoint
 from fsdp_fp8.plan import LoadPlan
@@ -85,6 +86,8 @@ def load_model(
     problems = _setup_problems(device, mesh, distributed)
     try:
         checkpoint, model, plan, arch = _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales)
+        if device.type == "cuda":
+            problems += cuda_shape_problems(plan.fp8)
     except CheckpointError as exc:
         problems += exc.problems
     except Exception as exc:  # any failure here must reach every rank, not strand them in a collective

@@ -105,3 +105,18 @@ class Float8StaticLinear(nn.Module):
                 codes = quantize_activation(x2d, input_scale)
             y = fp8_gemm(codes, input_scale, weight, self.bias, x.dtype)
         return y.reshape(out_shape)
+
+
+def cuda_shape_problems(targets) -> list[str]:
+    """FP8 linears whose W8A8 GEMM cannot run on CUDA.
+
+    ``torch._scaled_mm`` on CUDA needs the inner (``in_features``) and output
+    (``out_features``) dimensions to be multiples of 16; on the CPU any shape runs. Refusing
+    at load time beats a kernel error in the middle of sampling.
+    """
+    return [
+        f"`{t.module}` is an FP8 linear of shape ({t.out_features}, {t.in_features}); torch._scaled_mm "
+        "on CUDA needs both dimensions to be multiples of 16"
+        for t in targets
+        if t.in_features % 16 or t.out_features % 16
+    ]

@@ -90,3 +90,17 @@ def test_a_two_dimensional_mesh_is_refused_before_any_collective():
 
     problems = _setup_problems(torch.device("cpu"), Mesh2D(), distributed=False)
     assert problems and "1-D mesh" in problems[0]
+
+
+def test_fp8_linears_cuda_cannot_multiply_are_refused_before_loading_onto_cuda(tmp_path):
+    """The 7-, 16- and 1-row linears of the uneven model: CUDA's _scaled_mm needs multiples of 16.
+    Checked without a GPU: the refusal comes before anything touches the device."""
+    from fsdp_fp8 import CheckpointError, load_model
+
+    path = write_uneven_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError) as err:
+        load_model(uneven_model_fn, path, device=torch.device("cuda", 0))
+    text = str(err.value)
+    assert "`layers.0.up` is an FP8 linear of shape (7, 16)" in text
+    assert "`layers.1.down` is an FP8 linear of shape (16, 7)" in text
+    assert "multiples of 16" in text
