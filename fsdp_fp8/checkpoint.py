@@ -31,7 +31,7 @@ __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEn
 
 logger = logging.getLogger(__name__)
 
-_SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+SCALE_SUFFIXES = _SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 _KV_SUFFIXES = (".k_scale", ".v_scale")
 # ModelOpt writes these for AWQ / NVFP4 / W4A8 exports; their presence means the weights
 # are not plain static per-tensor FP8, whatever the config claims.

@@ -8,6 +8,7 @@ unpickling runs arbitrary code.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,15 @@ class Layout:
     index_file: str | None  # None for a single-file checkpoint
     files: tuple[str, ...]  # shard file names, sorted
     weight_map: dict[str, str] | None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a whole file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def resolve_directory(path: str | os.PathLike) -> Path:

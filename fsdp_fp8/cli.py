@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 
+from fsdp_fp8.checkpoint_files import file_sha256
 from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.sharding import rank_forecast
@@ -49,14 +49,6 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _open(directory: str) -> Checkpoint | None:
     try:
         return open_checkpoint(directory)
@@ -86,5 +78,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OK: {ckpt.directory}: {len(ckpt.tensors)} tensors in {len(ckpt.files)} files")
     if args.sha256:
         for name, shard in ckpt.files.items():
-            print(f"{_sha256(shard.path)}  {name}")
+            print(f"{file_sha256(shard.path)}  {name}")
     return 0

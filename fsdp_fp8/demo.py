@@ -10,7 +10,6 @@ and is rebuilt.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_fp8.checkpoint_files import file_sha256
 from fsdp_fp8.export import export_fp8, producer_version
 from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
 from fsdp_fp8.sampler import sample
@@ -54,18 +54,10 @@ def _calibrate(model: ReferenceMoTTransformer) -> None:
            num_latent_tokens=DEMO_LATENT_TOKENS)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _is_complete(directory: Path) -> bool:
     try:
         files = json.loads((directory / MANIFEST).read_text())["files"]
-        return all(_sha256(directory / name) == sha for name, sha in files.items())
+        return all(file_sha256(directory / name) == sha for name, sha in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -79,7 +71,7 @@ def _build(target: Path) -> None:
             model, tmp, config=model.config.to_config_dict(), calibrate=_calibrate,
             step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE,
         )
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
         if target.exists():  # damaged: checked under the lock, so nobody is reading it
             shutil.rmtree(target)

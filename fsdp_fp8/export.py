@@ -7,7 +7,6 @@ output is a pure function of the inputs: same model, same scales -> same bytes.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
@@ -18,12 +17,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from fsdp_fp8.checkpoint import SCALE_SUFFIXES as _SCALE_SUFFIXES
+from fsdp_fp8.quant_config import matches_ignore as is_ignored
 from fsdp_fp8.fp8_tensor import E4M3_MAX
 from fsdp_fp8.step_policy import parse_step_policy
 
 DEFAULT_IGNORE = ("proj_in", "proj_out", "time_embedder*", "lm_head", "embed_tokens")
 _STEM = "diffusion_pytorch_model"
-_SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 def producer_version() -> str:
@@ -31,10 +31,6 @@ def producer_version() -> str:
         return metadata.version("fsdp_fp8")
     except metadata.PackageNotFoundError:
         return "0.1.0"
-
-
-def is_ignored(name: str, ignore: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

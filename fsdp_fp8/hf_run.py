@@ -96,8 +96,13 @@ def prompt_token_ids(text: str, ids: list[int] | None, vocab_size: int, director
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         return torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long), "tokenizer"
+    return prompt_bytes(text, vocab_size), "prompt bytes mod vocab"
+
+
+def prompt_bytes(text: str, vocab_size: int) -> torch.Tensor:
+    """No tokenizer download: the prompt's UTF-8 bytes folded into the vocabulary, (1, n)."""
     data = text.encode("utf-8") or b" "
-    return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long), "prompt bytes mod vocab"
+    return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long)
 
 
 def run_hf(model: nn.Module, arch, directory, args) -> dict:

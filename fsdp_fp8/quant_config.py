@@ -43,7 +43,12 @@ class QuantConfig:
     step_policy: dict | None = None  # raw runtime.diffusion_step_policy; parsed elsewhere
 
     def is_ignored(self, module: str) -> bool:
-        return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.ignore)
+        return matches_ignore(module, self.ignore)
+
+
+def matches_ignore(module: str, patterns) -> bool:
+    """ModelOpt ignore lists hold module names with fnmatch wildcards (`model.layers.1*`)."""
+    return any(fnmatch.fnmatchcase(module, pattern) for pattern in patterns)
 
 
 PLAIN = QuantConfig(is_modelopt_fp8=False)

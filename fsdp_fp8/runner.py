@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fsdp_fp8.api import default_device, load_model
 from fsdp_fp8.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.hf_run import run_hf
+from fsdp_fp8.hf_run import prompt_bytes, run_hf
 from fsdp_fp8.loader import LoadFailedError
 from fsdp_fp8.precision import denoising_step, install_step_policy
 from fsdp_fp8.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
@@ -73,12 +73,6 @@ def _id_list(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-
-
-def prompt_ids(text: str, vocab_size: int) -> torch.Tensor:
-    """No tokenizer download: UTF-8 bytes folded into the vocabulary."""
-    data = text.encode("utf-8") or b" "
-    return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long)
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -149,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     t1 = time.perf_counter()
     latent = sample(
         model,
-        prompt_ids(args.prompt, model.config.vocab_size),
+        prompt_bytes(args.prompt, model.config.vocab_size),
         steps=args.steps,
         seed=args.seed,
         guidance=args.guidance,
