@@ -33,7 +33,7 @@ def default_cache() -> Path:
 
 
 def _export(size: str, target: Path) -> None:
-    from fsdp_fp8.export import DEFAULT_IGNORE, export_bf16, export_fp8, is_ignored
+    from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8, is_ignored
     from fsdp_fp8.models import build_model, init_weights
 
     import torch

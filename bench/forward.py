@@ -26,11 +26,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
+from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
-from fsdp_fp8.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.shared_inputs import share_quantized_inputs  # noqa: E402
+from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
+from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
+from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
+from fsdp_fp8.load.plan import plan_load  # noqa: E402
 
 METHODS = ("a", "b", "c", "d")
 NAMES = {"a": "fsdp_fp8", "b": "FSDP2 BF16 bcast", "c": "full FP8 + distribute", "d": "floor (pread)"}
@@ -72,9 +73,9 @@ def _local_bytes(model) -> int:
 def method_a(fp8_dir, bf16_dir, cfg) -> dict:
     import torch
 
-    from fsdp_fp8 import slice_reader
-    from fsdp_fp8.api import load_model
-    from fsdp_fp8.architectures import resolve_architecture
+    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.load.api import load_model
+    from fsdp_fp8.load.architectures import resolve_architecture
 
     slice_reader.reset_bytes_read()
     arch = resolve_architecture(cfg.to_config_dict())
@@ -88,7 +89,7 @@ def method_b(fp8_dir, bf16_dir, cfg) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.models import build_model
 
     model = build_model(cfg, device="meta")
@@ -107,16 +108,16 @@ def method_b(fp8_dir, bf16_dir, cfg) -> dict:
 def _open_and_shard(fp8_dir):
     import torch
 
-    from fsdp_fp8.architectures import resolve_architecture
-    from fsdp_fp8.checkpoint import open_checkpoint
-    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
-    from fsdp_fp8.meta_build import materialize, meta_init
-    from fsdp_fp8.swap import swap_fp8_linears
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.load.meta_build import materialize, meta_init
+    from fsdp_fp8.load.swap import swap_fp8_linears
 
     checkpoint = open_checkpoint(fp8_dir)
     with meta_init():
         model = resolve_architecture(checkpoint.config).model_fn(checkpoint.config)
-    plan = checkpoint.plan(model)
+    plan = plan_load(checkpoint, model)
     swap_fp8_linears(model, plan)
     shard_model(model, default_mesh("cpu"))
     materialize(model, torch.device("cpu"))
@@ -129,7 +130,7 @@ def method_c(fp8_dir, bf16_dir, cfg) -> dict:
     from safetensors import safe_open
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp_fp8.loader import _named_tensor
+    from fsdp_fp8.load.loader import _named_tensor
 
     model, plan = _open_and_shard(fp8_dir)
     jobs = {}  # file -> [(key, dest param, what)]
@@ -168,8 +169,8 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_fp8.safetensors_header import read_header
-    from fsdp_fp8.sharding import chunk_rows
+    from fsdp_fp8.format.safetensors_header import read_header
+    from fsdp_fp8.format.sharding import chunk_rows
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ranges = []  # (path, offset, nbytes)
@@ -257,8 +258,8 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
 
 def _forecast(fp8_dir, world) -> dict:
     """Per rank: the bytes it must hold (padded local shards) and read, from the plan."""
-    from fsdp_fp8.checkpoint import open_checkpoint
-    from fsdp_fp8.sharding import entry_rank_bytes
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.sharding import entry_rank_bytes
 
     ckpt = open_checkpoint(fp8_dir)
     entries = list(ckpt.tensors.values())

@@ -20,13 +20,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.shutdown import shutdown_distributed  # noqa: E402
-from fsdp_fp8 import loader, slice_reader  # noqa: E402
-from fsdp_fp8.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.fsdp_wrap import default_mesh, shard_model  # noqa: E402
-from fsdp_fp8.meta_build import materialize, meta_init  # noqa: E402
-from fsdp_fp8.swap import swap_fp8_linears  # noqa: E402
+from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
+from fsdp_fp8.load import loader  # noqa: E402
+from fsdp_fp8.format import slice_reader  # noqa: E402
+from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
+from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
+from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
+from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
+from fsdp_fp8.load.plan import plan_load  # noqa: E402
 
 
 def main() -> int:
@@ -54,7 +56,7 @@ def main() -> int:
     ckpt = phase("open_checkpoint", lambda: open_checkpoint(fp8_dir))
     with meta_init():
         model = phase("meta build", lambda: resolve_architecture(ckpt.config).model_fn(ckpt.config))
-    plan = phase("plan", lambda: ckpt.plan(model))
+    plan = phase("plan", lambda: plan_load(ckpt, model))
     phase("swap", lambda: swap_fp8_linears(model, plan))
     phase("fully_shard", lambda: shard_model(model, default_mesh("cpu")))
     phase("to_empty", lambda: materialize(model, torch.device("cpu")))

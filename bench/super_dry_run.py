@@ -3,7 +3,7 @@ the meta device and inspected for 8 ranks, in seconds and small memory.
 
     python bench/super_dry_run.py [--dir DIR] [--preset super] [--world-size 8]
 
-The checkpoint's data regions are holes (see fsdp_fp8/sparse_checkpoint.py): apparent size
+The checkpoint's data regions are holes (see fsdp_fp8/testing/sparse_checkpoint.py): apparent size
 ~65 GB, a few MB on disk. Nothing is loaded; what is shown is that everything before the
 first data read scales, and the per-rank forecast the loader will follow.
 """
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
-from fsdp_fp8.sparse_checkpoint import write_sparse_checkpoint
+from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
+from fsdp_fp8.load.plan import plan_load
 
 
 def _rss_mib() -> float:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         with torch.device("meta"):
             model = build_model(MoTConfig.from_config_dict(ckpt.config), device="meta")
         out["params"] = sum(p.numel() for p in model.parameters())
-        plan = ckpt.plan(model)
+        plan = plan_load(ckpt, model)
         out["meta_build_and_plan_s"] = time.perf_counter() - t
         out["peak_rss_mib_in_process"] = _rss_mib()
         forecasts = [plan.forecast(args.world_size, r) for r in range(args.world_size)]
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
 
         t = time.perf_counter()
         cli = subprocess.run(
-            [sys.executable, "-c", "import resource, sys; from fsdp_fp8.cli import main; code = main(sys.argv[1:]);"
+            [sys.executable, "-c", "import resource, sys; from fsdp_fp8.cli.commands import main; code = main(sys.argv[1:]);"
              " print(f'maxrss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}'); sys.exit(code)",
              "inspect", str(directory), "--world-size", str(args.world_size)],
             capture_output=True, text=True, check=True)

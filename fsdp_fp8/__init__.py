@@ -1,72 +1,59 @@
-"""fsdp_fp8: load ModelOpt static-FP8 checkpoints into FSDP2-sharded PyTorch models."""
+"""fsdp_fp8: load ModelOpt static-FP8 checkpoints into FSDP2-sharded PyTorch models.
 
-import logging as _logging
+Importing the package imports nothing else: each public name is loaded from its layer on
+first use (PEP 562), so ``import fsdp_fp8.format`` does not pull in torchao or FSDP.
+The layers and their rules are in docs/design.md.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "Architecture": "fsdp_fp8.load.architectures",
+    "resolve_architecture": "fsdp_fp8.load.architectures",
+    "Checkpoint": "fsdp_fp8.format.checkpoint",
+    "open_checkpoint": "fsdp_fp8.format.checkpoint",
+    "CheckpointError": "fsdp_fp8.errors",
+    "StepPolicy": "fsdp_fp8.format.step_policy",
+    "parse_step_policy": "fsdp_fp8.format.step_policy",
+    "resolve_step_policy": "fsdp_fp8.format.step_policy",
+    "Float8StaticLinear": "fsdp_fp8.fp8.linear",
+    "install_fsdp_support": "fsdp_fp8.fp8.ops",
+    "fuse_fp8_projections": "fsdp_fp8.fp8.topology",
+    "share_quantized_inputs": "fsdp_fp8.fp8.shared_inputs",
+    "LoadPlan": "fsdp_fp8.load.plan",
+    "plan_load": "fsdp_fp8.load.plan",
+    "swap_fp8_linears": "fsdp_fp8.load.swap",
+    "shard_model": "fsdp_fp8.load.fsdp_wrap",
+    "materialize": "fsdp_fp8.load.meta_build",
+    "meta_init": "fsdp_fp8.load.meta_build",
+    "LoadFailedError": "fsdp_fp8.load.loader",
+    "LoadReport": "fsdp_fp8.load.loader",
+    "ModelUnusableError": "fsdp_fp8.load.loader",
+    "load_checkpoint": "fsdp_fp8.load.loader",
+    "gather_state_dict": "fsdp_fp8.load.gather",
+    "LoadedModel": "fsdp_fp8.load.api",
+    "load_model": "fsdp_fp8.load.api",
+    "export_bf16": "fsdp_fp8.export.modelopt",
+    "export_fp8": "fsdp_fp8.export.modelopt",
+    "denoising_step": "fsdp_fp8.runtime.precision",
+    "install_step_policy": "fsdp_fp8.runtime.precision",
+    "quantize_model": "fsdp_fp8.runtime.ptq",
+}
+
+__all__ = sorted(_PUBLIC)
 
 
-class _ImportNoise(_logging.Filter):
-    """TorchAO 0.18 warns on import that its optional CUDA kernels (mxfp8, cutlass) do not
-    load on a CPU build, and torch warns about its Enum registration; fsdp_fp8 uses neither,
-    so every rank printing them only hides real messages."""
-
-    def filter(self, record: _logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not (msg.startswith("Failed to load") and "torchao/_C" in msg) and (
-            "is an Enum subclass and is now natively supported" not in msg
-        )
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_fp8' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
 
-for _name in ("torchao", "torch.utils._pytree"):
-    _logging.getLogger(_name).addFilter(_ImportNoise())
-
-from fsdp_fp8.api import LoadedModel, load_model
-from fsdp_fp8.architectures import Architecture, resolve_architecture
-from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.export import export_bf16, export_fp8
-from fsdp_fp8.fp8_linear import Float8StaticLinear
-from fsdp_fp8.fsdp_ops import install_fsdp_support
-from fsdp_fp8.fsdp_wrap import shard_model
-from fsdp_fp8.gather import gather_state_dict
-from fsdp_fp8.loader import LoadFailedError, LoadReport, ModelUnusableError, load_checkpoint
-from fsdp_fp8.meta_build import materialize, meta_init
-from fsdp_fp8.plan import LoadPlan
-from fsdp_fp8.precision import denoising_step, install_step_policy
-from fsdp_fp8.ptq import quantize_model
-from fsdp_fp8.shared_inputs import share_quantized_inputs
-from fsdp_fp8.step_policy import StepPolicy, parse_step_policy, resolve_step_policy
-from fsdp_fp8.swap import swap_fp8_linears
-from fsdp_fp8.topology import fuse_fp8_projections
-
-install_fsdp_support()
-
-__all__ = [
-    "Architecture",
-    "Checkpoint",
-    "CheckpointError",
-    "Float8StaticLinear",
-    "LoadFailedError",
-    "LoadPlan",
-    "LoadReport",
-    "LoadedModel",
-    "ModelUnusableError",
-    "StepPolicy",
-    "denoising_step",
-    "export_bf16",
-    "export_fp8",
-    "fuse_fp8_projections",
-    "gather_state_dict",
-    "install_fsdp_support",
-    "install_step_policy",
-    "load_checkpoint",
-    "load_model",
-    "materialize",
-    "meta_init",
-    "open_checkpoint",
-    "parse_step_policy",
-    "quantize_model",
-    "resolve_architecture",
-    "resolve_step_policy",
-    "shard_model",
-    "share_quantized_inputs",
-    "swap_fp8_linears",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

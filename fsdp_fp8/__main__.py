@@ -1,5 +1,5 @@
 import sys
 
-from fsdp_fp8.cli import main
+from fsdp_fp8.cli.commands import main
 
 sys.exit(main())

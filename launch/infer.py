@@ -3,11 +3,11 @@
     torchrun --nproc-per-node 2 launch/infer.py            # the embedded demo
     torchrun --nproc-per-node 8 launch/infer.py --checkpoint DIR --steps 50
 
-Everything happens in fsdp_fp8.runner; see docs/usage.md.
+Everything happens in fsdp_fp8.cli.runner; see docs/usage.md.
 """
 
-from fsdp_fp8.runner import main
-from fsdp_fp8.shutdown import shutdown_distributed
+from fsdp_fp8.cli.runner import main
+from fsdp_fp8.cli.shutdown import shutdown_distributed
 
 if __name__ == "__main__":
     try:

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from ckpt_writer import config_json_quant, flat_config, nested_config, small_tensors, write_checkpoint
-from fsdp_fp8.step_policy import PUBLISHED_POLICY
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.quant_config import CONFIG_JSON, FLAT, NESTED
+from fsdp_fp8.format.quant_config import CONFIG_JSON, FLAT, NESTED
 
 POLICY = PUBLISHED_POLICY  # a valid policy, carried as is
 
@@ -180,9 +180,9 @@ def test_fixture_configs_round_trip(tmp_path):
 def test_a_malformed_step_policy_is_refused_when_the_checkpoint_is_opened(tmp_path):
     """Not later, by the launcher, after a whole sharded load."""
     from ckpt_writer import config_json_quant, small_tensors, write_checkpoint
-    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.errors import CheckpointError
-    from fsdp_fp8.step_policy import PUBLISHED_POLICY
+    from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
 
     policy = {**PUBLISHED_POLICY, "schema_version": 2, "bogus": 1}
     ckpt = write_checkpoint(tmp_path, small_tensors(), quant="config",

@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from fsdp_fp8 import slice_reader
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.load.plan import plan_load
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-sharded"
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -112,7 +113,7 @@ def test_fixture_entries_point_at_the_same_bytes_as_safetensors():
 def test_fixture_plans_against_llama():
     ckpt = open_checkpoint(FIXTURE)
     model = llama_on_meta()
-    plan = ckpt.plan(model)
+    plan = plan_load(ckpt, model)
     assert {t.module for t in plan.fp8} == set(ckpt.fp8_modules)
     for t in plan.fp8:
         linear = model.get_submodule(t.module)
@@ -132,7 +133,7 @@ def test_fixture_plans_against_llama():
 def test_fixture_plan_refuses_a_float32_model():
     ckpt = open_checkpoint(FIXTURE)
     with pytest.raises(ValueError) as info:
-        ckpt.plan(llama_on_meta(torch.float32))
+        plan_load(ckpt, llama_on_meta(torch.float32))
     # every high-precision tensor is refused (never cast); FP8 targets just compute in float32
     assert len(info.value.problems) == len(ckpt.high_precision)
     assert any(p.startswith("`model.norm.weight` in model-00004-of-00005.safetensors is BF16")

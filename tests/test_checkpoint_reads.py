@@ -9,10 +9,12 @@ import torch
 from safetensors import safe_open
 
 from ckpt_writer import small_tensors, write_checkpoint
-from fsdp_fp8 import cli, slice_reader
-from fsdp_fp8.checkpoint import open_checkpoint
-from fsdp_fp8.safetensors_header import read_header
-from fsdp_fp8.sharding import chunk_rows
+from fsdp_fp8.cli import commands as cli
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.format.safetensors_header import read_header
+from fsdp_fp8.format.sharding import chunk_rows
+from fsdp_fp8.load.plan import plan_load
 from test_checkpoint_fixture import FIXTURE, llama_on_meta
 
 
@@ -102,7 +104,7 @@ def test_open_and_plan_read_only_scale_bytes(monkeypatch):
     monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
     slice_reader.reset_bytes_read()
     ckpt = open_checkpoint(FIXTURE)
-    ckpt.plan(llama_on_meta())
+    plan_load(ckpt, llama_on_meta())
     assert slice_reader.bytes_read() == 4 * 2 * len(ckpt.fp8_modules)
     assert sorted(reads) == sorted(k for m in ckpt.fp8_modules.values() for k in (m.weight_scale.key, m.input_scale.key))
     assert len(opened) == len(reads)  # the only raw opens are the scale reads
@@ -113,7 +115,7 @@ def test_plan_rank_bytes_match_reading_each_rank(tmp_path):
     from test_plan import SmallModel, meta
 
     ckpt = open_checkpoint(write_checkpoint(tmp_path, small_tensors()))
-    plan = ckpt.plan(meta(SmallModel))
+    plan = plan_load(ckpt, meta(SmallModel))
     for world in (1, 2, 3, 5):
         for rank in range(world):
             slice_reader.reset_bytes_read()

@@ -10,9 +10,9 @@ import torch
 
 from ckpt_writer import (edit_header, nested_config, read_raw, set_scalar, small_tensors,
                          write_checkpoint, write_index, write_raw)
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.safetensors_header import MAX_HEADER_BYTES
+from fsdp_fp8.format.safetensors_header import MAX_HEADER_BYTES
 
 SHARDS = [["layers.0.up.weight", "norm.weight"],
           ["layers.0.up.weight_scale", "layers.0.up.input_scale", "layers.0.down.weight",

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fsdp_fp8.demo import DEMO_STEP_POLICY, demo_checkpoint
-from fsdp_fp8.export import DEFAULT_IGNORE, export_bf16, export_fp8
+from fsdp_fp8.cli.demo import DEMO_STEP_POLICY, demo_checkpoint
+from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8
 from fsdp_fp8.models import PRESETS, build_model, init_weights, linear_towers
-from fsdp_fp8.sampler import sample
+from fsdp_fp8.runtime.sampler import sample
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-sharded"
 STEM = "diffusion_pytorch_model"

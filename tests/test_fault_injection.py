@@ -43,8 +43,8 @@ class _Injected(OSError):
 
 def _inject(rank: int, case: dict, stack) -> None:
     """Arrange this rank's fault for ``case`` (undone by ``stack`` when the case ends)."""
-    import fsdp_fp8.api as api
-    from fsdp_fp8 import slice_reader
+    import fsdp_fp8.load.api as api
+    from fsdp_fp8.format import slice_reader
 
     if rank != case.get("fault_rank", 1):
         return

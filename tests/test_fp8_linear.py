@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fsdp_fp8.fp8_linear as fp8_linear_module
-from fsdp_fp8.fp8_linear import Float8StaticLinear, SharedActivation
-from fsdp_fp8.fp8_tensor import E4M3, make_static_fp8_weight
-from fsdp_fp8.shared_inputs import share_quantized_inputs
-from fsdp_fp8.slice_reader import read_scale
+import fsdp_fp8.fp8.linear as fp8_linear_module
+from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
+from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.format.slice_reader import read_scale
 from small_models import FIXTURE, quantize_per_tensor
 
 
@@ -118,7 +118,7 @@ def test_a16_dequantizes_inside_the_call_and_keeps_no_copy(monkeypatch):
 def test_a16_is_closer_than_w8a8_to_the_unquantized_activation_on_a_real_layer():
     """The fixture's real ModelOpt layer: calibrated codes, weight and input scales."""
     from fsdp_fp8 import open_checkpoint
-    from fsdp_fp8.slice_reader import read_bytes
+    from fsdp_fp8.format.slice_reader import read_bytes
 
     entry = open_checkpoint(FIXTURE).fp8_modules["model.layers.0.mlp.down_proj"]
     out_f, in_f = entry.weight.shape

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
 
-from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8, make_static_fp8_weight
-from fsdp_fp8.fsdp_ops import REGISTERED_OPS, TORCHAO_ORIGINALS, install_fsdp_support
+from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8, make_static_fp8_weight
+from fsdp_fp8.fp8.ops import REGISTERED_OPS, TORCHAO_ORIGINALS, install_fsdp_support
 
 aten = torch.ops.aten
 install_fsdp_support()
@@ -146,7 +146,7 @@ def test_other_prototype_tensors_keep_torchaos_behaviour():
 
 
 def test_pre_all_gather_sends_uint8_padded_rows_and_post_views_back():
-    from fsdp_fp8.fsdp_ops import fsdp_post_all_gather, fsdp_pre_all_gather
+    from fsdp_fp8.fp8.ops import fsdp_post_all_gather, fsdp_pre_all_gather
 
     class Mesh:
         def size(self):

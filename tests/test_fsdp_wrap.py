@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_fp8.fsdp_wrap import blocks
+from fsdp_fp8.load.fsdp_wrap import blocks
 from ranks import run_ranks
 
 
@@ -43,7 +43,7 @@ def test_hugging_face_no_split_modules_name_the_blocks():
 
 
 def _shard_nested(rank, world):
-    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
 
     torch.manual_seed(0)
     model = _Nested()

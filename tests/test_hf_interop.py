@@ -60,7 +60,7 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fsdp_fp8 import gather_state_dict, load_model
-    from fsdp_fp8.hf_run import diffusers_forward, diffusers_inputs, greedy_generate
+    from fsdp_fp8.interop.hf_run import diffusers_forward, diffusers_inputs, greedy_generate
 
     obs = {}
     for name, path in {**CAUSAL, **DIFFUSERS}.items():
@@ -80,7 +80,7 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
                 o["output"] = model(**diffusers_inputs(model, 0, loaded.architecture.dtype))[0].float()
                 o["shape"], o["digest"] = diffusers_forward(model, 0, loaded.architecture.dtype)
         obs[name] = o
-    from fsdp_fp8.runner import main
+    from fsdp_fp8.cli.runner import main
 
     # As torchrun would: main() prints and writes the report on RANK 0 only (the group is
     # already up, so main does not init one). World size 1 runs in the pytest process without
@@ -170,7 +170,7 @@ def _reference(name: str, path: Path):
 
 @pytest.mark.parametrize("name", [*CAUSAL, *DIFFUSERS])
 def test_output_matches_a_dequantize_then_matmul_reference(observed, name):
-    from fsdp_fp8.hf_run import diffusers_inputs
+    from fsdp_fp8.interop.hf_run import diffusers_inputs
 
     model = _reference(name, CAUSAL.get(name) or DIFFUSERS[name])
     got = observed[1][0][name]
@@ -196,7 +196,7 @@ def test_output_matches_a_dequantize_then_matmul_reference(observed, name):
 def test_kv_scales_load_weights_and_are_reported_unused_with_a_warning(caplog):
     from fsdp_fp8 import load_model
 
-    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.plan"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.load.plan"):
         loaded = load_model(None, CAUSAL["llama-fp8-kv"], device=torch.device("cpu"))
     assert loaded.plan.kv_scales == tuple(sorted(
         f"model.layers.{i}.self_attn.{p}_proj.{p}_scale" for i in range(2) for p in "kv"))
@@ -215,7 +215,7 @@ def test_kv_scales_load_into_a_model_that_has_a_place_for_them():
     """An attention that quantizes its KV cache (vLLM keeps the scales on the attention):
     key_map renames ModelOpt's `k_proj.k_scale` and the scales load like any tensor."""
     from fsdp_fp8 import load_model
-    from fsdp_fp8.architectures import resolve_architecture
+    from fsdp_fp8.load.architectures import resolve_architecture
 
     def with_kv_buffers(config):
         model = resolve_architecture(config).model_fn(config)
@@ -249,8 +249,8 @@ def test_moe_with_fused_experts_is_refused_whole(strict):
 
 
 def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypatch):
-    from fsdp_fp8 import hf
-    from fsdp_fp8.architectures import resolve_architecture
+    from fsdp_fp8.load import hf_build as hf
+    from fsdp_fp8.load.architectures import resolve_architecture
 
     with pytest.raises(ValueError, match=r"has no model class 'NoSuchForCausalLM'"):
         resolve_architecture({"architectures": ["NoSuchForCausalLM"], "model_type": "llama"})
@@ -267,8 +267,8 @@ def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypa
 
 
 def test_importing_fsdp_fp8_imports_neither_transformers_nor_diffusers():
-    code = ("import sys, fsdp_fp8, fsdp_fp8.api, fsdp_fp8.runner, fsdp_fp8.architectures, fsdp_fp8.hf, "
-            "fsdp_fp8.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code = ("import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.cli.runner, fsdp_fp8.load.architectures, fsdp_fp8.load.hf_build, "
+            "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('transformers', 'diffusers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -13,9 +13,9 @@ from small_models import uneven_model_fn, write_uneven_checkpoint
 
 
 def _one_rank_fails(rank, world, path):
-    import fsdp_fp8.api as api
+    import fsdp_fp8.load.api as api
     from fsdp_fp8 import CheckpointError, load_model
-    from fsdp_fp8.loader import LoadFailedError, ModelUnusableError
+    from fsdp_fp8.load.loader import LoadFailedError, ModelUnusableError
 
     out = {}
 
@@ -83,7 +83,7 @@ def test_fully_shard_failing_on_one_rank_fails_every_rank_and_the_model_is_unusa
 
 
 def test_a_two_dimensional_mesh_is_refused_before_any_collective():
-    from fsdp_fp8.api import _setup_problems
+    from fsdp_fp8.load.api import _setup_problems
 
     class Mesh2D:
         ndim = 2

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from fsdp_fp8.models import PRESETS, build_model, init_weights
-from fsdp_fp8.sampler import sample
+from fsdp_fp8.runtime.sampler import sample
 from ranks import run_ranks
 
 TINY32 = dataclasses.replace(PRESETS["tiny"], dtype="float32")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_fp8.export import export_fp8
+from fsdp_fp8.export.modelopt import export_fp8
 from fsdp_fp8.models import PRESETS, build_model, init_weights
-from fsdp_fp8.sampler import sample
+from fsdp_fp8.runtime.sampler import sample
 from ranks import run_ranks
 from small_models import load_files
 
@@ -55,12 +55,12 @@ def _wiring_problems(calls, towers, policy) -> list[str]:
 
 def _load_and_sample(rank, world, path):
     from fsdp_fp8 import Float8StaticLinear, gather_state_dict, load_model
-    from fsdp_fp8.architectures import resolve_architecture
-    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.models import linear_towers
-    from fsdp_fp8.precision import denoising_step, install_step_policy
-    from fsdp_fp8.shared_inputs import share_quantized_inputs
-    from fsdp_fp8.step_policy import parse_step_policy
+    from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
+    from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+    from fsdp_fp8.format.step_policy import parse_step_policy
 
     arch = resolve_architecture(open_checkpoint(path).config)
     loaded = load_model(arch.model_fn, path)

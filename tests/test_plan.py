@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 
 from ckpt_writer import fp8_linear, small_tensors, write_checkpoint
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.sharding import chunk_rows
+from fsdp_fp8.format.sharding import chunk_rows
+from fsdp_fp8.load.plan import plan_load
 
 
 class Block(nn.Module):
@@ -45,23 +46,23 @@ def problems(fn) -> list[str]:
 
 
 def test_small_plan(ckpt):
-    plan = ckpt.plan(meta())
+    plan = plan_load(ckpt, meta())
     assert [t.module for t in plan.fp8] == ["layers.0.down", "layers.0.up"]
     assert [(t.out_features, t.in_features) for t in plan.fp8] == [(16, 24), (24, 16)]
     assert [t.name for t in plan.tensors] == ["lm_head.weight", "norm.weight"]
 
 
 def test_bias_of_fp8_module_is_a_high_precision_target(tmp_path):
-    plan = open_checkpoint(write_checkpoint(tmp_path, small_tensors(bias=True))).plan(meta(bias=True))
+    plan = plan_load(open_checkpoint(write_checkpoint(tmp_path, small_tensors(bias=True))), meta(bias=True))
     assert "layers.0.up.bias" in {t.name for t in plan.tensors}
     assert plan.fp8[1].entry.bias.key == "layers.0.up.bias"
 
 
 def test_bias_presence_must_match(tmp_path, ckpt):
-    found = problems(lambda: ckpt.plan(meta(bias=True)))
+    found = problems(lambda: plan_load(ckpt, meta(bias=True)))
     assert any("`layers.0.up.weight`" in p and "has no `layers.0.up.bias`" in p for p in found)
     with_bias = open_checkpoint(write_checkpoint(tmp_path / "b", small_tensors(bias=True)))
-    found = problems(lambda: with_bias.plan(meta()))
+    found = problems(lambda: plan_load(with_bias, meta()))
     assert any("has `layers.0.up.bias`" in p and "has no bias" in p for p in found)
 
 
@@ -69,7 +70,7 @@ def test_fp8_shape_mismatch_names_both_shapes(ckpt):
     model = meta()
     with torch.device("meta"):
         model.layers[0].up = nn.Linear(16, 32, bias=False, dtype=torch.bfloat16)
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert any("`layers.0.up.weight`" in p and "(24, 16)" in p and "(32, 16)" in p for p in found)
 
 
@@ -77,7 +78,7 @@ def test_fp8_target_not_a_linear(ckpt):
     model = meta()
     with torch.device("meta"):
         model.layers[0].up = nn.Conv1d(16, 24, 1, bias=False)
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert any("`layers.0.up`" in p and "Conv1d, not an nn.Linear" in p for p in found)
 
 
@@ -89,19 +90,19 @@ def test_fp8_target_already_quantized(ckpt):
     model = meta()
     up = model.layers[0].up
     up.weight = nn.Parameter(torch.empty(24, 16, dtype=torch.float8_e4m3fn, device="meta"), requires_grad=False)
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert any("`layers.0.up` is already quantized" in p for p in found)
     model = meta()
     model.layers[0].up.weight = nn.Parameter(
         torch.empty(24, 16, dtype=torch.bfloat16, device="meta").as_subclass(Float8Stub))
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert any("`layers.0.up` is already quantized" in p and "Float8Stub" in p for p in found)
 
 
 def test_high_precision_dtype_mismatch_is_not_cast(ckpt):
     model = meta()
     model.norm.float()
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert found == ["`norm.weight` in model.safetensors is BF16 (torch.bfloat16) but model `norm.weight` "
                      "is torch.float32; refusing to cast silently"]
 
@@ -110,7 +111,7 @@ def test_high_precision_shape_mismatch(ckpt):
     model = meta()
     with torch.device("meta"):
         model.lm_head = nn.Linear(16, 41, bias=False, dtype=torch.bfloat16)
-    found = problems(lambda: ckpt.plan(model))
+    found = problems(lambda: plan_load(ckpt, model))
     assert any("`lm_head.weight`" in p and "(40, 16)" in p and "(41, 16)" in p for p in found)
 
 
@@ -126,13 +127,13 @@ def test_missing_and_unexpected_strict_and_not(tmp_path):
     tensors = {**small_tensors(), "stray.weight": torch.zeros(2, dtype=torch.bfloat16),
                **fp8_linear("ghost.proj", 8, 8)}
     ckpt = open_checkpoint(write_checkpoint(tmp_path, tensors))
-    found = problems(lambda: ckpt.plan(meta(Extra)))
+    found = problems(lambda: plan_load(ckpt, meta(Extra)))
     assert "model `extra.weight` is not filled by any checkpoint tensor" in found
     assert "model `persist` is not filled by any checkpoint tensor" in found
     assert not any("scratch" in p for p in found)
     assert "checkpoint tensor `stray.weight` in model.safetensors has no place in the model" in found
     assert any("`ghost.proj.weight`" in p for p in found)
-    plan = ckpt.plan(meta(Extra), strict=False)
+    plan = plan_load(ckpt, meta(Extra), strict=False)
     assert plan.missing == ("extra.weight", "persist")
     assert plan.unexpected == ("ghost.proj.input_scale", "ghost.proj.weight", "ghost.proj.weight_scale",
                                "stray.weight")
@@ -152,19 +153,19 @@ def test_key_map_renames_and_skips(tmp_path):
             self.body = SmallModel()
 
     model = meta(Wrapped)
-    plan = ckpt.plan(model, key_map=key_map, strict=False)
+    plan = plan_load(ckpt, model, key_map=key_map, strict=False)
     assert [t.module for t in plan.fp8] == ["body.layers.0.down", "body.layers.0.up"]
     assert plan.skipped == ("lm_head.weight",)
     assert plan.missing == ("body.lm_head.weight",)
 
 
 def test_two_keys_onto_one_target(ckpt):
-    found = problems(lambda: ckpt.plan(meta(), key_map=lambda k: k.replace("down", "up")))
+    found = problems(lambda: plan_load(ckpt, meta(), key_map=lambda k: k.replace("down", "up")))
     assert any("both map to model `layers.0.up.weight`" in p for p in found)
 
 
 def test_key_map_to_non_weight(ckpt):
-    found = problems(lambda: ckpt.plan(meta(), key_map=lambda k: k + "_x" if ".up." in k else k))
+    found = problems(lambda: plan_load(ckpt, meta(), key_map=lambda k: k + "_x" if ".up." in k else k))
     assert any("maps to `layers.0.up.weight_x`, which is not a `.weight`" in p for p in found)
 
 
@@ -172,14 +173,14 @@ def test_plan_mutates_nothing(ckpt):
     model = meta()
     before = {k: (type(v), v.dtype, v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     modules = [type(m) for m in model.modules()]
-    ckpt.plan(model)
+    plan_load(ckpt, model)
     assert before == {k: (type(v), v.dtype, v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     assert modules == [type(m) for m in model.modules()]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
 def test_rank_bytes_follow_torch_chunk(ckpt, world):
-    plan = ckpt.plan(meta())
+    plan = plan_load(ckpt, meta())
     for rank in range(world):
         expected = 0
         for e in [t.entry for t in plan.tensors] + [t.entry.weight for t in plan.fp8]:

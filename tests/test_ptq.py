@@ -1,4 +1,4 @@
-"""Runtime quantization (fsdp_fp8.ptq): TorchAO fp8 on the reference MoT, and every refusal.
+"""Runtime quantization (fsdp_fp8.runtime.ptq): TorchAO fp8 on the reference MoT, and every refusal.
 
 FP8 tolerance, from first principles. E4M3 keeps 3 mantissa bits, so rounding to it has
 unit roundoff u = 2**-4 (relative error at most u); for values spread over a binade the
@@ -28,11 +28,11 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_fp8.checkpoint import open_checkpoint
-from fsdp_fp8.export import export_bf16, export_fp8
-from fsdp_fp8.fp8_linear import Float8StaticLinear
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.export.modelopt import export_bf16, export_fp8
+from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.models import PRESETS, build_model, init_weights
-from fsdp_fp8.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
+from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

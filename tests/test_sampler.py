@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_fp8.models import PRESETS, build_model, init_weights
-from fsdp_fp8.sampler import sample
+from fsdp_fp8.runtime.sampler import sample
 
 TINY32 = dataclasses.replace(PRESETS["tiny"], dtype="float32")
 

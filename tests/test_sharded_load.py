@@ -13,6 +13,7 @@ import torch
 
 from ranks import run_ranks
 from small_models import FIXTURE, HIDDEN, fixture_llama_fn, load_files, uneven_model_fn, write_uneven_checkpoint
+from fsdp_fp8.load.plan import plan_load
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -54,8 +55,8 @@ def _count_our_ops() -> dict[str, int]:
     """Wrap each op fsdp_fp8 registered; counts the calls that reach it on static FP8 tensors."""
     from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
 
-    from fsdp_fp8.fp8_tensor import is_static_fp8
-    from fsdp_fp8.fsdp_ops import TORCHAO_ORIGINALS
+    from fsdp_fp8.fp8.tensor import is_static_fp8
+    from fsdp_fp8.fp8.ops import TORCHAO_ORIGINALS
 
     calls: dict[str, int] = {}
     table = PrototypeFloat8Tensor._ATEN_OP_TABLE[PrototypeFloat8Tensor]
@@ -73,9 +74,9 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     import torch.distributed as dist
 
     from fsdp_fp8 import gather_state_dict, load_checkpoint, open_checkpoint, swap_fp8_linears
-    from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
-    from fsdp_fp8.meta_build import materialize, meta_init, tensors_on_meta
-    from fsdp_fp8.api import load_model
+    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
+    from fsdp_fp8.load.api import load_model
 
     obs: dict = {}
     op_calls = _count_our_ops()
@@ -83,7 +84,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     ckpt = open_checkpoint(uneven_dir)
     with meta_init():
         model = uneven_model_fn(ckpt.config)
-    plan = ckpt.plan(model)
+    plan = plan_load(ckpt, model)
     swap_fp8_linears(model, plan)
     shard_model(model, default_mesh("cpu"))
     with _Allocations() as allocations:

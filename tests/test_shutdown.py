@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_fp8.shutdown import shutdown_distributed
+from fsdp_fp8.cli.shutdown import shutdown_distributed
 
 WORKER = Path(__file__).with_name("shutdown_worker.py")
 RUNS = 3

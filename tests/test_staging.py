@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_fp8 import loader, slice_reader
-from fsdp_fp8.checkpoint import open_checkpoint
-from fsdp_fp8.meta_build import meta_init
+from fsdp_fp8.load import loader
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.models import MoTConfig, build_model
-from fsdp_fp8.sparse_checkpoint import write_sparse_checkpoint
-from fsdp_fp8.swap import swap_fp8_linears
+from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
+from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.load.plan import plan_load
 
 CONFIG = MoTConfig(hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136,
                    vocab_size=301, latent_channels=6)
@@ -27,7 +29,7 @@ def _swapped_model(checkpoint_dir, device):
     ckpt = open_checkpoint(checkpoint_dir)
     with meta_init():
         model = build_model(CONFIG, device="cpu")
-    plan = ckpt.plan(model)
+    plan = plan_load(ckpt, model)
     swap_fp8_linears(model, plan)
     if device == "cpu":
         model.to_empty(device="cpu")
@@ -51,7 +53,7 @@ def test_accelerator_destination_is_staged_in_bounded_reads(checkpoint_dir, monk
     # A meta model stands in for accelerator memory: its tensors are not on the CPU, so the
     # loader must stage; copying into meta checks shapes and moves nothing.
     model, plan = _swapped_model(checkpoint_dir, "meta")
-    monkeypatch.setattr(loader, "STAGING_BYTES", BUDGET)
+    monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)
     calls = _spy_reads(monkeypatch)
     loader._load_local(model, plan)
     assert calls and not any(in_place for _, _, in_place in calls)
@@ -69,7 +71,7 @@ def test_accelerator_destination_is_staged_in_bounded_reads(checkpoint_dir, monk
 
 def test_a_row_larger_than_the_budget_is_staged_one_row_at_a_time(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "meta")
-    monkeypatch.setattr(loader, "STAGING_BYTES", 50)  # below every 2-D row, above 1-D rows (2 bytes)
+    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 50)  # below every 2-D row, above 1-D rows (2 bytes)
     calls = _spy_reads(monkeypatch)
     loader._load_local(model, plan)
     rows = {t.entry.key: slice_reader.row_nbytes(t.entry) for t in plan.tensors}
@@ -81,7 +83,7 @@ def test_a_row_larger_than_the_budget_is_staged_one_row_at_a_time(checkpoint_dir
 
 def test_cpu_destination_is_read_in_place_once_per_tensor(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "cpu")
-    monkeypatch.setattr(loader, "STAGING_BYTES", BUDGET)  # irrelevant on CPU: no staging
+    monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)  # irrelevant on CPU: no staging
     calls = _spy_reads(monkeypatch)
     loader._load_local(model, plan)
     assert calls and all(in_place for _, _, in_place in calls)

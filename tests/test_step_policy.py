@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.step_policy import (
+from fsdp_fp8.format.step_policy import (
     PUBLISHED_POLICY,
     StepPolicy,
     describe_trace,
@@ -282,7 +282,7 @@ def test_auto_without_checkpoint_policy_is_none():
 
 
 def test_off_disables_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.step_policy"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.format.step_policy"):
         assert resolve_step_policy(PUBLISHED_POLICY, "off") is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -292,7 +292,7 @@ def test_off_disables_and_warns(caplog):
 
 def test_dict_override_is_parsed_and_logged(caplog):
     override = _policy(1, 2, overlap="native", reasoner="native")
-    with caplog.at_level(logging.INFO, logger="fsdp_fp8.step_policy"):
+    with caplog.at_level(logging.INFO, logger="fsdp_fp8.format.step_policy"):
         policy = resolve_step_policy(PUBLISHED_POLICY, override)
     assert policy == StepPolicy(first_count=1, last_count=2, overlap="native", reasoner="native")
     assert any("override" in r.getMessage() for r in caplog.records)

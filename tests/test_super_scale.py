@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_fp8 import cli
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.cli import commands as cli
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
-from fsdp_fp8.sparse_checkpoint import write_sparse_checkpoint
+from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
+from fsdp_fp8.load.plan import plan_load
 from ranks import run_ranks
 from small_models import load_files
 
@@ -61,7 +62,7 @@ def _hand_forecast_super(world: int) -> tuple[int, int]:
 def test_super_plan_on_meta_and_forecast_match_hand_computation(super_dir):
     ckpt = open_checkpoint(super_dir)
     model = build_model(MoTConfig.from_config_dict(ckpt.config), device="meta")
-    plan = ckpt.plan(model)
+    plan = plan_load(ckpt, model)
     assert len(plan.fp8) == 896 and not plan.missing and not plan.unexpected
     fp8, high = _hand_forecast_super(8)
     embed_row = 5120 * 2
@@ -87,8 +88,9 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 
 
 def _load_small(rank: int, world: int, path: str) -> dict:
-    from fsdp_fp8 import gather_state_dict, load_model, slice_reader
-    from fsdp_fp8.architectures import resolve_architecture
+    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8 import gather_state_dict, load_model
+    from fsdp_fp8.load.architectures import resolve_architecture
 
     reads = []
     real = slice_reader._pread_into

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_fp8.fp8_tensor import E4M3
-from fsdp_fp8.topology import fuse_fp8_projections, requantize_onto, rerounded_count
+from fsdp_fp8.fp8.tensor import E4M3
+from fsdp_fp8.fp8.topology import fuse_fp8_projections, requantize_onto, rerounded_count
 from small_models import quantize_per_tensor
 
 

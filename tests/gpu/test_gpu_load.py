@@ -15,13 +15,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from fsdp_fp8.demo import demo_checkpoint
+    from fsdp_fp8.cli.demo import demo_checkpoint
 
     return demo_checkpoint(tmp_path_factory.mktemp("cache"))
 
 
 def _inputs(model, device):
-    from fsdp_fp8.demo import demo_prompt_ids
+    from fsdp_fp8.cli.demo import demo_prompt_ids
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 64, model.config.latent_channels, generator=gen).to(device, torch.bfloat16)
@@ -43,8 +43,8 @@ def _forward(model, device, mode):
 @pytest.fixture(scope="module")
 def cpu_reference(demo):
     from fsdp_fp8 import load_model
-    from fsdp_fp8.architectures import resolve_architecture
-    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.format.checkpoint import open_checkpoint
 
     model = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo,
                        device=torch.device("cpu")).model
@@ -66,8 +66,8 @@ def test_nccl_world_1_load_forward_matches_cpu_and_uses_scaled_mm(demo, cpu_refe
     from safetensors.torch import load_file
 
     from fsdp_fp8 import gather_state_dict, load_model
-    from fsdp_fp8.architectures import resolve_architecture
-    from fsdp_fp8.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.format.checkpoint import open_checkpoint
 
     device = torch.device("cuda", 0)
     loaded = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=device)

@@ -14,18 +14,12 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
-from fsdp_fp8.checkpoint_files import Layout, find_layout, resolve_directory
+from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
 from fsdp_fp8.errors import raise_if_problems
-from fsdp_fp8.quant_config import QuantConfig, read_quant_config
-from fsdp_fp8.safetensors_header import Header, TensorEntry, load_json_object, read_header
-from fsdp_fp8.slice_reader import read_scale
-
-if TYPE_CHECKING:
-    import torch.nn as nn
-
-    from fsdp_fp8.plan import LoadPlan
+from fsdp_fp8.format.quant_config import QuantConfig, read_quant_config
+from fsdp_fp8.format.safetensors_header import Header, TensorEntry, load_json_object, read_header
+from fsdp_fp8.format.slice_reader import read_scale
 
 __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEntry", "open_checkpoint"]
 
@@ -67,12 +61,6 @@ class Checkpoint:
     kv_scales: dict[str, TensorEntry]
     index_file: str | None = None
 
-    def plan(self, model: nn.Module, key_map: Callable[[str], str | None] | None = None,
-             strict: bool = True, strict_kv_scales: bool = False) -> LoadPlan:
-        """Match this checkpoint against a meta-device ``model``; see ``fsdp_fp8.plan``."""
-        from fsdp_fp8.plan import plan_load  # plan imports this module
-
-        return plan_load(self, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
 
 
 def _read_config(directory: Path, problems: list[str]) -> dict:

@@ -16,16 +16,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.agreement import agree_or_raise, checkpoint_identity
-from fsdp_fp8.architectures import Architecture, resolve_architecture
-from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.load.agreement import agree_or_raise, checkpoint_identity
+from fsdp_fp8.load.architectures import Architecture, resolve_architecture
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.fp8_linear import cuda_shape_problems
-from fsdp_fp8.fsdp_wrap import default_mesh, shard_model
-from fsdp_fp8.loader import LoadReport, load_checkpoint
-from fsdp_fp8.plan import LoadPlan
-from fsdp_fp8.meta_build import materialize, meta_init
-from fsdp_fp8.swap import swap_fp8_linears
+from fsdp_fp8.fp8.linear import cuda_shape_problems
+from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+from fsdp_fp8.load.loader import LoadReport, load_checkpoint
+from fsdp_fp8.load.plan import LoadPlan
+from fsdp_fp8.load.meta_build import materialize, meta_init
+from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.load.plan import plan_load
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales):
         model_fn = arch.model_fn
     with meta_init():
         model = model_fn(checkpoint.config)
-    plan = checkpoint.plan(model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
+    plan = plan_load(checkpoint, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
     return checkpoint, model, plan, arch
 
 
@@ -72,8 +73,8 @@ def load_model(
 
     ``model_fn=None`` builds the class the checkpoint's ``config.json`` names (our reference
     model, or a transformers / diffusers class with ``fsdp_fp8[hf]``; see
-    ``fsdp_fp8.architectures``). ``strict_kv_scales`` refuses FP8 KV-cache scales the model
-    has no place for instead of warning (``fsdp_fp8.plan``).
+    ``fsdp_fp8.load.architectures``). ``strict_kv_scales`` refuses FP8 KV-cache scales the model
+    has no place for instead of warning (``fsdp_fp8.load.plan``).
 
     With a process group up, this is collective: the model is ``fully_shard``-ed over
     ``mesh`` (default: every rank) and each rank loads only its rows. Without one, it

@@ -5,7 +5,7 @@
     architectures == [<a transformers class>] -> transformers _from_config
                                                (kind "causal_lm" for *ForCausalLM, else "transformers")
 
-transformers and diffusers are optional (``fsdp_fp8[hf]``) and imported by ``fsdp_fp8.hf``
+transformers and diffusers are optional (``fsdp_fp8[hf]``) and imported by ``fsdp_fp8.load.hf_build``
 only when a checkpoint names one of their classes.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_fp8 import hf
+from fsdp_fp8.load import hf_build as hf
 from fsdp_fp8.models import MoTConfig, build_model, linear_towers
 from fsdp_fp8.models.mot_config import CLASS_NAME as MOT_CLASS_NAME
 

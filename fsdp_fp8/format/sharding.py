@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fsdp_fp8.safetensors_header import TensorEntry
+from fsdp_fp8.format.safetensors_header import TensorEntry
 
 
 def _check(world_size: int, rank: int) -> None:

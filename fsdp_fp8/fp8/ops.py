@@ -25,8 +25,8 @@ from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor 
     PrototypeFloat8Tensor,
 )
 
-from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8, rebuild
-from fsdp_fp8.sharding import padded_rows
+from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8, rebuild
+from fsdp_fp8.format.sharding import padded_rows
 
 aten = torch.ops.aten
 _INSTALLED = False
@@ -194,3 +194,5 @@ REGISTERED_OPS = (
     "split.Tensor", "slice.Tensor", "view.default", "as_strided.default", "new_zeros.default",
     "new_empty.default", "empty_like.default", "zeros_like.default", "_to_copy.default",
 )
+
+install_fsdp_support()  # registered once, when this module is first imported

@@ -24,13 +24,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp_fp8 import slice_reader
-from fsdp_fp8.meta_build import tensors_on_meta
-from fsdp_fp8.sharding import staging_rows
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.load.meta_build import tensors_on_meta
+from fsdp_fp8.format.sharding import staging_rows
 
 log = logging.getLogger(__name__)
 
-STAGING_BYTES = 64 << 20  # per read into accelerator memory; CPU storage is read into directly
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def _read_rows_into(entry, start: int, stop: int, dest: torch.Tensor) -> None:
         slice_reader.read_bytes(entry, start, stop, out=dest_bytes)
         return
     row_bytes = dest_bytes.numel() // (stop - start)
-    step = staging_rows(row_bytes, STAGING_BYTES)  # shared with the forecast (sharding.rank_forecast)
+    step = staging_rows(row_bytes, slice_reader.STAGING_BYTES)  # shared with the forecast (sharding.rank_forecast)
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         staged = slice_reader.read_bytes(entry, lo, hi).reshape(-1).view(torch.uint8)
@@ -175,7 +174,7 @@ def load_checkpoint(model: nn.Module, checkpoint, plan, *, prepare=None) -> Load
     ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank too).
     """
     if plan.checkpoint is not checkpoint:
-        raise ValueError("this plan was made for another checkpoint: plan with checkpoint.plan(model)")
+        raise ValueError("this plan was made for another checkpoint: plan with plan_load(checkpoint, model)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_fp8.checkpoint_files import file_sha256
-from fsdp_fp8.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.format.files import file_sha256
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.sharding import rank_forecast
+from fsdp_fp8.format.sharding import rank_forecast
 
 
 def _mib(n: int) -> str:
@@ -35,7 +35,7 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
     if world_size:
-        from fsdp_fp8.loader import STAGING_BYTES
+        from fsdp_fp8.format.slice_reader import STAGING_BYTES
 
         fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
         other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.safetensors_header import load_json_object
-from fsdp_fp8.step_policy import parse_step_policy
+from fsdp_fp8.format.safetensors_header import load_json_object
+from fsdp_fp8.format.step_policy import parse_step_policy
 
 NESTED = "hf_quant_config.json (nested)"
 FLAT = "hf_quant_config.json (flat)"
@@ -24,7 +24,7 @@ CONFIG_JSON = "config.json quantization_config"
 
 _NESTED_TOP = {"producer", "quantization"}
 # Writers of the ModelOpt static-FP8 layout: ModelOpt itself, and fsdp_fp8's own exporter
-# (fsdp_fp8.export), which writes the same files and names itself honestly.
+# (fsdp_fp8.export.modelopt), which writes the same files and names itself honestly.
 PRODUCERS = frozenset({"modelopt", "fsdp_fp8"})
 _NESTED_QUANT = {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}
 _FLAT = {"quant_method", "quant_algo", "kv_cache_quant_algo", "exclude_modules", "ignore", "producer"}

@@ -14,11 +14,15 @@ import threading
 
 import torch
 
-from fsdp_fp8.safetensors_header import TensorEntry
+from fsdp_fp8.format.safetensors_header import TensorEntry
 
 # safetensors stores little-endian; viewing the bytes in place is only right on such hosts.
 if sys.byteorder != "little":  # pragma: no cover
-    raise ImportError("fsdp_fp8.slice_reader needs a little-endian host")
+    raise ImportError("fsdp_fp8.format.slice_reader needs a little-endian host")
+
+# Largest single read into accelerator memory (staged through host memory); CPU storage is
+# read into directly. Read at call time by the loader and the forecast: tests and users may change it.
+STAGING_BYTES = 64 << 20
 
 _lock = threading.Lock()
 _bytes_read = 0

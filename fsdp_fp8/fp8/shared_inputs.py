@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_fp8.fp8_linear import Float8StaticLinear, SharedActivation
+from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
 
 log = logging.getLogger(__name__)
 

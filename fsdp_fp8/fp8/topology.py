@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_fp8.fp8_tensor import E4M3, E4M3_MAX
+from fsdp_fp8.fp8.tensor import E4M3, E4M3_MAX
 
 
 def requantize_onto(codes: torch.Tensor, scale: torch.Tensor, shared_scale: torch.Tensor) -> torch.Tensor:

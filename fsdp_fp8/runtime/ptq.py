@@ -146,7 +146,7 @@ def _compile(pattern: str, kind: str, problems: list[str]) -> re.Pattern | None:
 
 
 def _is_fp8_static_linear(module: nn.Module) -> bool:
-    from fsdp_fp8.fp8_linear import Float8StaticLinear  # fp8_linear pulls in the FSDP op table
+    from fsdp_fp8.fp8.linear import Float8StaticLinear  # fp8_linear pulls in the FSDP op table
 
     return isinstance(module, Float8StaticLinear)
 

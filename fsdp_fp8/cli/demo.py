@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from fsdp_fp8.checkpoint_files import file_sha256
-from fsdp_fp8.export import export_fp8, producer_version
+from fsdp_fp8.format.files import file_sha256
+from fsdp_fp8.export.modelopt import export_fp8, producer_version
 from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
-from fsdp_fp8.sampler import sample
-from fsdp_fp8.step_policy import PUBLISHED_POLICY
+from fsdp_fp8.runtime.sampler import sample
+from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
 
 logger = logging.getLogger(__name__)
 

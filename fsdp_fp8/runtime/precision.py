@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_fp8.fp8_linear import Float8StaticLinear
-from fsdp_fp8.step_policy import StepPolicy
+from fsdp_fp8.fp8.linear import Float8StaticLinear
+from fsdp_fp8.format.step_policy import StepPolicy
 
 GENERATION, REASONER = "generation", "reasoner"
 

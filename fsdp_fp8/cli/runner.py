@@ -5,7 +5,7 @@
 
 Without ``--checkpoint`` it runs the embedded demo (built and cached on first use). A
 transformers causal LM generates ``--new-tokens`` greedily from ``--prompt-ids`` (or the
-prompt); a diffusers transformer runs one forward on ``--seed``-ed inputs (fsdp_fp8.hf_run).
+prompt); a diffusers transformer runs one forward on ``--seed``-ed inputs (fsdp_fp8.interop.hf_run).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fsdp_fp8.api import default_device, load_model
-from fsdp_fp8.checkpoint import open_checkpoint
+from fsdp_fp8.load.api import default_device, load_model
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.hf_run import prompt_bytes, run_hf
-from fsdp_fp8.loader import LoadFailedError
-from fsdp_fp8.precision import denoising_step, install_step_policy
-from fsdp_fp8.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
-from fsdp_fp8.sampler import sample
-from fsdp_fp8.shared_inputs import share_quantized_inputs
-from fsdp_fp8.step_policy import describe_trace, resolve_step_policy
+from fsdp_fp8.interop.hf_run import prompt_bytes, run_hf
+from fsdp_fp8.load.loader import LoadFailedError
+from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
+from fsdp_fp8.runtime.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
+from fsdp_fp8.runtime.sampler import sample
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.format.step_policy import describe_trace, resolve_step_policy
 
 log = logging.getLogger("fsdp_fp8")
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.checkpoint:
         path = args.checkpoint
     else:
-        from fsdp_fp8.demo import demo_checkpoint
+        from fsdp_fp8.cli.demo import demo_checkpoint
 
         if _rank() == 0:
             log.info("using the embedded demo checkpoint (built once, then cached)")
@@ -199,7 +199,7 @@ def _quantize_lines(q: dict | None) -> list[str]:
 
 
 def _output_lines(result: dict) -> list[str]:
-    if "generated_ids" in result:  # a transformers causal LM (fsdp_fp8.hf_run)
+    if "generated_ids" in result:  # a transformers causal LM (fsdp_fp8.interop.hf_run)
         return [f"model           {result['architecture']}, KV-cache scales unused: {result['kv_scales_unused']}",
                 f"prompt          {result['prompt_ids']} ({result['prompt_source']})",
                 f"generated       {result['generated_ids']} in {result['run_seconds']:.2f} s (greedy)",

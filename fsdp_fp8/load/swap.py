@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp_fp8.fp8_linear import Float8StaticLinear
+from fsdp_fp8.fp8.linear import Float8StaticLinear
 
 
 def swap_fp8_linears(model: nn.Module, plan) -> list[str]:

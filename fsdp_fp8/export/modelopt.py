@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from fsdp_fp8.checkpoint import SCALE_SUFFIXES as _SCALE_SUFFIXES
-from fsdp_fp8.quant_config import matches_ignore as is_ignored
-from fsdp_fp8.fp8_tensor import E4M3_MAX
-from fsdp_fp8.step_policy import parse_step_policy
+from fsdp_fp8.format.checkpoint import SCALE_SUFFIXES as _SCALE_SUFFIXES
+from fsdp_fp8.format.quant_config import matches_ignore as is_ignored
+from fsdp_fp8.fp8.tensor import E4M3_MAX
+from fsdp_fp8.format.step_policy import parse_step_policy
 
 DEFAULT_IGNORE = ("proj_in", "proj_out", "time_embedder*", "lm_head", "embed_tokens")
 _STEM = "diffusion_pytorch_model"
@@ -108,7 +108,7 @@ def _fp8_tensors(sd, targets, input_scales) -> tuple[dict[str, torch.Tensor], li
     return out, problems
 
 
-def _quantization_config(ignore: list[str], step_policy: dict | None) -> dict[str, Any]:
+def quantization_config(ignore: list[str], step_policy: dict | None) -> dict[str, Any]:
     fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
     qc: dict[str, Any] = {
         "config_groups": {
@@ -124,7 +124,7 @@ def _quantization_config(ignore: list[str], step_policy: dict | None) -> dict[st
     return qc
 
 
-def _plan_shards(
+def plan_shards(
     tensors: dict[str, torch.Tensor], max_shard_size: int | None, separate_scales: bool
 ) -> list[list[str]]:
     def nbytes(key: str) -> int:
@@ -159,7 +159,7 @@ def _write(directory, tensors, config, hf_quant, max_shard_size, separate_scales
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):
         raise FileExistsError(f"{directory} is not empty; export writes into an empty directory")
-    shards = _plan_shards(tensors, max_shard_size, separate_scales)
+    shards = plan_shards(tensors, max_shard_size, separate_scales)
     if len(shards) == 1:
         single = {k: tensors[k] for k in shards[0]}
         save_file(single, directory / f"{_STEM}.safetensors", {"format": "pt"})
@@ -225,7 +225,7 @@ def export_fp8(
     if problems:
         raise ValueError("cannot export FP8:\n" + "\n".join(f"  - {p}" for p in sorted(problems)))
     full_config = {k: config[k] for k in sorted(config)}
-    full_config["quantization_config"] = _quantization_config(ignore, step_policy)
+    full_config["quantization_config"] = quantization_config(ignore, step_policy)
     hf_quant = {
         "producer": {"name": "fsdp_fp8", "version": producer_version()},
         "quantization": {

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_fp8.fp8_tensor import dequantize, empty_static_fp8_weight, fp8_gemm, is_static_fp8, quantize_activation
-from fsdp_fp8.fsdp_ops import install_fsdp_support
+from fsdp_fp8.fp8.tensor import dequantize, empty_static_fp8_weight, fp8_gemm, is_static_fp8, quantize_activation
+from fsdp_fp8.fp8.ops import install_fsdp_support
 
 Mode = Literal["native", "a16"]
 

@@ -16,10 +16,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from fsdp_fp8.checkpoint import Checkpoint, Fp8ModuleEntry
+from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.errors import raise_if_problems
-from fsdp_fp8.safetensors_header import TensorEntry
-from fsdp_fp8.sharding import RankForecast, entry_rank_bytes, rank_forecast
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.safetensors_header import TensorEntry
+from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,9 @@ class LoadPlan:
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages at most in one read
-        into an accelerator (``staging_bytes`` defaults to the loader's ``STAGING_BYTES``)."""
+        into an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""
         if staging_bytes is None:
-            from fsdp_fp8 import loader  # read at call time: tests and users may change it
-
-            staging_bytes = loader.STAGING_BYTES
+            staging_bytes = slice_reader.STAGING_BYTES  # read at call time: tests and users may change it
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
         return rank_forecast(fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes)
 

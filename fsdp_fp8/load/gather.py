@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_fp8.fp8_tensor import E4M3, is_static_fp8
-from fsdp_fp8.sharding import padded_rows
+from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
+from fsdp_fp8.format.sharding import padded_rows
 
 
 def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:

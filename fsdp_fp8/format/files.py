@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.safetensors_header import load_json_object
+from fsdp_fp8.format.safetensors_header import load_json_object
 
 WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from fsdp_fp8.export import DEFAULT_IGNORE, _plan_shards, _quantization_config, is_ignored, producer_version
+from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, plan_shards, quantization_config, is_ignored, producer_version
 from fsdp_fp8.models import MoTConfig, build_model
 
 _STEM = "diffusion_pytorch_model"
@@ -98,7 +98,7 @@ def write_sparse_checkpoint(
     if any(directory.iterdir()):
         raise FileExistsError(f"{directory} is not empty")
     tensors = checkpoint_tensors(config, ignore)
-    shards = _plan_shards(tensors, max_shard_size, False)
+    shards = plan_shards(tensors, max_shard_size, False)
     weight_map = {}
     for i, keys in enumerate(shards, start=1):
         name = f"{_STEM}-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -110,7 +110,7 @@ def write_sparse_checkpoint(
     }
     (directory / f"{_STEM}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config_json = config.to_config_dict()
-    config_json["quantization_config"] = _quantization_config(list(ignore), None)
+    config_json["quantization_config"] = quantization_config(list(ignore), None)
     (directory / "config.json").write_text(json.dumps(config_json, indent=4))
     hf_quant = {"producer": {"name": "fsdp_fp8", "version": producer_version()},
                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}}

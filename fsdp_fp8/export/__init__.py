@@ -1,0 +1,1 @@
+"""Writing ModelOpt-layout static-FP8 checkpoints."""

@@ -1,0 +1,1 @@
+"""Running Hugging Face transformers / diffusers models loaded by fsdp_fp8."""

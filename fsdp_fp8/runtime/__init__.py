@@ -1,0 +1,1 @@
+"""What runs after the load: per-step precision routing, the sampler, runtime PTQ."""

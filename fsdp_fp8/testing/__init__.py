@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: Super-scale sparse checkpoints for dry runs."""
