@@ -1,0 +1,236 @@
+"""Open each checkpoint file once, without blocking, and hold it from validation to the last read.
+
+Why a held descriptor and not a path: a shard replaced (rename, re-sync) or rewritten between
+the checks and the reads would otherwise load bytes nobody checked, and ranks could end up
+holding different weights. An ``OpenFile`` pins the inode that was validated; every read is a
+``pread`` on that descriptor (thread-safe, so a parallel reader can share it), and
+``changes()`` tells whether the file was rewritten in place (its size or mtime moved) or the
+path now names another file. What this does and does not guarantee is in docs/reliability.md.
+
+Opening never blocks and never reads without bound: ``O_NONBLOCK`` makes ``open()`` of a
+named pipe return at once, ``fstat`` then refuses anything that is not a regular file (pipe,
+device, socket, directory), and a JSON file is read only up to ``MAX_JSON_BYTES``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import reprlib
+import stat
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+# Configs and indexes of the largest public checkpoints are a few MB (an index lists every
+# tensor once); anything far larger is corrupt or hostile, and json.loads would hold it all.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+# Real configs nest a handful of levels (config -> quantization_config -> config_groups -> group
+# -> weights -> field). Deeper input would end in a RecursionError in a parser, a repr or a
+# library that walks configs.
+MAX_JSON_DEPTH = 32
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 80
+_short.maxlevel = 3
+
+
+def short_repr(value: object) -> str:
+    """``repr`` bounded in length and depth: safe for any value parsed from a file."""
+    return _short.repr(value)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says "the same file, unchanged": device, inode, size and mtime (ns)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def differences(self, other: FileIdentity) -> list[str]:
+        return [f"{field} {getattr(self, field)} -> {getattr(other, field)}"
+                for field in ("device", "inode", "size", "mtime_ns") if getattr(self, field) != getattr(other, field)]
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class OpenFile:
+    """One regular file, opened once; read with ``pread``; closed by ``close()`` or when collected."""
+
+    def __init__(self, path: Path, name: str, fd: int, identity: FileIdentity):
+        self.path, self.name, self.identity = path, name, identity
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def fileno(self) -> int:
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"{self.name}: the checkpoint was closed; open it again to read from it")
+        return fd
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
+        fd, done = self.fileno(), 0
+        while done < len(buf):
+            chunk = os.preadv(fd, [buf[done:]], offset + done)
+            if chunk == 0:
+                break
+            done += chunk
+        return done
+
+    def pread(self, size: int, offset: int) -> bytes:
+        buf = bytearray(size)
+        return bytes(buf[: self.pread_into(memoryview(buf), offset)])
+
+    def changes(self) -> list[str]:
+        """What changed since the file was opened: in place (``fstat``) or at its path (``stat``)."""
+        problems = []
+        try:
+            now = FileIdentity.of(os.fstat(self.fileno()))
+        except (OSError, ValueError) as exc:
+            return [f"{self.name}: cannot check it is unchanged: {exc}"]
+        if diff := self.identity.differences(now):
+            problems.append(f"{self.name} was rewritten in place after it was validated ({', '.join(diff)}); "
+                            "refusing what was read from it")
+        try:
+            at_path = FileIdentity.of(os.stat(self.path))
+        except OSError as exc:
+            at_path, gone = None, f"{type(exc).__name__}: {exc.strerror}"
+        else:
+            gone = ", ".join(self.identity.differences(at_path))
+        if gone:
+            problems.append(f"{self.name} was replaced after it was validated ({gone}): its path now names "
+                            "other bytes than the ones this rank loaded")
+        return problems
+
+    def close(self) -> None:
+        with self._lock:
+            self._fd = None
+            self._finalizer()
+
+    def __getstate__(self):  # a descriptor means nothing in another process: a copy is closed
+        return {"path": self.path, "name": self.name, "identity": self.identity}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fd, self._lock = None, threading.Lock()
+        self._finalizer = weakref.finalize(self, lambda: None)
+
+    def __repr__(self) -> str:
+        return f"OpenFile({self.name!r}{', closed' if self.closed else ''})"
+
+
+def open_regular(path: Path, name: str) -> tuple[OpenFile | None, str | None]:
+    """Open ``path`` read-only if it is a regular file; never blocks (pipes, devices are refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return None, f"{name}: cannot open: {type(exc).__name__}: {exc.strerror or exc}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None, f"{name} is {_kind(st.st_mode)}, not a regular file; refusing to read it"
+        os.set_blocking(fd, True)  # regular files never block; reads then behave as usual
+    except OSError as exc:
+        os.close(fd)
+        return None, f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}"
+    return OpenFile(Path(path), name, fd, FileIdentity.of(st)), None
+
+
+def _too_deep(value: object, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    # json.loads keeps the last of two equal keys; a tensor named twice must be refused.
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key `{short_repr(key)[1:-1]}`")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str):
+    raise ValueError(f"non-standard constant {name} (JSON has no NaN or Infinity)")
+
+
+def load_json_object(text: bytes | str, what: str, max_depth: int | None = MAX_JSON_DEPTH) -> tuple[dict | None, list[str]]:
+    """Decode a strict JSON object: UTF-8 without a BOM, no duplicate keys, no NaN/Infinity,
+    nested at most ``max_depth`` levels (``None``: the parser's own bound only)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        if bytes(text[:3]) == b"\xef\xbb\xbf":
+            return None, [f"{what} is not valid JSON: it starts with a byte-order mark (plain UTF-8 only)"]
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return None, [f"{what} is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})"]
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+    except RecursionError:
+        return None, [f"{what} is not valid JSON here: nested too deeply to parse"]
+    except ValueError as exc:
+        return None, [f"{what} is not valid JSON: {exc}"]
+    if not isinstance(value, dict):
+        return None, [f"{what} is not a JSON object (got {type(value).__name__})"]
+    if max_depth is not None and _too_deep(value, max_depth):
+        return None, [f"{what} is nested more than {max_depth} levels deep"]
+    return value, []
+
+
+def read_json_file(path: Path, name: str, max_bytes: int = MAX_JSON_BYTES) -> tuple[dict | None, bytes, list[str]]:
+    """(object, the bytes it was parsed from, problems) for a JSON file that must exist.
+
+    Reads at most ``max_bytes + 1`` bytes: a larger file (or one that grows) is refused.
+    """
+    handle, problem = open_regular(path, name)
+    if handle is None:
+        return None, b"", [problem]
+    try:
+        if handle.identity.size > max_bytes:
+            return None, b"", [f"{name} is {handle.identity.size:,} bytes; JSON files above {max_bytes:,} are refused"]
+        raw = handle.pread(max_bytes + 1, 0)
+    except OSError as exc:
+        return None, b"", [f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}"]
+    finally:
+        handle.close()
+    if len(raw) > max_bytes:
+        return None, b"", [f"{name} grew past {max_bytes:,} bytes while being read; refused"]
+    obj, problems = load_json_object(raw, name)
+    return obj, raw, problems
+
+
+def present(path: Path) -> bool:
+    """Whether a directory entry exists at ``path`` (even a dangling link); never raises."""
+    try:
+        os.lstat(path)
+    except (OSError, ValueError):
+        return False
+    return True

@@ -1,0 +1,73 @@
+"""Never run code from a checkpoint directory: what to pass to Hugging Face loaders, and what to report.
+
+transformers and diffusers can import Python files shipped inside a checkpoint (a config's or
+tokenizer config's ``auto_map``, a pipeline component from a custom module). With
+``trust_remote_code=None`` transformers *asks on stdin*, and a "y" (or a piped stdin) runs the
+code. Every ``from_pretrained`` / ``load_config`` call in fsdp_fp8 therefore passes
+``SAFE_PRETRAINED_KWARGS`` (never trust, never download, never prompt), and
+``remote_code_references`` names each place a directory asks for custom code, so the caller
+can report it before it is ignored (or refuse). The check reads JSON only, through the same
+bounded, non-blocking reader as the checkpoint itself; it imports neither library.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_fp8.format.handles import present, read_json_file, short_repr
+
+# trust_remote_code=False: never import checkpoint code and never prompt (transformers asks
+# only when it is None). local_files_only=True: nothing is fetched from the Hub.
+SAFE_PRETRAINED_KWARGS = {"trust_remote_code": False, "local_files_only": True}
+
+# Files whose ``auto_map`` names custom classes (transformers), and a pipeline's model_index.json
+# whose components may name a module other than a library's (diffusers).
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
+                  "image_processor_config.json", "feature_extractor_config.json", "video_preprocessor_config.json")
+KNOWN_LIBRARIES = frozenset({"diffusers", "transformers"})
+
+
+def safe_pretrained_kwargs(**extra) -> dict:
+    """``SAFE_PRETRAINED_KWARGS`` plus ``extra``; an ``extra`` that would trust remote code is refused."""
+    if extra.get("trust_remote_code") or extra.get("custom_pipeline") is not None:
+        raise ValueError("fsdp_fp8 never runs code from a checkpoint: trust_remote_code / custom_pipeline "
+                         "cannot be set")
+    return {**extra, **SAFE_PRETRAINED_KWARGS}
+
+
+def remote_code_references(directory: str | Path, subfolders: bool = True) -> tuple[list[str], list[str]]:
+    """(references to custom code, problems reading the files) in ``directory`` and, with
+    ``subfolders``, its direct subdirectories (a diffusers pipeline's components).
+
+    A reference names the file and the key: ``tokenizer_config.json: `auto_map` names custom
+    code {...}``. Unreadable or malformed files are problems, not references.
+    """
+    directory = Path(directory)
+    places = [directory]
+    if subfolders:
+        try:
+            places += sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError as exc:
+            return [], [f"{directory}: cannot list: {type(exc).__name__}: {exc.strerror or exc}"]
+    found, problems = [], []
+    for place in places:
+        prefix = "" if place == directory else f"{place.name}/"
+        for name in AUTO_MAP_FILES:
+            obj = _read(place / name, prefix + name, problems)
+            if obj is not None and obj.get("auto_map"):
+                found.append(f"{prefix}{name}: `auto_map` names custom code {short_repr(obj['auto_map'])}")
+        index = _read(place / "model_index.json", prefix + "model_index.json", problems)
+        for key, value in sorted((index or {}).items()):
+            if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+                    and value[0] not in KNOWN_LIBRARIES):
+                found.append(f"{prefix}model_index.json: `{key}` comes from module {value[0]!r}, "
+                             "custom code inside the checkpoint")
+    return found, problems
+
+
+def _read(path: Path, name: str, problems: list[str]) -> dict | None:
+    if not present(path):
+        return None
+    obj, _, errs = read_json_file(path, name)
+    problems += errs
+    return obj
