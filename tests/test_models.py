@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -180,9 +181,31 @@ def test_config_round_trip_and_refusals():
         dataclasses.replace(config, dtype="float16x")
 
 
-def test_swiglu_is_silu_gate_times_up():
-    gate, up = torch.randn(3, 5), torch.randn(3, 5)
-    assert torch.equal(swiglu(gate, up), torch.nn.functional.silu(gate) * up)
+def test_swiglu_is_silu_of_the_gate_times_up():
+    # silu(g) = g / (1 + e^-g), computed in float64 from math, not from torch's silu.
+    gate = torch.tensor([-3.0, -0.5, 0.0, 0.5, 2.0, 8.0])
+    up = torch.tensor([1.5, -2.0, 7.0, 3.0, -1.0, 0.25])
+    expected = [g / (1 + math.exp(-g)) * u for g, u in zip(gate.tolist(), up.tolist())]
+    torch.testing.assert_close(swiglu(gate, up), torch.tensor(expected), rtol=1e-6, atol=1e-7)
+    assert swiglu(gate, up).tolist() != swiglu(up, gate).tolist()  # which input is the gate matters
+
+
+def test_swiglu_mlp_is_the_llama_mlp():
+    """gate_proj goes through the activation, up_proj does not: the Llama / Qwen layout the
+    published names promise (transformers' own LlamaMLP on the same weights)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from fsdp_fp8.models.ops import SwiGLUMLP
+
+    ours = SwiGLUMLP(8, 12)
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=12, num_attention_heads=2,
+                                      num_key_value_heads=2, hidden_act="silu", mlp_bias=False)
+    theirs = LlamaMLP(config)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
 
 
 def test_reasoner_is_causal_and_generation_is_not():
@@ -218,7 +241,11 @@ def test_bf16_model_computes_in_bf16_with_o1_activations():
 
 
 def test_init_is_seeded_and_independent_of_device_of_construction():
-    a, b, c = tiny(seed=1), tiny(seed=1), tiny(seed=2)
-    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["layers.0.self_attn.to_q.weight"], sc["layers.0.self_attn.to_q.weight"])
+    on_cpu = tiny(seed=1).state_dict()
+    # Built on meta, given storage, then initialised: the sharded-load path's order.
+    on_meta = build_model(TINY32, device="meta").to_empty(device="cpu")
+    on_meta = init_weights(on_meta, seed=1).state_dict()
+    assert sorted(on_meta) == sorted(on_cpu)
+    assert all(torch.equal(on_meta[k], on_cpu[k]) for k in on_cpu)
+    other_seed = tiny(seed=2).state_dict()
+    assert not torch.equal(on_cpu["layers.0.self_attn.to_q.weight"], other_seed["layers.0.self_attn.to_q.weight"])

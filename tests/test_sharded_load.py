@@ -153,9 +153,25 @@ def test_gathered_state_equals_the_files_bit_for_bit(observed, world):
     assert rank0["fixture_fp8"] == 14  # 2 layers x q/k/v/o/gate/up/down
 
 
+@pytest.fixture(scope="module")
+def single_process_y(uneven_dir):
+    """The reference: the same checkpoint loaded in this process, with no process group
+    (a plain module, no FSDP, no DTensor)."""
+    import torch.distributed as dist
+
+    from fsdp_fp8.load.api import load_model
+
+    assert not dist.is_initialized()
+    model = load_model(uneven_model_fn, uneven_dir, device=torch.device("cpu")).model
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+    x = torch.randn(3, 4, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with torch.no_grad():
+        return model(x)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_sharded_forward_equals_single_process_bit_for_bit(observed, world):
-    reference = observed[1][0]["y"]
+def test_sharded_forward_equals_single_process_bit_for_bit(observed, single_process_y, world):
+    reference = single_process_y
     for obs in observed[world]:
         assert torch.equal(obs["y"], reference)
         assert torch.equal(obs["y_again"], reference)

@@ -69,7 +69,7 @@ def test_super_plan_on_meta_and_forecast_match_hand_computation(super_dir):
     for rank in range(8):
         f = plan.forecast(8, rank, staging_bytes=64 * MiB)
         assert (f.fp8_bytes, f.high_precision_bytes) == (fp8, high)
-        assert f.read_bytes == plan.rank_bytes(8, rank)
+        assert f.read_bytes == plan.rank_bytes(8, rank) == fp8 + high
         assert f.held_bytes == fp8 + high  # nothing to pad at 8 ranks
         # Largest local slice: 151936 / 8 = 18992 embedding rows of 10240 bytes (194 MB);
         # staged 64 MiB // 10240 = 6553 rows at a time.

@@ -19,12 +19,19 @@ def requantize_onto(codes: torch.Tensor, scale: torch.Tensor, shared_scale: torc
 
 
 def rerounded_count(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
-    """(codes that a shared max scale would change, total codes)."""
+    """(weights whose value a shared max scale would change, total weights).
+
+    A weight's value is ``code * scale``; onto the shared scale it becomes
+    ``requantize_onto(...) * shared``. Both products are exact in float64 (a 4-bit E4M3
+    mantissa times a 24-bit F32 one), so a weight counts only when its value really moves,
+    not merely because its code is rescaled.
+    """
     shared = max(s.float().reshape(()) for _, s in parts)
     changed = 0
     for codes, scale in parts:
-        again = requantize_onto(codes, scale, shared)
-        changed += int((again.view(torch.uint8) != codes.view(torch.uint8)).sum())
+        before = codes.double() * scale.double().reshape(())
+        after = requantize_onto(codes, scale, shared).double() * shared.double()
+        changed += int((before != after).sum())
     return changed, sum(c.numel() for c, _ in parts)
 
 
