@@ -175,7 +175,8 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranges = []  # (path, offset, nbytes)
     for path in common.checkpoint_files(Path(fp8_dir)):
-        header, problems = read_header(path)
+        problems: list[str] = []
+        header = read_header(path, problems)
         assert header is not None and not problems, problems
         for e in header.tensors.values():
             rows = e.shape[0] if e.shape else 1

@@ -1,26 +1,90 @@
-"""The one error type for checkpoints and load plans that cannot be used as they are."""
+"""Every error type fsdp_fp8 raises on purpose, and the one way problems are reported.
+
+Checks collect problems the same way throughout: a checking function takes the caller's
+``problems`` list and appends to it, and the public boundary (``open_checkpoint``,
+``plan_load``, ``export_fp8``, ``save_checkpoint``, ``quantize_model``, the ranks'
+agreement) raises once, with the sorted list of every problem, as a ``ProblemsError``
+subclass (the way safetensors' ``load_model`` reports all missing and unexpected keys
+together). ``format_problems`` is the one formatter::
+
+    <context>: 2 problems:
+      - `a.weight` in model.safetensors has shape (2, 3) but the model expects (3, 2)
+      - `b.input_scale` in model.safetensors is -1.0; a scale must be finite and > 0
+
+Distributed failures are ``RuntimeError``s: ``LoadFailedError`` (some rank failed and every
+rank agreed on it), ``PeerLostError`` (a collective itself failed: a peer died or hung) and
+``ModelUnusableError`` (the forward of a model whose load did not complete).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 
-class CheckpointError(ValueError):
-    """A checkpoint, or a plan to load it, has problems; ``problems`` lists every one, sorted.
+def format_problems(context: str, problems: Iterable[str]) -> str:
+    """``"<context>: N problem(s):"`` and one ``"  - ..."`` line per problem, sorted, once each."""
+    problems = sorted(set(problems))
+    count = len(problems)
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"{context}: {count} problem{'s' if count != 1 else ''}:\n{lines}"
 
-    Raised once, after everything was checked, so a user sees the whole list at once
-    (the way safetensors' ``load_model`` reports all missing and unexpected keys together).
+
+class ProblemsError(Exception):
+    """Problems found and listed once: ``problems`` holds every one, sorted, ``context`` what was checked."""
+
+    default_context = "problems"
+
+    def __init__(self, problems: Iterable[str], context: str | None = None):
+        self.problems: list[str] = sorted(set(problems))
+        self.context = context or self.default_context
+        super().__init__(format_problems(self.context, self.problems))
+
+    def __reduce__(self):  # pickles (e.g. across a process pipe) as its parts, not its message
+        return type(self), (self.problems, self.context)
+
+
+class CheckpointError(ProblemsError, ValueError):
+    """A checkpoint, or a plan to load it into a model, cannot be used as it is."""
+
+    default_context = "checkpoint"
+
+
+class ExportError(ProblemsError, ValueError):
+    """A model cannot be written as a checkpoint (``export_fp8``, ``save_checkpoint``)."""
+
+    default_context = "cannot export"
+
+
+class QuantizeError(ProblemsError, ValueError):
+    """Runtime quantization (``quantize_model``) refused the model or the options."""
+
+    default_context = "cannot quantize the model"
+
+
+class LoadFailedError(ProblemsError, RuntimeError):
+    """The load failed on at least one rank; every rank that agreed raises the same error.
+
+    ``problems`` holds one ``"rank R: <error>"`` entry per failed rank.
     """
 
-    def __init__(self, problems: Iterable[str], context: str = "checkpoint"):
-        self.problems: list[str] = sorted(set(problems))
-        self.context = context
-        count = len(self.problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{context}: {count} problem{'s' if count != 1 else ''}:\n{lines}")
+    default_context = "checkpoint load failed"
 
 
-def raise_if_problems(problems: Iterable[str], context: str = "checkpoint") -> None:
+class PeerLostError(RuntimeError):
+    """A collective failed: a peer died, dropped out or hung past the process-group timeout.
+
+    Raised instead of the backend's own error, with what this rank was doing and whether
+    anything was changed. Any model involved is marked unusable first.
+    """
+
+
+class ModelUnusableError(RuntimeError):
+    """Raised by the forward of a model whose load did not complete on every rank."""
+
+
+def raise_if_problems(problems: Iterable[str], context: str | None = None,
+                      error: type[ProblemsError] = CheckpointError) -> None:
+    """The boundary: raise ``error(problems, context)`` once if anything was found."""
     problems = list(problems)
     if problems:
-        raise CheckpointError(problems, context)
+        raise error(problems, context)

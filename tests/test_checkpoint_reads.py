@@ -29,7 +29,8 @@ def written(tmp_path):
 
 def entries(path) -> dict:
     # read_header, not open_checkpoint: an F8 tensor without a ModelOpt config is refused there
-    header, problems = read_header(path / "model.safetensors")
+    problems: list[str] = []
+    header = read_header(path / "model.safetensors", problems)
     assert problems == []
     return header.tensors
 

@@ -475,7 +475,7 @@ def test_rank_killed_mid_load(world, checkpoints, tmp_path, monkeypatch):
     survivors, elapsed, _ = _run_with_a_dead_rank(world, case, tmp_path, monkeypatch)
     for record in survivors:
         kind, text, _ = record["error"]
-        assert kind == "RuntimeError", record["error"]
+        assert kind == "PeerLostError", record["error"]
         assert text.startswith("checkpoint load failed: "), text
         assert "could not agree on the outcome with the other ranks" in text, text
         print(f"world {world}: survivor raised {record['seconds']:.3f} s after calling load_model")
@@ -489,7 +489,7 @@ def test_rank_killed_before_agreement(checkpoints, tmp_path, monkeypatch):
     survivors, elapsed, _ = _run_with_a_dead_rank(2, case, tmp_path, monkeypatch)
     (record,) = survivors
     kind, text, _ = record["error"]
-    assert kind == "RuntimeError", record["error"]
+    assert kind == "PeerLostError", record["error"]
     assert "could not exchange verdicts with the other ranks" in text and "nothing was changed" in text, text
     assert record["seconds"] < FAIL_WITHIN_S, record["seconds"]
     assert record["model"]["all_on_meta"] and not record["model"]["swapped"] and not record["model"]["sharded"]

@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 from fsdp_fp8.load.api import default_device, load_model
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.errors import ProblemsError
 from fsdp_fp8.interop.hf_run import prompt_bytes, run_hf
-from fsdp_fp8.load.loader import LoadFailedError
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.runtime.sampler import sample
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one clear message on rank 0, not a traceback per rank
         # Errors every rank raised alike (agreed, or before any collective) print once, on
         # rank 0; any other is this rank's own and says which rank it is.
-        agreed = isinstance(exc, (CheckpointError, LoadFailedError)) or not dist.is_initialized()
+        agreed = isinstance(exc, ProblemsError) or not dist.is_initialized()
         if rank == 0 or not agreed:
             print(f"error{'' if rank == 0 else f' (rank {rank})'}: {exc}", file=sys.stderr, flush=True)
         if rank != 0:

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from fsdp_fp8.errors import ExportError, raise_if_problems
 from fsdp_fp8.format.checkpoint import SCALE_SUFFIXES as _SCALE_SUFFIXES
 from fsdp_fp8.format.quant_config import matches_ignore as is_ignored
 from fsdp_fp8.fp8.tensor import E4M3_MAX
-from fsdp_fp8.format.step_policy import parse_step_policy
+from fsdp_fp8.format.step_policy import check_step_policy
 
 DEFAULT_IGNORE = ("proj_in", "proj_out", "time_embedder*", "lm_head", "embed_tokens")
 _STEM = "diffusion_pytorch_model"
@@ -71,20 +72,19 @@ def _state_dict(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torc
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
-def _fp8_targets(model, ignore, input_scales) -> tuple[list[str], list[str]]:
-    """Names of the linears to quantize, and problems found while choosing them."""
+def _fp8_targets(model, ignore, input_scales, problems: list[str]) -> list[str]:
+    """Names of the linears to quantize."""
     if isinstance(model, nn.Module):
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         unknown = sorted(set(input_scales or ()) - set(linears))
-        problems = [f"`{n}` in input_scales is not an nn.Linear of the model" for n in unknown]
+        problems += [f"`{n}` in input_scales is not an nn.Linear of the model" for n in unknown]
     else:
-        # A bare state_dict has no module types: the input scales name the linears.
-        linears, problems = sorted(input_scales or ()), []
-    return [n for n in linears if not is_ignored(n, ignore)], problems
+        linears = sorted(input_scales or ())  # a bare state_dict has no module types: the scales name the linears
+    return [n for n in linears if not is_ignored(n, ignore)]
 
 
-def _fp8_tensors(sd, targets, input_scales) -> tuple[dict[str, torch.Tensor], list[str]]:
-    out, problems = dict(sd), []
+def _fp8_tensors(sd, targets, input_scales, problems: list[str]) -> dict[str, torch.Tensor]:
+    out = dict(sd)
     for name in targets:
         key = f"{name}.weight"
         weight = sd.get(key)
@@ -105,7 +105,7 @@ def _fp8_tensors(sd, targets, input_scales) -> tuple[dict[str, torch.Tensor], li
             continue
         out[key], out[f"{name}.weight_scale"] = codes, weight_scale
         out[f"{name}.input_scale"] = scale.reshape(()).clone()
-    return out, problems
+    return out
 
 
 def quantization_config(ignore: list[str], step_policy: dict | None) -> dict[str, Any]:
@@ -215,15 +215,16 @@ def export_fp8(
         raise ValueError("`calibrate` needs an nn.Module, not a state_dict")
     if "quantization_config" in config:
         raise ValueError("`config` has a `quantization_config` already; pass the model's own")
+    problems: list[str] = []
     if step_policy is not None:
-        parse_step_policy(step_policy, source="export_fp8(step_policy=...)")
-    targets, problems = _fp8_targets(model, ignore, input_scales)
+        found: list[str] = []
+        check_step_policy(step_policy, found)
+        problems += [f"export_fp8(step_policy=...): {p}" for p in found]
+    targets = _fp8_targets(model, ignore, input_scales, problems)
     if calibrate is not None:
         input_scales = calibrate_input_scales(model, targets, calibrate)
-    tensors, more = _fp8_tensors(_state_dict(model), targets, input_scales)
-    problems += more
-    if problems:
-        raise ValueError("cannot export FP8:\n" + "\n".join(f"  - {p}" for p in sorted(problems)))
+    tensors = _fp8_tensors(_state_dict(model), targets, input_scales, problems)
+    raise_if_problems(problems, "cannot export FP8", ExportError)
     full_config = {k: config[k] for k in sorted(config)}
     full_config["quantization_config"] = quantization_config(ignore, step_policy)
     hf_quant = {

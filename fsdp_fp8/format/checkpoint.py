@@ -67,9 +67,7 @@ def _read_config(directory: Path, problems: list[str]) -> dict:
     path = directory / "config.json"
     if not path.exists():
         return {}
-    config, errs = load_json_object(path.read_bytes(), "config.json")
-    problems += errs
-    return config or {}
+    return load_json_object(path.read_bytes(), "config.json", problems) or {}
 
 
 def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[str]) -> dict[str, TensorEntry]:
@@ -99,18 +97,21 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
     return tensors
 
 
-def _scale_problems(entry: TensorEntry) -> list[str]:
-    """A scale must be one finite, positive F32; reads only its 4 bytes."""
+def _check_scale(entry: TensorEntry, problems: list[str]) -> bool:
+    """A scale must be one finite, positive F32; reads only its 4 bytes. True when it is."""
     if entry.dtype != "F32" or entry.numel != 1:
-        return [f"`{entry.key}` in {entry.file} must be F32 with exactly one element, "
-                f"got {entry.dtype} shape {entry.shape}"]
+        problems.append(f"`{entry.key}` in {entry.file} must be F32 with exactly one element, "
+                        f"got {entry.dtype} shape {entry.shape}")
+        return False
     try:
         value = float(read_scale(entry))
     except (OSError, ValueError) as exc:
-        return [f"`{entry.key}` in {entry.file}: cannot read the scale: {exc}"]
+        problems.append(f"`{entry.key}` in {entry.file}: cannot read the scale: {exc}")
+        return False
     if not math.isfinite(value) or value <= 0:
-        return [f"`{entry.key}` in {entry.file} is {value}; a scale must be finite and > 0"]
-    return []
+        problems.append(f"`{entry.key}` in {entry.file} is {value}; a scale must be finite and > 0")
+        return False
+    return True
 
 
 def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool,
@@ -144,9 +145,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             if scale is None:
                 problems.append(f"`{module}.weight` in {weight.file} is F8_E4M3 but `{module}{suffix}` is missing")
             else:
-                found = _scale_problems(scale)
-                problems += found
-                scales[suffix] = None if found else scale
+                scales[suffix] = scale if _check_scale(scale, problems) else None
         if len(weight.shape) == 2 and all(scales.get(s) for s in _SCALE_SUFFIXES):
             fp8[module] = Fp8ModuleEntry(module, weight, scales[".weight_scale"], scales[".input_scale"],
                                          tensors.get(f"{module}.bias"))
@@ -165,7 +164,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
                 problems.append(f"`{key}` in {e.file} is a scale for `{module}.weight`, which is stored as "
                                 f"{weight.dtype}, not F8_E4M3")
         elif key.endswith(_KV_SUFFIXES):
-            problems += _scale_problems(e)
+            _check_scale(e, problems)
             kv[key] = e
     if kv and quant.kv_cache_quant_algo is None:
         problems.append(f"KV-cache scales {sorted(kv)[:2]}... are present but the quantization config "
@@ -185,20 +184,19 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     context = f"checkpoint {directory}"
     problems: list[str] = []
     config = _read_config(directory, problems)
-    quant, quant_problems = read_quant_config(directory, config)
-    problems += quant_problems
-    layout, layout_problems = find_layout(directory)
-    problems += layout_problems
+    before = len(problems)
+    quant = read_quant_config(directory, config, problems)
+    quant_ok = len(problems) == before
+    layout = find_layout(directory, problems)
     if layout is None:
         raise_if_problems(problems, context)
     headers: dict[str, Header] = {}
     for name in layout.files:
-        header, header_problems = read_header(directory / name, name)
-        problems += header_problems
+        header = read_header(directory / name, problems, name)
         if header is not None:
             headers[name] = header
     tensors = _collect_tensors(layout, headers, problems)
-    fp8, high, kv = _classify(tensors, quant, not quant_problems, problems)
+    fp8, high, kv = _classify(tensors, quant, quant_ok, problems)
     raise_if_problems(problems, context)
     files = {n: ShardFile(n, h.path, h.size, h.header_sha256) for n, h in sorted(headers.items())}
     return Checkpoint(directory, config, quant, files, dict(sorted(tensors.items())), fp8, high, kv,

@@ -87,8 +87,7 @@ def shard_path(directory: Path, name: object, what: str) -> tuple[Path | None, s
 
 
 def _read_index(directory: Path, index_file: str, problems: list[str]) -> dict[str, str] | None:
-    obj, errs = load_json_object((directory / index_file).read_bytes(), index_file)
-    problems += errs
+    obj = load_json_object((directory / index_file).read_bytes(), index_file, problems)
     if obj is None:
         return None
     weight_map = obj.get("weight_map")
@@ -100,18 +99,19 @@ def _read_index(directory: Path, index_file: str, problems: list[str]) -> dict[s
     return weight_map
 
 
-def find_layout(directory: Path) -> tuple[Layout | None, list[str]]:
-    problems: list[str] = []
+def find_layout(directory: Path, problems: list[str]) -> Layout | None:
+    """The checkpoint's files, or None (with the reason in ``problems``) when there are none to read."""
     indexes = sorted(p.name for p in directory.glob("*.safetensors.index.json"))
     singles = [f"{s}.safetensors" for s in WEIGHT_STEMS if (directory / f"{s}.safetensors").exists()
                or (directory / f"{s}.safetensors").is_symlink()]
     if len(indexes) + len(singles) > 1:
-        return None, [f"{directory}: ambiguous checkpoint, found {indexes + singles}; expected one "
-                      "index or one single-file checkpoint"]
+        problems.append(f"{directory}: ambiguous checkpoint, found {indexes + singles}; expected one "
+                        "index or one single-file checkpoint")
+        return None
     if indexes:
         weight_map = _read_index(directory, indexes[0], problems)
         if weight_map is None:
-            return None, problems
+            return None
         files = set()
         for name in sorted({v for v in weight_map.values() if isinstance(v, str)}):
             keys = sorted(k for k, v in weight_map.items() if v == name)
@@ -123,19 +123,22 @@ def find_layout(directory: Path) -> tuple[Layout | None, list[str]]:
         for key, name in weight_map.items():
             if not isinstance(name, str):
                 problems.append(f"{indexes[0]}: `{key}` maps to {name!r}, not a file name")
-        return Layout(directory, indexes[0], tuple(sorted(files)), weight_map), problems
+        return Layout(directory, indexes[0], tuple(sorted(files)), weight_map)
     if singles:
         _, problem = shard_path(directory, singles[0], str(directory))
         if problem:
-            return None, [problem]
-        return Layout(directory, None, (singles[0],), None), []
+            problems.append(problem)
+            return None
+        return Layout(directory, None, (singles[0],), None)
     pickles = sorted(p.name for p in directory.iterdir()
                      if p.name.endswith(PICKLE_SUFFIXES) or p.name.endswith(".bin.index.json"))
     others = sorted(p.name for p in directory.glob("*.safetensors"))
     if pickles:
-        return None, [f"{directory}: only pickle checkpoint files {pickles}; they are never unpickled "
-                      "(arbitrary code), convert them to safetensors"]
-    if others:
-        return None, [f"{directory}: safetensors files {others} but no model.safetensors, "
-                      "diffusion_pytorch_model.safetensors or *.safetensors.index.json"]
-    return None, [f"{directory}: no safetensors checkpoint (no *.safetensors or *.safetensors.index.json)"]
+        problems.append(f"{directory}: only pickle checkpoint files {pickles}; they are never unpickled "
+                        "(arbitrary code), convert them to safetensors")
+    elif others:
+        problems.append(f"{directory}: safetensors files {others} but no model.safetensors, "
+                        "diffusion_pytorch_model.safetensors or *.safetensors.index.json")
+    else:
+        problems.append(f"{directory}: no safetensors checkpoint (no *.safetensors or *.safetensors.index.json)")
+    return None

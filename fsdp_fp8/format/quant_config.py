@@ -14,9 +14,8 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.safetensors_header import load_json_object
-from fsdp_fp8.format.step_policy import parse_step_policy
+from fsdp_fp8.format.step_policy import check_step_policy
 
 NESTED = "hf_quant_config.json (nested)"
 FLAT = "hf_quant_config.json (flat)"
@@ -192,10 +191,9 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
             if policy is not None and not isinstance(policy, dict):
                 problems.append(f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {policy!r}")
             elif policy is not None:
-                try:  # validated here, with the rest of the config: before any model is built
-                    parse_step_policy(policy, source=file)
-                except CheckpointError as exc:
-                    problems.extend(f"{file}: quantization_config.runtime.{p}" for p in exc.problems)
+                found: list[str] = []  # validated here, with the rest of the config: before any model is built
+                check_step_policy(policy, found)
+                problems.extend(f"{file}: quantization_config.runtime.{p}" for p in found)
                 parsed.step_policy = policy
     return parsed
 
@@ -213,17 +211,17 @@ def _agree(parsed: list[_Parsed], problems: list[str]) -> None:
                 problems.append(f"{a.spelling} and {b.spelling} disagree on {field}: {va!r} vs {vb!r}")
 
 
-def read_quant_config(directory: Path, config: dict) -> tuple[QuantConfig, list[str]]:
-    """Return the checkpoint's quantization config and every problem with it.
+def read_quant_config(directory: Path, config: dict, problems: list[str]) -> QuantConfig:
+    """The checkpoint's quantization config; every problem with it goes to ``problems``.
 
-    ``config`` is the already-parsed config.json (``{}`` when absent).
+    ``config`` is the already-parsed config.json (``{}`` when absent). With a problem the
+    result is ``PLAIN`` (and the caller raises).
     """
-    problems: list[str] = []
+    before = len(problems)
     parsed: list[_Parsed] = []
     hf_path = Path(directory) / "hf_quant_config.json"
     if hf_path.exists():
-        obj, errs = load_json_object(hf_path.read_bytes(), "hf_quant_config.json")
-        problems += errs
+        obj = load_json_object(hf_path.read_bytes(), "hf_quant_config.json", problems)
         if obj is not None and "quantization" in obj:
             parsed.append(_parse_nested(obj, problems))
         elif obj is not None and ("quant_method" in obj or "quant_algo" in obj):
@@ -237,8 +235,8 @@ def read_quant_config(directory: Path, config: dict) -> tuple[QuantConfig, list[
             parsed.append(_parse_config_json(raw, problems))
         else:
             problems.append(f"config.json: field `quantization_config` must be an object, got {raw!r}")
-    if problems or not parsed:
-        return PLAIN, problems
+    if len(problems) > before or not parsed:
+        return PLAIN
     _agree(parsed, problems)
     first = lambda attr, skip: next((getattr(p, attr) for p in parsed if getattr(p, attr) not in skip), None)
     kv = first("kv", (...,))
@@ -249,4 +247,4 @@ def read_quant_config(directory: Path, config: dict) -> tuple[QuantConfig, list[
         ignore=first("ignore", (None,)) or (),
         kv_cache_quant_algo=kv,
         step_policy=first("step_policy", (None,)),
-    ), problems
+    )

@@ -73,7 +73,6 @@ class Header:
     size: int
     header_len: int
     header_sha256: str  # of the 8 length bytes + JSON: identifies the layout, not the data
-    metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
 
 
@@ -87,15 +86,18 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return seen
 
 
-def load_json_object(text: bytes | str, what: str) -> tuple[dict | None, list[str]]:
-    """Decode a JSON object, refusing duplicate keys. Shared with the index/config readers."""
+def load_json_object(text: bytes | str, what: str, problems: list[str]) -> dict | None:
+    """Decode a JSON object, refusing duplicate keys; None (and a problem) when it is not one.
+    Shared with the index/config readers."""
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
-        return None, [f"{what} is not valid JSON: {exc}"]
+        problems.append(f"{what} is not valid JSON: {exc}")
+        return None
     if not isinstance(value, dict):
-        return None, [f"{what} is not a JSON object (got {type(value).__name__})"]
-    return value, []
+        problems.append(f"{what} is not a JSON object (got {type(value).__name__})")
+        return None
+    return value
 
 
 def _is_int(value: object) -> bool:
@@ -156,12 +158,13 @@ def _check_coverage(entries: list[TensorEntry], name: str, data_start: int, size
         problems.append(f"{name}: {size - cursor} trailing bytes after the last tensor")
 
 
-def read_header(path: Path, name: str | None = None) -> tuple[Header | None, list[str]]:
-    """Read and validate the header of ``path``; ``name`` is how messages call the file.
+def read_header(path: Path, problems: list[str], name: str | None = None) -> Header | None:
+    """Read and validate the header of ``path``, adding every problem to ``problems``;
+    ``name`` is how messages call the file.
 
-    Returns ``(header, problems)``. ``header`` is None when the header itself cannot be
-    parsed; otherwise it holds every entry that parsed, even when other problems exist,
-    so callers can keep checking and report everything at once.
+    Returns None when the header itself cannot be parsed; otherwise the header holds every
+    entry that parsed, even when other problems exist, so callers can keep checking and
+    report everything at once.
     """
     path = Path(path)
     name = name or path.name
@@ -170,25 +173,29 @@ def read_header(path: Path, name: str | None = None) -> tuple[Header | None, lis
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                return None, [f"{name}: truncated: {size} bytes, too short for the 8-byte header length"]
+                problems.append(f"{name}: truncated: {size} bytes, too short for the 8-byte header length")
+                return None
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES:
-                return None, [f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap"]
+                problems.append(f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap")
+                return None
             if 8 + header_len > size:
-                return None, [f"{name}: header length {header_len} is larger than the file ({size} bytes)"]
+                problems.append(f"{name}: header length {header_len} is larger than the file ({size} bytes)")
+                return None
             raw = f.read(header_len)
     except OSError as exc:
-        return None, [f"{name}: cannot read: {exc}"]
+        problems.append(f"{name}: cannot read: {exc}")
+        return None
     if len(raw) != header_len:
-        return None, [f"{name}: truncated while reading the header"]
-    obj, problems = load_json_object(raw, f"{name} header")
+        problems.append(f"{name}: truncated while reading the header")
+        return None
+    obj = load_json_object(raw, f"{name} header", problems)
     if obj is None:
-        return None, problems
+        return None
     metadata = obj.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         problems.append(f"{name}: __metadata__ must be an object of strings, got {metadata!r}")
-        metadata = {}
     data_start = 8 + header_len
     tensors: dict[str, TensorEntry] = {}
     for key, raw_entry in obj.items():
@@ -198,4 +205,4 @@ def read_header(path: Path, name: str | None = None) -> tuple[Header | None, lis
     if len(tensors) == len(obj):  # coverage is only meaningful once every range is known
         _check_coverage(list(tensors.values()), name, data_start, size, problems)
     digest = hashlib.sha256(prefix + raw).hexdigest()
-    return Header(name, path, size, header_len, digest, metadata, tensors), problems
+    return Header(name, path, size, header_len, digest, tensors)

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.errors import raise_if_problems
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +110,12 @@ def _check_window(obj: dict, name: str, where: str, problems: list[str]) -> None
     _check_equal(window, "mode", "a16", here, problems)
 
 
-def parse_step_policy(raw: Any, source: str = "config.json") -> StepPolicy:
-    """Validate a raw ``diffusion_step_policy`` object; raise CheckpointError listing every problem."""
-    problems: list[str] = []
+def check_step_policy(raw: Any, problems: list[str]) -> None:
+    """Add every problem of a raw ``diffusion_step_policy`` object to ``problems``."""
     where = _PREFIX
     if not isinstance(raw, dict):
-        raise CheckpointError([f"`{where}` must be an object, got {raw!r}"], source)
+        problems.append(f"`{where}` must be an object, got {raw!r}")
+        return
     _check_fields(raw, _TOP_FIELDS, where, problems)
     _check_equal(raw, "schema_version", 1, where, problems)
     _check_equal(raw, "type", "first_last_n", where, problems)
@@ -133,8 +133,13 @@ def parse_step_policy(raw: Any, source: str = "config.json") -> StepPolicy:
     _check_window(raw, "last_steps", where, problems)
     _check_precision(raw, "overlap", where, problems)
     _check_precision(raw, "reasoner", where, problems)
-    if problems:
-        raise CheckpointError(problems, source)
+
+
+def parse_step_policy(raw: Any, source: str = "config.json") -> StepPolicy:
+    """Validate a raw ``diffusion_step_policy`` object; raise CheckpointError listing every problem."""
+    problems: list[str] = []
+    check_step_policy(raw, problems)
+    raise_if_problems(problems, source)
     return StepPolicy(
         first_count=raw["first_steps"]["count"],
         last_count=raw["last_steps"]["count"],

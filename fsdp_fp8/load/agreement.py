@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.errors import CheckpointError, PeerLostError
 
 
 def checkpoint_identity(checkpoint) -> tuple:
@@ -31,7 +31,7 @@ def agree_or_raise(problems: list[str], identity: tuple | None, context: str) ->
         dist.all_gather_object(verdicts, (dist.get_rank(), sorted(problems), identity))
     except Exception as exc:  # a peer died before agreeing, or hung past the process-group timeout
         own = f"; this rank's own problems: {sorted(problems)}" if problems else ""
-        raise RuntimeError(
+        raise PeerLostError(
             f"{context}: rank {dist.get_rank()} could not exchange verdicts with the other ranks "
             f"(a peer died, failed or hung past the process-group timeout); nothing was changed"
             f"{own}: {type(exc).__name__}: {exc}") from exc

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.format.sharding import staging_rows
@@ -49,14 +50,6 @@ class LoadReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-class LoadFailedError(RuntimeError):
-    """The load failed on at least one rank; every rank that agreed raises the same error."""
-
-
-class ModelUnusableError(RuntimeError):
-    """Raised by the forward of a model whose load did not complete on every rank."""
 
 
 def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
@@ -201,11 +194,11 @@ def load_checkpoint(model: nn.Module, checkpoint, plan, *, prepare=None) -> Load
         if not ok:
             reason = f"rank {rank}: {message}; {reason}"
         _mark_unusable(model, reason)
-        raise RuntimeError(f"checkpoint load failed: {reason}") from exc
+        raise PeerLostError(f"checkpoint load failed: {reason}") from exc
     if failures:
-        reason = "; ".join(f"rank {r}: {m}" for r, m in failures)
-        _mark_unusable(model, reason)
-        raise LoadFailedError(f"checkpoint load failed on {len(failures)} of {world} ranks: {reason}")
+        _mark_unusable(model, "; ".join(f"rank {r}: {m}" for r, m in failures))
+        raise LoadFailedError([f"rank {r}: {m}" for r, m in failures],
+                              f"checkpoint load failed on {len(failures)} of {world} ranks")
     device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return LoadReport(
         rank=rank,

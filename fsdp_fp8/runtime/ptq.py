@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from fsdp_fp8.errors import QuantizeError, raise_if_problems
+
 log = logging.getLogger(__name__)
 
 METHODS = ("fp8", "mxfp8", "nvfp4")
@@ -80,7 +82,7 @@ def quantize_model(
     module name with ``_orig_mod.`` (torch.compile) removed; no ``include`` selects every
     linear. ``granularity`` (``fp8`` only): ``per_row`` or ``per_tensor`` scales, for both
     the weight and the dynamically quantized activation. Everything is validated before any
-    module is touched; every problem is raised at once as a ``ValueError``.
+    module is touched; every problem is raised at once as a ``QuantizeError`` (a ``ValueError``).
     """
     include, exclude = _patterns(include), _patterns(exclude)
     problems: list[str] = []
@@ -94,7 +96,7 @@ def quantize_model(
     includes = [_compile(p, "include", problems) for p in include]
     excludes = [_compile(p, "exclude", problems) for p in exclude]
     if None in includes or None in excludes:
-        _raise_problems(problems)  # a selection made with broken patterns means nothing
+        raise_if_problems(problems, error=QuantizeError)  # a selection made with broken patterns means nothing
     selected: dict[str, nn.Module] = {}
     hits = [0] * len(includes)
     for raw_name, module in model.named_modules():
@@ -113,7 +115,7 @@ def quantize_model(
     for name, module in selected.items():
         problems += _module_problems(name, module, method, granularity)
     problems += _hardware_problems(method, selected)
-    _raise_problems(problems)
+    raise_if_problems(problems, error=QuantizeError)
 
     if method == "fp8":
         _quantize_fp8(model, selected, granularity)
@@ -125,11 +127,6 @@ def quantize_model(
         assert is_traceable_wrapper_subclass(module.weight), f"`{name}` was left unquantized"
     log.info("quantized %d linears to %s", len(selected), method)
     return sorted(selected)
-
-
-def _raise_problems(problems: list[str]) -> None:
-    if problems:
-        raise ValueError("cannot quantize the model:\n" + "\n".join(f"  - {p}" for p in sorted(problems)))
 
 
 def _patterns(value: Sequence[str] | str) -> tuple[str, ...]:
