@@ -223,7 +223,8 @@ def read_json_file(path: Path, name: str, max_bytes: int = MAX_JSON_BYTES) -> tu
         handle.close()
     if len(raw) > max_bytes:
         return None, b"", [f"{name} grew past {max_bytes:,} bytes while being read; refused"]
-    obj, problems = load_json_object(raw, name)
+    problems: list[str] = []
+    obj = load_json_object(raw, name, problems)
     return obj, raw, problems
 
 
