@@ -223,8 +223,7 @@ def read_json_file(path: Path, name: str, max_bytes: int = MAX_JSON_BYTES) -> tu
         handle.close()
     if len(raw) > max_bytes:
         return None, b"", [f"{name} grew past {max_bytes:,} bytes while being read; refused"]
-    problems: list[str] = []
-    obj = load_json_object(raw, name, problems)
+    obj, problems = load_json_object(raw, name)
     return obj, raw, problems
 
 
