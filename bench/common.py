@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import resource
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -33,7 +31,8 @@ def default_cache() -> Path:
 
 
 def _export(size: str, target: Path) -> None:
-    from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8, is_ignored
+    from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8
+    from fsdp_fp8.format.quant_config import matches_ignore
     from fsdp_fp8.models import build_model, init_weights
 
     import torch
@@ -41,7 +40,7 @@ def _export(size: str, target: Path) -> None:
     model = init_weights(build_model(SIZES[size], device="cpu"), seed=0)
     config = model.config.to_config_dict()
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    scales = {n: INPUT_SCALE for n in linears if not is_ignored(n, DEFAULT_IGNORE)}
+    scales = {n: INPUT_SCALE for n in linears if not matches_ignore(n, DEFAULT_IGNORE)}
     export_fp8(model, target / "fp8", config=config, input_scales=scales, max_shard_size=MAX_SHARD_SIZE)
     export_bf16(model, target / "bf16", config=config, max_shard_size=MAX_SHARD_SIZE)
 
@@ -51,23 +50,14 @@ def checkpoints(size: str, root: str | os.PathLike | None = None) -> tuple[Path,
 
     Call it on one rank (or from every rank: a file lock serialises them).
     """
-    root = Path(root or default_cache())
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"mot-{size}"
-    with open(root / f"mot-{size}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "done").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".mot-{size}-", dir=root))
-            try:
-                started = time.perf_counter()
-                _export(size, tmp)
-                (tmp / "done").write_text(f"{time.perf_counter() - started:.1f} s\n")
-                os.rename(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        fcntl.flock(lock, fcntl.LOCK_UN)
+    from fsdp_fp8.export.cache import build_once
+
+    def build(directory: Path) -> None:
+        started = time.perf_counter()
+        _export(size, directory)
+        (directory / "done").write_text(f"{time.perf_counter() - started:.1f} s\n")
+
+    target = build_once(Path(root or default_cache()) / f"mot-{size}", build, lambda d: (d / "done").exists())
     return target / "fp8", target / "bf16"
 
 

@@ -180,7 +180,7 @@ def test_unequal_input_scales_fall_back_to_per_projection(caplog):
 
 
 def test_an_in_place_change_invalidates_the_shared_activation():
-    activation = SharedActivation("g", 2)
+    activation = SharedActivation(2)
     x = _x(3, 16)
     scale = torch.tensor([[0.01]])
     first = activation.quantize(x, x, scale)

@@ -89,7 +89,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     shard_model(model, default_mesh("cpu"))
     with _Allocations() as allocations:
         materialize(model, torch.device("cpu"))
-        report = load_checkpoint(model, ckpt, plan)
+        report = load_checkpoint(model, plan)
     fp8_shapes = {tuple(t.entry.weight.shape) for t in plan.fp8}
     obs["hp_copies_of_fp8"] = sorted(
         str(s) for s, dt in allocations.seen if s in fp8_shapes and dt.itemsize > 1

@@ -1,27 +1,24 @@
 """A deterministic demo FP8 checkpoint of the reference MoT model, made on first use and cached.
 
-Several torchrun ranks may call :func:`demo_checkpoint` at once: an ``fcntl.flock`` on a lock
-file serialises them, the first builds into a temporary directory and renames it into place
-(atomic on one filesystem), the rest find it finished. A crashed build leaves only a
-temporary directory, which the next caller removes; a damaged cache fails its manifest check
-and is rebuilt.
+Several torchrun ranks may call :func:`demo_checkpoint` at once: ``fsdp_fp8.export.cache``
+builds it once under a file lock, into a temporary directory renamed into place; a damaged
+cache fails its manifest check and is rebuilt.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from fsdp_fp8.format.files import file_sha256
-from fsdp_fp8.export.modelopt import export_fp8, producer_version
+from fsdp_fp8.export.cache import build_once
+from fsdp_fp8.export.modelopt import export_fp8
+from fsdp_fp8.format.writer import producer_version
 from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
 from fsdp_fp8.runtime.sampler import sample
 from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
@@ -62,24 +59,16 @@ def _is_complete(directory: Path) -> bool:
         return False
 
 
-def _build(target: Path) -> None:
+def _build(directory: Path) -> None:
     started = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        model = demo_model()
-        export_fp8(
-            model, tmp, config=model.config.to_config_dict(), calibrate=_calibrate,
-            step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE,
-        )
-        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
-        if target.exists():  # damaged: checked under the lock, so nobody is reading it
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("built demo checkpoint %s in %.1f s", target, time.perf_counter() - started)
+    model = demo_model()
+    export_fp8(
+        model, directory, config=model.config.to_config_dict(), calibrate=_calibrate,
+        step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE,
+    )
+    files = {p.name: file_sha256(p) for p in sorted(directory.iterdir())}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
+    logger.info("built demo checkpoint in %.1f s", time.perf_counter() - started)
 
 
 def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -88,16 +77,4 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     ``cache_dir`` defaults to ``$FSDP_FP8_CACHE``, else ``~/.cache/fsdp_fp8``.
     """
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
-    root = Path(cache_dir or default)
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"demo-{producer_version()}"
-    with open(root / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not _is_complete(target):
-                for stale in root.glob(f".{target.name}.tmp-*"):  # from a crashed build
-                    shutil.rmtree(stale, ignore_errors=True)
-                _build(target)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return target
+    return build_once(Path(cache_dir or default) / f"demo-{producer_version()}", _build, _is_complete)

@@ -1,37 +1,28 @@
-"""Write a high-precision model as a ModelOpt static-FP8 checkpoint (see FORMAT.md).
+"""Quantize a high-precision model to ModelOpt static FP8 and write the checkpoint (see docs/).
 
-The JSON files copy the layout of a real ModelOpt 0.47 export (key order, indentation,
-trailing newlines) so that whatever reads ModelOpt's output reads ours the same way. Every
-output is a pure function of the inputs: same model, same scales -> same bytes.
+Quantization and calibration live here; the files are written by the package's one
+checkpoint writer (``fsdp_fp8.format.writer``), which copies the layout of a real ModelOpt
+0.47 export (key order, indentation, trailing newlines) so that whatever reads ModelOpt's
+output reads ours the same way. Every output is a pure function of the inputs: same model,
+same scales -> same bytes.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from fsdp_fp8.errors import ExportError, raise_if_problems
-from fsdp_fp8.format.checkpoint import SCALE_SUFFIXES as _SCALE_SUFFIXES
-from fsdp_fp8.format.quant_config import matches_ignore as is_ignored
-from fsdp_fp8.fp8.tensor import E4M3_MAX
+from fsdp_fp8.format.quant_config import matches_ignore
 from fsdp_fp8.format.step_policy import check_step_policy
+from fsdp_fp8.format.writer import TensorSpec, plan_checkpoint, quantization_configs, write_checkpoint
+from fsdp_fp8.fp8.tensor import E4M3_MAX
 
 DEFAULT_IGNORE = ("proj_in", "proj_out", "time_embedder*", "lm_head", "embed_tokens")
-_STEM = "diffusion_pytorch_model"
-
-
-def producer_version() -> str:
-    try:
-        return metadata.version("fsdp_fp8")
-    except metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +59,7 @@ def calibrate_input_scales(
 
 def _state_dict(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sd = model.state_dict() if isinstance(model, nn.Module) else dict(model)
-    # Clone: safetensors refuses tensors that share storage (tied weights, views).
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
 def _fp8_targets(model, ignore, input_scales, problems: list[str]) -> list[str]:
@@ -80,7 +70,7 @@ def _fp8_targets(model, ignore, input_scales, problems: list[str]) -> list[str]:
         problems += [f"`{n}` in input_scales is not an nn.Linear of the model" for n in unknown]
     else:
         linears = sorted(input_scales or ())  # a bare state_dict has no module types: the scales name the linears
-    return [n for n in linears if not is_ignored(n, ignore)]
+    return [n for n in linears if not matches_ignore(n, ignore)]
 
 
 def _fp8_tensors(sd, targets, input_scales, problems: list[str]) -> dict[str, torch.Tensor]:
@@ -108,82 +98,14 @@ def _fp8_tensors(sd, targets, input_scales, problems: list[str]) -> dict[str, to
     return out
 
 
-def quantization_config(ignore: list[str], step_policy: dict | None) -> dict[str, Any]:
-    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
-    qc: dict[str, Any] = {
-        "config_groups": {
-            "group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}
-        },
-        "ignore": ignore,
-        "quant_algo": "FP8",
-        "producer": {"name": "fsdp_fp8", "version": producer_version()},
-        "quant_method": "modelopt",
-    }
-    if step_policy is not None:
-        qc["runtime"] = {"diffusion_step_policy": step_policy}
-    return qc
-
-
-def plan_shards(
-    tensors: dict[str, torch.Tensor], max_shard_size: int | None, separate_scales: bool
-) -> list[list[str]]:
-    def nbytes(key: str) -> int:
-        return tensors[key].numel() * tensors[key].element_size()
-
-    keys = sorted(tensors)
-    packed = [k for k in keys if not (separate_scales and k.endswith(_SCALE_SUFFIXES))]
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key in packed:
-        if max_shard_size is not None and shards[-1] and size + nbytes(key) > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += nbytes(key)
-    if separate_scales:
-        # Each scale goes to the shard after its weight's (wrapping), so scales are mixed in
-        # with other weights rather than parked in one "scales" file a reader could special-case.
-        if len(shards) == 1:
-            shards.append([])
-        home = {k: i for i, shard in enumerate(shards) for k in shard}
-        for key in keys:
-            if key.endswith(_SCALE_SUFFIXES):
-                weight_key = key.rsplit(".", 1)[0] + ".weight"
-                shards[(home[weight_key] + 1) % len(shards)].append(key)
-        shards = [sorted(s) for s in shards]
-    return shards
-
-
 def _write(directory, tensors, config, hf_quant, max_shard_size, separate_scales) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):
         raise FileExistsError(f"{directory} is not empty; export writes into an empty directory")
-    shards = plan_shards(tensors, max_shard_size, separate_scales)
-    if len(shards) == 1:
-        single = {k: tensors[k] for k in shards[0]}
-        save_file(single, directory / f"{_STEM}.safetensors", {"format": "pt"})
-    else:
-        weight_map = {}
-        for i, keys in enumerate(shards, start=1):
-            name = f"{_STEM}-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({k: tensors[k] for k in keys}, directory / name, {"format": "pt"})
-            weight_map.update(dict.fromkeys(keys, name))
-        index = {
-            "metadata": {
-                "total_parameters": sum(
-                    t.numel() for k, t in tensors.items() if not k.endswith(_SCALE_SUFFIXES)
-                ),
-                "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
-            },
-            "weight_map": {k: weight_map[k] for k in sorted(weight_map)},
-        }
-        index_path = directory / f"{_STEM}.safetensors.index.json"
-        index_path.write_text(json.dumps(index, indent=2) + "\n")
-    # ModelOpt writes both JSON files with indent=4 and no trailing newline.
-    (directory / "config.json").write_text(json.dumps(config, indent=4))
-    if hf_quant is not None:
-        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4))
+    layout = plan_checkpoint((TensorSpec.of(k, t) for k, t in tensors.items()),
+                             max_shard_size=max_shard_size, separate_scales=separate_scales)
+    write_checkpoint(directory, tensors, layout, config, hf_quant)
     return directory
 
 
@@ -207,6 +129,7 @@ def export_fp8(
     names its linears.
     ``max_shard_size`` bounds the weights of each shard in bytes; with
     ``scales_in_separate_shard`` every scale is written to a shard other than its weight's.
+    Problems with the model, the scales or the policy are raised together as an ``ExportError``.
     """
     ignore = list(ignore)
     if (calibrate is None) == (input_scales is None):
@@ -226,16 +149,8 @@ def export_fp8(
     tensors = _fp8_tensors(_state_dict(model), targets, input_scales, problems)
     raise_if_problems(problems, "cannot export FP8", ExportError)
     full_config = {k: config[k] for k in sorted(config)}
-    full_config["quantization_config"] = quantization_config(ignore, step_policy)
-    hf_quant = {
-        "producer": {"name": "fsdp_fp8", "version": producer_version()},
-        "quantization": {
-            "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ignore,
-        },
-    }
-    return _write(
-        directory, tensors, full_config, hf_quant, max_shard_size, scales_in_separate_shard
-    )
+    full_config["quantization_config"], hf_quant = quantization_configs(ignore, step_policy=step_policy)
+    return _write(directory, tensors, full_config, hf_quant, max_shard_size, scales_in_separate_shard)
 
 
 def export_bf16(

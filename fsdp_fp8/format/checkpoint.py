@@ -26,7 +26,7 @@ __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEn
 logger = logging.getLogger(__name__)
 
 SCALE_SUFFIXES = _SCALE_SUFFIXES = (".weight_scale", ".input_scale")
-_KV_SUFFIXES = (".k_scale", ".v_scale")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 # ModelOpt writes these for AWQ / NVFP4 / W4A8 exports; their presence means the weights
 # are not plain static per-tensor FP8, whatever the config claims.
 _FOREIGN_SUFFIXES = (".pre_quant_scale", ".weight_scale_2", ".input_scale_2")
@@ -163,7 +163,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             elif module not in f8_weights:
                 problems.append(f"`{key}` in {e.file} is a scale for `{module}.weight`, which is stored as "
                                 f"{weight.dtype}, not F8_E4M3")
-        elif key.endswith(_KV_SUFFIXES):
+        elif key.endswith(KV_SCALE_SUFFIXES):
             _check_scale(e, problems)
             kv[key] = e
     if kv and quant.kv_cache_quant_algo is None:

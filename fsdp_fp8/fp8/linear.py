@@ -29,8 +29,7 @@ class SharedActivation:
     version counter, so an in-place change invalidates) decides reuse.
     """
 
-    def __init__(self, name: str, members: int):
-        self.name = name
+    def __init__(self, members: int):
         self.members = members
         self._source: torch.Tensor | None = None
         self._version = -1

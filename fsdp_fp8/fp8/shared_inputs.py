@@ -44,7 +44,7 @@ def share_quantized_inputs(model: nn.Module) -> tuple[list[str], list[str]]:
             group = f"{parent_name}.{{{','.join(names)}}}" if parent_name else "{" + ",".join(names) + "}"
             scales = [_input_scale(m) for m in members]
             if all(torch.equal(scales[0], s) for s in scales[1:]):
-                activation = SharedActivation(group, len(members))
+                activation = SharedActivation(len(members))
                 for m in members:
                     m.shared = activation
                 shared.append(group)

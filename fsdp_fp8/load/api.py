@@ -105,7 +105,7 @@ def load_model(
             shard_model(model, mesh or default_mesh(device.type))
         materialize(model, device)  # keeps non-persistent buffers and tied parameters
 
-    report = load_checkpoint(model, checkpoint, plan, prepare=prepare)
+    report = load_checkpoint(model, plan, prepare=prepare)
     model.eval()
     return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
                        architecture=arch)

@@ -158,16 +158,15 @@ def _agree(ok: bool, message: str) -> list[tuple[int, str]]:
     return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
 
 
-def load_checkpoint(model: nn.Module, checkpoint, plan, *, prepare=None) -> LoadReport:
-    """Fill a swapped, sharded and materialized model from ``checkpoint`` following ``plan``.
+def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
+    """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
+    which names the checkpoint and every entry to read.
 
     Collective over the default process group when one is initialized. On any rank's
     failure every rank raises the same error and the model's forward refuses to run.
     ``prepare``, if given, runs first inside that agreement (``load_model`` passes the swap,
     ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank too).
     """
-    if plan.checkpoint is not checkpoint:
-        raise ValueError("this plan was made for another checkpoint: plan with plan_load(checkpoint, model)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
