@@ -64,7 +64,8 @@ class QuantizeError(ProblemsError, ValueError):
 class LoadFailedError(ProblemsError, RuntimeError):
     """The load failed on at least one rank; every rank that agreed raises the same error.
 
-    ``problems`` holds one ``"rank R: <error>"`` entry per failed rank.
+    ``problems`` holds one entry per distinct error, prefixed with the ranks that raised it
+    (``"rank 1: ..."``, ``"all 4 ranks: ..."``).
     """
 
     default_context = "checkpoint load failed"

@@ -3,18 +3,15 @@
     torchrun --nproc-per-node 2 launch/infer.py            # the embedded demo
     torchrun --nproc-per-node 8 launch/infer.py --checkpoint DIR --steps 50
 
-Everything happens in fsdp_fp8.cli.runner; see docs/usage.md.
+The same as ``torchrun ... -m fsdp_fp8 run`` (an installed package needs no checkout);
+everything happens in fsdp_fp8.cli.runner, see docs/usage.md.
 """
 
-from fsdp_fp8.cli.runner import main
-from fsdp_fp8.cli.shutdown import shutdown_distributed
+import sys
+
+from fsdp_fp8.cli.commands import main
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:
-        shutdown_distributed()  # keep the traceback and Python's own exit status
-        raise
-    # Leaves through os._exit after flushing: gloo + FSDP2 can abort during interpreter
-    # finalization after a correct run (docs/shutdown.md).
-    shutdown_distributed(code)
+    # Never returns: run leaves through os._exit after flushing, because gloo + FSDP2 can
+    # abort during interpreter finalization after a correct run (docs/shutdown.md).
+    sys.exit(main(["run", *sys.argv[1:]]))

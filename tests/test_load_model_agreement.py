@@ -104,3 +104,32 @@ def test_fp8_linears_cuda_cannot_multiply_are_refused_before_loading_onto_cuda(t
     assert "`layers.0.up` is an FP8 linear of shape (7, 16)" in text
     assert "`layers.1.down` is an FP8 linear of shape (16, 7)" in text
     assert "multiples of 16" in text
+
+
+def _problems_found(rank, world):
+    from fsdp_fp8 import CheckpointError
+    from fsdp_fp8.load.agreement import agree_or_raise
+
+    found = ["`a.weight` in model.safetensors is broken"]
+    if rank == 1:
+        found.append("`b.weight` in model.safetensors looks different from here")
+    try:
+        agree_or_raise(found, ("same files",), "cannot load ckpt")
+    except CheckpointError as exc:
+        return exc.problems, str(exc)
+    return None
+
+
+def test_a_problem_every_rank_finds_is_listed_once_naming_the_ranks():
+    for problems, text in run_ranks(_problems_found, 3):
+        assert problems == ["all 3 ranks: `a.weight` in model.safetensors is broken",
+                            "rank 1: `b.weight` in model.safetensors looks different from here"]
+        assert text.startswith("cannot load ckpt: 2 problems:\n")
+
+
+def test_merged_problems_name_every_rank_that_found_them():
+    from fsdp_fp8.load.agreement import merge_rank_problems
+
+    found = [(3, "x"), (1, "x"), (0, "y"), (1, "y"), (2, "y"), (3, "y"), (2, "z")]
+    assert merge_rank_problems(found, 4) == ["ranks 1, 3: x", "all 4 ranks: y", "rank 2: z"]
+    assert merge_rank_problems([(0, "x")], 1) == ["rank 0: x"]

@@ -1,4 +1,8 @@
-"""``python -m fsdp_fp8 inspect|verify DIR``: look at a checkpoint without loading it."""
+"""``fsdp-fp8`` / ``python -m fsdp_fp8``: ``run`` (the launcher), ``inspect`` and ``verify``.
+
+``inspect`` and ``verify`` look at a checkpoint without loading it: ``inspect`` summarises
+headers and scales; ``verify`` decides as ``load_model`` would (docs/usage.md).
+"""
 
 from __future__ import annotations
 
@@ -57,26 +61,101 @@ def _open(directory: str) -> Checkpoint | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_fp8")
-    sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)")
-    inspect.add_argument("directory")
-    inspect.add_argument("--world-size", type=int, default=None)
-    verify = sub.add_parser("verify", help="check headers, index, configs and scales; exit 0 if loadable")
-    verify.add_argument("directory")
-    verify.add_argument("--sha256", action="store_true", help="also hash every shard file")
-    args = parser.parse_args(argv)
-    if args.command == "inspect" and args.world_size is not None and args.world_size < 1:
-        parser.error("--world-size must be >= 1")
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _inspect(args: argparse.Namespace) -> int:
     ckpt = _open(args.directory)
     if ckpt is None:
         return 1
-    if args.command == "inspect":
-        print(summary(ckpt, args.world_size))
-        return 0
-    print(f"OK: {ckpt.directory}: {len(ckpt.tensors)} tensors in {len(ckpt.files)} files")
+    print(summary(ckpt, args.world_size))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """What ``load_model(None, DIR, device=...)`` would decide, without a process group or any
+    tensor data: open, resolve the class ``config.json`` names, build it on meta, plan."""
+    import torch
+
+    from fsdp_fp8.load.api import plan_model_load
+
+    device = torch.device(args.device)
+    planned = plan_model_load(None, args.directory, device=device)
+    if planned.problems:
+        print(CheckpointError(planned.problems, f"cannot load {args.directory} onto {device.type}"), file=sys.stderr)
+        return 1
+    ckpt, plan, arch = planned.checkpoint, planned.plan, planned.architecture
+    print(f"OK: {ckpt.directory} loads onto {device.type} as {arch.name} ({arch.kind}): "
+          f"{len(plan.fp8)} FP8 linears, {len(plan.tensors)} other tensors, "
+          f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} files")
+    if plan.kv_scales:
+        print(f"note: {len(plan.kv_scales)} FP8 KV-cache scales have no place in {arch.name} and are not loaded")
+    if args.world_size:
+        for rank in range(args.world_size):
+            f = plan.forecast(args.world_size, rank)
+            print(f"  rank {rank} of {args.world_size}: reads {_mib(f.read_bytes)}, holds {_mib(f.held_bytes)}")
     if args.sha256:
         for name, shard in ckpt.files.items():
             print(f"{file_sha256(shard.path)}  {name}")
     return 0
+
+
+def _run(argv: list[str]) -> int:
+    """``run``: the launcher (``fsdp_fp8.cli.runner``); leaves through ``shutdown_distributed``
+    (never returns), as torchrun's ranks must (docs/shutdown.md)."""
+    from fsdp_fp8.cli.runner import main as run_main
+    from fsdp_fp8.cli.shutdown import shutdown_distributed
+
+    try:
+        code = run_main(argv)
+    except BaseException:
+        shutdown_distributed()  # keep the traceback and Python's own exit status
+        raise
+    shutdown_distributed(code)
+    return code  # not reached
+
+
+def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Load ModelOpt static-FP8 checkpoints into "
+                                     "FSDP2-sharded models (docs/usage.md).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", add_help=False,
+                   help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run); "
+                        "'run --help' lists its options")
+    inspect = sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)")
+    inspect.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
+    inspect.add_argument("--world-size", type=_positive, default=None,
+                         help="also forecast what each of W ranks reads, holds and stages")
+    verify = sub.add_parser("verify", help="check the checkpoint as load_model does (open, build the model on "
+                            "meta, plan); exit 0 exactly when load_model would load it")
+    verify.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
+    verify.add_argument("--world-size", type=_positive, default=None,
+                        help="also show what each of W ranks would read and hold")
+    verify.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="the device load_model would load onto (default: cuda when torch sees a GPU, "
+                             "else cpu); cuda adds the checks made before loading onto CUDA")
+    verify.add_argument("--sha256", action="store_true", help="also hash every shard file")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # the launcher parses its own options
+        return _run(argv[1:])
+    args = build_parser(prog).parse_args(argv)
+    if args.command == "inspect":
+        return _inspect(args)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _verify(args)
+
+
+def console_main() -> int:
+    """The ``fsdp-fp8`` console script."""
+    return main()

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.safetensors_header import load_json_object
 
 WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
@@ -37,8 +38,9 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def resolve_directory(path: str | os.PathLike) -> Path:
-    """The directory holding the weights: ``path`` itself, or a diffusers pipeline's ``transformer/``."""
-    directory = Path(path)
+    """The directory holding the weights: ``path`` itself (or, for a hub name, its cached
+    snapshot: ``fsdp_fp8.format.hub``), or a diffusers pipeline's ``transformer/``."""
+    directory = resolve_hub_path(path)
     if not directory.exists():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not directory.is_dir():

@@ -47,16 +47,47 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales):
-    checkpoint = open_checkpoint(path)
-    arch = None
-    if model_fn is None:
-        arch = resolve_architecture(checkpoint.config, f"{checkpoint.directory}/config.json", checkpoint)
-        model_fn = arch.model_fn
-    with meta_init():
-        model = model_fn(checkpoint.config)
-    plan = plan_load(checkpoint, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
-    return checkpoint, model, plan, arch
+@dataclass
+class PlannedLoad:
+    """What ``load_model`` knows before the ranks agree: every field the steps got to
+    (``None`` past the first that failed) and every problem that refuses the load."""
+
+    checkpoint: Checkpoint | None
+    model: nn.Module | None  # on meta
+    plan: LoadPlan | None
+    architecture: Architecture | None
+    problems: list[str]
+
+
+def plan_model_load(
+    model_fn: Callable[[dict], nn.Module] | None,
+    path: str | os.PathLike,
+    key_map: Callable[[str], str | None] | None = None,
+    *,
+    device: torch.device,
+    strict: bool = True,
+    strict_kv_scales: bool = False,
+) -> PlannedLoad:
+    """Open, resolve the architecture, build on meta and plan, exactly as ``load_model`` does
+    on each rank, collecting every problem instead of raising. Touches no process group and
+    reads no tensor data beyond the scales: ``python -m fsdp_fp8 verify`` runs this."""
+    checkpoint = model = plan = arch = None
+    problems: list[str] = []
+    try:
+        checkpoint = open_checkpoint(path)
+        if model_fn is None:
+            arch = resolve_architecture(checkpoint.config, f"{checkpoint.directory}/config.json", checkpoint)
+            model_fn = arch.model_fn
+        with meta_init():
+            model = model_fn(checkpoint.config)
+        plan = plan_load(checkpoint, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
+        if device.type == "cuda":
+            problems += cuda_shape_problems(plan.fp8)
+    except CheckpointError as exc:
+        problems += exc.problems
+    except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
+        problems.append(f"{type(exc).__name__}: {exc}")
+    return PlannedLoad(checkpoint, model, plan, arch, problems)
 
 
 def load_model(
@@ -83,16 +114,11 @@ def load_model(
     """
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
-    checkpoint = model = plan = arch = None
     problems = _setup_problems(device, mesh, distributed)
-    try:
-        checkpoint, model, plan, arch = _open_and_plan(model_fn, path, key_map, strict, strict_kv_scales)
-        if device.type == "cuda":
-            problems += cuda_shape_problems(plan.fp8)
-    except CheckpointError as exc:
-        problems += exc.problems
-    except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
-        problems.append(f"{type(exc).__name__}: {exc}")
+    planned = plan_model_load(model_fn, path, key_map, device=device, strict=strict,
+                              strict_kv_scales=strict_kv_scales)
+    checkpoint, model, plan, arch = planned.checkpoint, planned.model, planned.plan, planned.architecture
+    problems += planned.problems
     identity = checkpoint_identity(checkpoint) if checkpoint is not None else None
     agree_or_raise(problems, identity, f"cannot load {path}")
     _warn_not_strict(plan)

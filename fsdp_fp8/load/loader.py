@@ -26,6 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError
 from fsdp_fp8.format import slice_reader
+from fsdp_fp8.load.agreement import merge_rank_problems
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.format.sharding import staging_rows
 
@@ -195,9 +196,9 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         _mark_unusable(model, reason)
         raise PeerLostError(f"checkpoint load failed: {reason}") from exc
     if failures:
-        _mark_unusable(model, "; ".join(f"rank {r}: {m}" for r, m in failures))
-        raise LoadFailedError([f"rank {r}: {m}" for r, m in failures],
-                              f"checkpoint load failed on {len(failures)} of {world} ranks")
+        problems = merge_rank_problems(failures, world)
+        _mark_unusable(model, "; ".join(problems))
+        raise LoadFailedError(problems, f"checkpoint load failed on {len(failures)} of {world} ranks")
     device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return LoadReport(
         rank=rank,

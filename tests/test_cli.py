@@ -1,0 +1,122 @@
+"""``fsdp-fp8`` / ``python -m fsdp_fp8``, in process: the subcommands, their option checks, and
+``verify`` deciding exactly as ``load_model`` does on every fixture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_fp8.cli import commands as cli
+from fsdp_fp8.errors import CheckpointError
+from small_models import write_uneven_checkpoint
+
+FIXTURES = sorted(p for p in (Path(__file__).parent / "fixtures").iterdir() if p.name.startswith("modelopt-"))
+NEEDS_HF = {p.name for p in FIXTURES}  # transformers / diffusers classes
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Every fixture, plus our own kinds: a reference-MoT FP8 export (its 88-row MLP cannot
+    run on CUDA's _scaled_mm) and a checkpoint whose config names no model class."""
+    from fsdp_fp8.export.modelopt import export_fp8
+    from fsdp_fp8.models import PRESETS, build_model, init_weights
+
+    root = tmp_path_factory.mktemp("cli")
+    model = init_weights(build_model(PRESETS["tiny"], device="cpu"), seed=0)
+    mot = export_fp8(model, root / "mot-tiny", config=model.config.to_config_dict(),
+                     input_scales={n: 0.01 for n, m in model.named_modules()
+                                   if isinstance(m, torch.nn.Linear) and n != "lm_head"},
+                     ignore=("lm_head",))
+    return {**{p.name: p for p in FIXTURES}, "mot-tiny": Path(mot),
+            "no-model-class": write_uneven_checkpoint(root / "uneven")}
+
+
+def _load_verdict(path: Path, device: str) -> CheckpointError | None:
+    """What load_model decides: a CheckpointError is its refusal, raised on every rank before
+    anything is built or read. Past it, a CPU-only torch fails at the first CUDA allocation,
+    which is not a verdict on the checkpoint."""
+    from fsdp_fp8 import load_model
+
+    try:
+        load_model(None, path, device=torch.device(device))
+    except CheckpointError as exc:
+        return exc
+    except Exception:
+        if device == "cuda" and not torch.cuda.is_available():
+            return None
+        raise
+    return None
+
+
+CASES = [p.name for p in FIXTURES] + ["mot-tiny", "no-model-class"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", CASES)
+def test_verify_agrees_with_load_model(checkpoints, capsys, name, device):
+    if name in NEEDS_HF:
+        pytest.importorskip("transformers")
+        pytest.importorskip("diffusers")
+    path = checkpoints[name]
+    code = cli.main(["verify", str(path), "--device", device])
+    out, err = capsys.readouterr()
+    refused = _load_verdict(path, device)
+    assert (code != 0) == (refused is not None), (code, out, err, refused)
+    if refused is None:
+        assert out.startswith(f"OK: {path} loads onto {device} as ") and "cannot load" not in err, (out, err)
+    else:
+        assert code == 1 and not out.startswith("OK")
+        assert f"cannot load {path} onto {device}: " in err
+        assert all(p in err for p in refused.problems), (refused.problems, err)
+
+
+def test_the_refusals_verify_reports(checkpoints, capsys):
+    """The cases above are not all alike: which fixture is refused where, and why."""
+    assert cli.main(["verify", str(checkpoints["mot-tiny"]), "--device", "cpu"]) == 0
+    assert "as ReferenceMoTTransformer (mot): 32 FP8 linears" in capsys.readouterr().out
+    assert cli.main(["verify", str(checkpoints["mot-tiny"]), "--device", "cuda"]) == 1
+    assert "`layers.0.mlp.gate_proj` is an FP8 linear of shape (88, 64)" in capsys.readouterr().err
+    assert cli.main(["verify", str(checkpoints["no-model-class"]), "--device", "cpu"]) == 1
+    assert "names no model class" in capsys.readouterr().err
+    pytest.importorskip("transformers")
+    assert cli.main(["verify", str(checkpoints["modelopt-0.47-qwen3-moe"]), "--device", "cpu"]) == 1
+    assert "fused expert parameters" in capsys.readouterr().err
+    assert cli.main(["verify", str(checkpoints["modelopt-0.47-llama-sharded"]), "--world-size", "3",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "as LlamaForCausalLM (causal_lm): 14 FP8 linears" in out
+    assert out.count(" of 3: reads ") == 3
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fsdp-fp8 ")
+    for command in ("run", "inspect", "verify"):
+        assert f"\n    {command} " in out, out
+
+
+def test_run_help_is_the_launchers(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--checkpoint" in out and "--steps" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "x", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+    (["verify", "x", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
+    (["verify", "x", "--device", "mps"], "argument --device: invalid choice: 'mps'"),
+    (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: command"),
+])
+def test_bad_options_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""Hub names resolve through a local Hugging Face cache only: repo ids, revisions and cache
+repo roots, against a cache laid out as huggingface_hub lays it out (blobs + snapshot links)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("huggingface_hub")
+
+from fsdp_fp8.cli import commands as cli  # noqa: E402
+from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-tied"
+MAIN, V1 = "a" * 40, "b" * 40  # commit hashes
+
+
+def _snapshot(repo: Path, commit: str, source: Path) -> Path:
+    """``snapshots/<commit>/<file>`` -> ``../../blobs/<sha256>``, as the hub cache stores files."""
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for f in sorted(source.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    return snapshot
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A cache with ``acme/tiny-llama`` at main and at tag v1 (another commit of the same
+    files); the network is cut and every attempt to reach it fails the test."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(MAIN)
+    (repo / "refs" / "v1").write_text(V1)
+    snapshots = {"main": _snapshot(repo, MAIN, FIXTURE), "v1": _snapshot(repo, V1, FIXTURE)}
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    attempts = []
+
+    def no_network(*args, **kwargs):  # recorded, not only raised: HTTP clients catch and retry
+        attempts.append(args)
+        raise OSError("network access attempted")
+
+    for owner, name in ((socket, "getaddrinfo"), (socket, "create_connection"), (socket.socket, "connect")):
+        monkeypatch.setattr(owner, name, no_network)
+    monkeypatch.chdir(tmp_path)  # "acme/tiny-llama" is no directory here
+    yield cache, repo, snapshots
+    assert attempts == [], "the hub was contacted"
+
+
+@pytest.mark.parametrize("name, snapshot", [
+    ("acme/tiny-llama", "main"),
+    ("acme/tiny-llama@main", "main"),
+    ("acme/tiny-llama@v1", "v1"),
+    (f"acme/tiny-llama@{V1}", "v1"),
+    ("REPO_ROOT", "main"),
+    ("REPO_ROOT@v1", "v1"),
+])
+def test_hub_names_open_the_cached_snapshot(hub, name, snapshot):
+    _, repo, snapshots = hub
+    name = name.replace("REPO_ROOT", str(repo))
+    ckpt = open_checkpoint(name)
+    assert ckpt.directory == snapshots[snapshot]
+    reference = open_checkpoint(FIXTURE)
+    assert sorted(ckpt.tensors) == sorted(reference.tensors)
+    assert [f.header_sha256 for f in ckpt.files.values()] == [f.header_sha256 for f in reference.files.values()]
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("acme/other-model", "no complete snapshot of acme/other-model"),
+    ("acme/tiny-llama@v2", "no complete snapshot of acme/tiny-llama@v2"),
+    ("REPO_ROOT@v2", "no complete snapshot of acme/tiny-llama@v2"),
+])
+def test_a_missing_snapshot_is_a_clear_error_and_no_download(hub, name, needle):
+    cache, repo, _ = hub
+    with pytest.raises(FileNotFoundError) as err:
+        open_checkpoint(name.replace("REPO_ROOT", str(repo)))
+    message = str(err.value)
+    assert needle in message and str(cache) in message and "never downloads" in message, message
+
+
+def test_an_existing_directory_wins_over_a_repo_id(hub, tmp_path):
+    local = tmp_path / "acme" / "tiny-llama"
+    shutil.copytree(FIXTURE, local)
+    assert open_checkpoint("acme/tiny-llama").directory == Path("acme/tiny-llama")
+
+
+def test_a_path_that_is_no_repo_id_is_reported_missing(hub):
+    with pytest.raises(FileNotFoundError, match="checkpoint directory nowhere/at/all does not exist"):
+        open_checkpoint("nowhere/at/all")
+
+
+def test_verify_and_inspect_take_a_repo_id(hub, capsys):
+    pytest.importorskip("transformers")
+    _, _, snapshots = hub
+    assert cli.main(["verify", "acme/tiny-llama@v1", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {snapshots['v1']} loads onto cpu as LlamaForCausalLM")
+    assert cli.main(["inspect", "acme/tiny-llama"]) == 0
+    assert f"checkpoint:      {snapshots['main']}" in capsys.readouterr().out
