@@ -189,9 +189,11 @@ def test_an_in_place_change_invalidates_the_shared_activation():
 
 
 def test_weight_is_a_torchao_prototype_tensor_with_e4m3_codes():
+    from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
+
     lin, _ = _linear()
     w = lin.weight
-    assert type(w).__name__ == "PrototypeFloat8Tensor"
+    assert isinstance(w, PrototypeFloat8Tensor) and type(w).__name__ == "StaticFloat8Tensor"
     assert w.qdata.dtype == E4M3 and w.scale.dtype == torch.float32 and w.dtype == torch.bfloat16
     again = make_static_fp8_weight(w.qdata, w.scale, w.act_quant_scale, torch.bfloat16)
     assert torch.equal(F.linear(_x(2, 16), again), F.linear(_x(2, 16), w))

@@ -52,18 +52,15 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _count_our_ops() -> dict[str, int]:
-    """Wrap each op fsdp_fp8 registered; counts the calls that reach it on static FP8 tensors."""
-    from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
-
-    from fsdp_fp8.fp8.tensor import is_static_fp8
-    from fsdp_fp8.fp8.ops import TORCHAO_ORIGINALS
+    """Wrap each op fsdp_fp8 registered; counts the calls that reach it."""
+    from fsdp_fp8.fp8.ops import FSDP_OPS
+    from fsdp_fp8.fp8.tensor import StaticFloat8Tensor
 
     calls: dict[str, int] = {}
-    table = PrototypeFloat8Tensor._ATEN_OP_TABLE[PrototypeFloat8Tensor]
-    for op in TORCHAO_ORIGINALS:
+    table = StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor]
+    for op in FSDP_OPS:
         def counting(func, types, args, kwargs, _inner=table[op]):
-            if is_static_fp8(args[0]):
-                calls[func.__name__] = calls.get(func.__name__, 0) + 1
+            calls[func.__name__] = calls.get(func.__name__, 0) + 1
             return _inner(func, types, args, kwargs)
 
         table[op] = counting

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_fp8.fp8.tensor import dequantize, empty_static_fp8_weight, fp8_gemm, is_static_fp8, quantize_activation
-from fsdp_fp8.fp8.ops import install_fsdp_support
 
 Mode = Literal["native", "a16"]
 
@@ -51,7 +50,7 @@ class SharedActivation:
 
 
 class Float8StaticLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` a per-tensor static-FP8 ``PrototypeFloat8Tensor``."""
+    """``y = x @ W.T + b`` with ``W`` a ``StaticFloat8Tensor`` (per-tensor static FP8)."""
 
     def __init__(
         self,
@@ -62,7 +61,6 @@ class Float8StaticLinear(nn.Module):
         device: torch.device | str = "meta",
     ):
         super().__init__()
-        install_fsdp_support()
         self.in_features = in_features
         self.out_features = out_features
         self.compute_dtype = compute_dtype

@@ -1,4 +1,5 @@
-"""Static per-tensor FP8 weights as TorchAO ``PrototypeFloat8Tensor``s, and the W8A8 / W8A16 math.
+"""Static per-tensor FP8 weights: ``StaticFloat8Tensor``, a thin subclass of TorchAO's
+``PrototypeFloat8Tensor`` that owns its FSDP2 all-gather hooks, and the W8A8 / W8A16 math.
 
 ModelOpt convention (FORMAT.md): the weight is stored as E4M3 codes with one F32
 ``weight_scale``; activations are quantized with the calibrated ``input_scale``:
@@ -6,9 +7,20 @@ ModelOpt convention (FORMAT.md): the weight is stored as E4M3 codes with one F32
 because TorchAO's ``from_hp(scale=...)`` requires ``scale.ndim == input.ndim`` for the
 2-D activations we feed it; the checkpoint's 0-d scales are reshaped on load and back
 on export.
+
+Why a subclass rather than registering on ``PrototypeFloat8Tensor`` itself: the ops FSDP2
+needs (``fsdp_fp8.fp8.ops``) and the all-gather hooks below then apply to our tensors only.
+A ``PrototypeFloat8Tensor`` of another granularity (per-row, block-wise) in the same
+process keeps every TorchAO behaviour and has no FSDP2 hooks, so it is never gathered as if
+its scales were per tensor. torchao's ``WeightWithDynamicFloat8CastTensor`` keeps its FSDP
+hooks as methods of the class that owns them in the same way.
 """
 
 from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
 
 import torch
 from torchao.float8.inference import Float8MMConfig, addmm_float8_unwrapped_inference
@@ -19,6 +31,8 @@ from torchao.quantization.granularity import PerTensor
 from torchao.quantization.quant_primitives import _quantize_affine_float8
 from torchao.quantization.quantize_.common import KernelPreference
 from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
+
+from fsdp_fp8.format.sharding import padded_rows
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
@@ -33,16 +47,129 @@ ACT_QUANT_KWARGS = QuantizeTensorToFloat8Kwargs(
     kernel_preference=KernelPreference.TORCH,
 )
 
+# PrototypeFloat8Tensor's constructor fields, in its order. ``rebuild`` carries every one;
+# if TorchAO adds, drops or renames a field, importing this module fails rather than
+# letting FSDP2's reshaping silently lose it.
+FIELDS = (
+    "qdata", "scale", "act_quant_scale", "output_act_quant_scale", "block_size", "mm_config",
+    "act_quant_kwargs", "kernel_preference", "dtype", "output_act_quant_kwargs",
+)
+_TORCHAO_FIELDS = tuple(inspect.signature(PrototypeFloat8Tensor.__init__).parameters)[1:]
+if _TORCHAO_FIELDS != FIELDS:
+    raise ImportError(
+        f"TorchAO's PrototypeFloat8Tensor takes {_TORCHAO_FIELDS}; fsdp_fp8 was written for "
+        f"{FIELDS} (torchao 0.18) and would drop a field when FSDP2 reshapes a weight"
+    )
+
+
+class StaticFloat8Tensor(PrototypeFloat8Tensor):
+    """E4M3 codes with one weight scale and one activation scale (ModelOpt static FP8).
+
+    The constructor is TorchAO's, with its fields checked: anything but per-tensor scales, or
+    an output quantization (``output_act_quant_*``, which ``Float8StaticLinear`` never
+    applies), is refused here, so every instance is what the FSDP2 ops and hooks assume.
+    """
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        act_quant_scale: torch.Tensor | None = None,
+        output_act_quant_scale: torch.Tensor | None = None,
+        block_size: list[int] | None = None,
+        mm_config: Float8MMConfig | None = None,
+        act_quant_kwargs: QuantizeTensorToFloat8Kwargs | None = None,
+        kernel_preference: KernelPreference = KernelPreference.AUTO,
+        dtype: torch.dtype | None = None,
+        output_act_quant_kwargs: QuantizeTensorToFloat8Kwargs | None = None,
+    ):
+        problems = []
+        if qdata.dtype != E4M3:
+            problems.append(f"codes are {qdata.dtype}, not {E4M3}")
+        if scale.numel() != 1:
+            problems.append(f"the weight scale has {scale.numel()} elements, not 1")
+        if act_quant_scale is None or act_quant_scale.numel() != 1:
+            problems.append("the activation scale is not one element")
+        if output_act_quant_scale is not None or output_act_quant_kwargs is not None:
+            problems.append("output_act_quant_scale/output_act_quant_kwargs are set (no output quantization)")
+        if problems:
+            raise ValueError("not a static per-tensor FP8 weight: " + "; ".join(problems))
+        super().__init__(
+            qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs,
+            kernel_preference, dtype, None,
+        )
+
+    # --- FSDP2 all-gather extension (docs/design.md draws the flow) ----------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """Send this rank's rows of ``qdata`` as bytes, padded to ``ceil(rows / world)`` rows.
+
+        gloo refuses float8 ("Invalid scalar type") and NCCL takes the same bytes; the
+        scales are per tensor and the same on every rank, so they never travel.
+        """
+        _require_static(self, "fsdp_pre_all_gather")
+        padded_shape = (padded_rows(outer_size[0], mesh.size()), *outer_size[1:])
+        codes = self.qdata
+        if tuple(codes.shape) == padded_shape:
+            payload = codes.view(torch.uint8)
+        else:
+            # FSDP2 keeps a rank's rows as a narrow() of a padded buffer after lazy init;
+            # reuse that buffer when it is there instead of copying the shard every forward.
+            storage = codes.untyped_storage()
+            need = math.prod(padded_shape)
+            if codes.is_contiguous() and storage.nbytes() - codes.storage_offset() >= need and codes.numel() > 0:
+                payload = torch.empty(0, dtype=torch.uint8, device=codes.device).set_(
+                    storage, codes.storage_offset(), padded_shape
+                )
+            else:
+                payload = torch.zeros(padded_shape, dtype=torch.uint8, device=codes.device)
+                if codes.numel() > 0:
+                    payload[: codes.shape[0]].copy_(codes.view(torch.uint8))
+        return (payload,), (tuple(outer_size),)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        """View the gathered bytes back as E4M3 (first ``rows`` rows); reuse ``out`` when given."""
+        _require_static(self, "fsdp_post_all_gather")
+        (gathered,) = all_gather_outputs
+        (outer_size,) = metadata
+        codes = gathered.view(E4M3)[: outer_size[0]]
+        if out is not None:
+            _require_static(out, "fsdp_post_all_gather(out=)")
+            if out.qdata.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr():
+                out.qdata.copy_(codes)
+            return None
+        # The compute dtype is the module's, not FSDP's param_dtype: a mixed-precision policy
+        # must not turn the dequantized arithmetic into something the checkpoint did not ask for.
+        return rebuild(self, codes), (gathered,)
+
+
+# Like TorchAO's own class: a model holding these loads with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([StaticFloat8Tensor])
+
+
+def _require_static(t: Any, hook: str) -> None:
+    if not is_static_fp8(t):
+        raise TypeError(
+            f"StaticFloat8Tensor.{hook} was given a {type(t).__name__} that is not per-tensor static "
+            "FP8 (its scales or output quantization were changed after construction)"
+        )
+
 
 def make_static_fp8_weight(
     qdata: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor,
     compute_dtype: torch.dtype,
-) -> PrototypeFloat8Tensor:
+) -> StaticFloat8Tensor:
     """Wrap E4M3 codes and their two per-tensor scales; ``compute_dtype`` is the activation dtype."""
-    assert qdata.dtype == E4M3, qdata.dtype
-    return PrototypeFloat8Tensor(
+    return StaticFloat8Tensor(
         qdata,
         weight_scale.reshape(1, 1),
         act_quant_scale=input_scale.reshape(1, 1),
@@ -56,7 +183,7 @@ def make_static_fp8_weight(
 
 def empty_static_fp8_weight(
     out_features: int, in_features: int, compute_dtype: torch.dtype, device: torch.device | str
-) -> PrototypeFloat8Tensor:
+) -> StaticFloat8Tensor:
     """An unfilled FP8 weight: 1 byte per element plus two F32 scales (meta by default)."""
     return make_static_fp8_weight(
         torch.empty(out_features, in_features, dtype=E4M3, device=device),
@@ -66,28 +193,44 @@ def empty_static_fp8_weight(
     )
 
 
-def is_static_fp8(t: torch.Tensor) -> bool:
-    """A PrototypeFloat8Tensor with per-tensor scales (what this package creates and shards)."""
+def is_static_fp8(t: Any) -> bool:
+    """A ``StaticFloat8Tensor`` whose fields still say per-tensor static FP8 (what this package shards)."""
     return (
-        isinstance(t, PrototypeFloat8Tensor)
+        isinstance(t, StaticFloat8Tensor)
         and t.scale.numel() == 1
         and t.act_quant_scale is not None
         and t.act_quant_scale.numel() == 1
+        and t.output_act_quant_scale is None
+        and t.output_act_quant_kwargs is None
     )
 
 
-def rebuild(t: PrototypeFloat8Tensor, qdata: torch.Tensor, **overrides) -> PrototypeFloat8Tensor:
-    """Same scales and settings, new codes (per-tensor: block_size is always the full shape)."""
-    return PrototypeFloat8Tensor(
+def rebuild(
+    t: StaticFloat8Tensor,
+    qdata: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    act_quant_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> StaticFloat8Tensor:
+    """``t`` with new codes, every other constructor field carried (``block_size`` follows the shape)."""
+    return StaticFloat8Tensor(
         qdata,
-        overrides.get("scale", t.scale),
-        act_quant_scale=overrides.get("act_quant_scale", t.act_quant_scale),
+        t.scale if scale is None else scale,
+        act_quant_scale=t.act_quant_scale if act_quant_scale is None else act_quant_scale,
+        output_act_quant_scale=t.output_act_quant_scale,
         block_size=list(qdata.shape),
         mm_config=t.mm_config,
         act_quant_kwargs=t.act_quant_kwargs,
         kernel_preference=t.kernel_preference,
-        dtype=overrides.get("dtype", t.dtype),
+        dtype=t.dtype if dtype is None else dtype,
+        output_act_quant_kwargs=t.output_act_quant_kwargs,
     )
+
+
+def as_prototype(t: StaticFloat8Tensor) -> PrototypeFloat8Tensor:
+    """The same codes and scales as TorchAO's own class, for TorchAO's own linear (a reference)."""
+    return PrototypeFloat8Tensor(*(getattr(t, name) for name in FIELDS))
 
 
 def quantize_activation(x2d: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
