@@ -1,4 +1,4 @@
-"""The static-FP8 exporter and the cached demo checkpoint, checked against FORMAT.md."""
+"""The static-FP8 exporter and the cached demo checkpoint, checked against the format (docs/checkpoint-format.md)."""
 
 from __future__ import annotations
 

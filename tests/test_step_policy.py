@@ -1,6 +1,6 @@
-"""The diffusion step policy (FORMAT.md, "Diffusion step policy"): parsing and the window rule.
+"""The diffusion step policy (docs/step-policy.md): parsing and the window rule.
 
-Expected windows are written out by hand from the FORMAT.md rule, not computed by the
+Expected windows are written out by hand from the published rule (docs/step-policy.md), not computed by the
 code under test: "A" is W8A16 ("a16"), "." is W8A8 ("native").
 """
 
@@ -83,7 +83,7 @@ def test_published_policy_parses():
 
 
 def test_published_policy_matches_format_md():
-    # The literal FORMAT.md example, typed in again: PUBLISHED_POLICY must not drift from it.
+    # The published example (docs/step-policy.md), typed in again: PUBLISHED_POLICY must not drift from it.
     assert PUBLISHED_POLICY == {
         "schema_version": 1, "type": "first_last_n", "index_space": "denoising_loop_iteration",
         "scope": ["transformer"], "default_mode": "native",

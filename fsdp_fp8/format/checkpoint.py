@@ -150,7 +150,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             fp8[module] = Fp8ModuleEntry(module, weight, scales[".weight_scale"], scales[".input_scale"],
                                          tensors.get(f"{module}.bias"))
             if quant.is_ignored(module):
-                # FORMAT.md: the ignore list is advice, the stored dtype decides.
+                # The ignore list is advice, the stored dtype decides (docs/checkpoint-format.md).
                 logger.warning("`%s` matches the ignore list but is stored as F8_E4M3; loading it as FP8", module)
     for key, e in sorted(tensors.items()):
         if key.endswith(_FOREIGN_SUFFIXES):

@@ -1,7 +1,7 @@
 """The diffusion step policy: which denoising steps run the generation tower W8A16.
 
 A checkpoint may publish ``config.json["quantization_config"]["runtime"]["diffusion_step_policy"]``
-(docs/FORMAT.md, "Diffusion step policy"). It is read fail-closed: every field is required,
+(docs/step-policy.md). It is read fail-closed: every field is required,
 every value is checked, unknown fields are refused, and all problems are reported at once.
 The policy itself is a pure function of ``(step, num_steps)`` so that the two
 classifier-free-guidance passes of one step can never disagree.
@@ -23,7 +23,7 @@ _PREFIX = "diffusion_step_policy"
 _PRECISIONS = ("a16", "native")
 _LABELS = {"a16": "W8A16", "native": "W8A8"}
 
-# The FORMAT.md example, as published by the checkpoint producer.
+# The policy as published by the checkpoint producer (docs/step-policy.md).
 PUBLISHED_POLICY: dict[str, Any] = {
     "schema_version": 1,
     "type": "first_last_n",
@@ -55,7 +55,7 @@ class StepPolicy:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
         if not _is_int(step) or not 0 <= step < num_steps:
             raise ValueError(f"step must be an int in [0, {num_steps}), got {step!r}")
-        if num_steps == 1:  # a one-step request stays native (FORMAT.md)
+        if num_steps == 1:  # a one-step request stays native (docs/step-policy.md)
             return "native"
         in_first = step < self.first_count
         in_last = step >= num_steps - self.last_count

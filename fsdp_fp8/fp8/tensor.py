@@ -1,7 +1,7 @@
 """Static per-tensor FP8 weights: ``StaticFloat8Tensor``, a thin subclass of TorchAO's
 ``PrototypeFloat8Tensor`` that owns its FSDP2 all-gather hooks, and the W8A8 / W8A16 math.
 
-ModelOpt convention (FORMAT.md): the weight is stored as E4M3 codes with one F32
+ModelOpt convention (docs/checkpoint-format.md): the weight is stored as E4M3 codes with one F32
 ``weight_scale``; activations are quantized with the calibrated ``input_scale``:
 ``x_q = clamp(x / input_scale, -448, 448).to(e4m3)``. Scales are held as (1, 1) tensors
 because TorchAO's ``from_hp(scale=...)`` requires ``scale.ndim == input.ndim`` for the
@@ -263,5 +263,5 @@ def fp8_gemm(
 
 
 def dequantize(weight: PrototypeFloat8Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.float() * weight_scale`` (FORMAT.md), rounded once to ``dtype``; a temporary."""
+    """``weight.float() * weight_scale`` (docs/checkpoint-format.md), rounded once to ``dtype``; a temporary."""
     return (weight.qdata.to(torch.float32) * weight.scale.reshape(())).to(dtype)

@@ -13,7 +13,7 @@ TIME_FREQ_DIM = 256  # as diffusers' Timesteps(256) feeding TimestepEmbedding
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # Two inputs, not one fused [gate; up] tensor: under static FP8 gate_proj and up_proj
-    # keep their own weight_scale, so they stay two linears (see FORMAT.md, Arithmetic).
+    # keep their own weight_scale, so they stay two linears (docs/checkpoint-format.md, "The format, in brief").
     return F.silu(gate) * up
 
 

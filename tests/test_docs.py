@@ -1,0 +1,47 @@
+"""The documentation stands on its own: no file outside the repository is cited, no path of
+one machine is given as if it were everyone's, and every relative link resolves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+SOURCES = sorted([*ROOT.glob("fsdp_fp8/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("bench/*.py"),
+                  *ROOT.glob("tests/**/*.py")])
+# A format note kept outside the repository, and home or workspace directories of one machine.
+OUTSIDE = re.compile(r"FORMAT\.md|/work/|/root/|/home/\w|/Users/\w")
+
+
+@pytest.mark.parametrize("path", DOCS + SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_outside_the_repository_is_cited(path):
+    if path == Path(__file__).resolve():
+        return  # this file names what it looks for
+    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if OUTSIDE.search(line)]
+    assert hits == []
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    text = path.read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("#"):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve()
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(target)
+    assert broken == []
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.*)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
