@@ -4,7 +4,7 @@
 
 The same reference MoT is loaded twice with ``load_model``: from its FP8 checkpoint and from
 its BF16 one (exported by bench/common.py, cached). Bytes are counted at the collective
-(``torch.distributed.all_gather_single``, which FSDP2's all-gather calls), per forward. A
+(``fsdp_fp8.load.collectives.AllGatherMeter``: the all-gather FSDP2 calls on this torch), per forward. A
 denoising step is what the sampler does per step: a conditional and an unconditional
 ``denoise`` (classifier-free guidance); the reasoner runs once, outside the timing.
 """
@@ -29,6 +29,8 @@ import common  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
 from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
+from fsdp_fp8.load.api import local_cuda_index  # noqa: E402
+from fsdp_fp8.load.collectives import AllGatherMeter  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
 
@@ -45,28 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--dir", help="checkpoint cache (see bench/load.py)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     return p.parse_args(argv)
-
-
-class GatherCounter:
-    """Bytes this rank contributes to all-gathers (FSDP2 unshards through all_gather_single)."""
-
-    def __init__(self):
-        self.bytes = 0
-        self.calls = 0
-
-    def __enter__(self):
-        self._real = dist.all_gather_single
-
-        def counting(output, input, *args, **kwargs):
-            self.bytes += input.numel() * input.element_size()
-            self.calls += 1
-            return self._real(output, input, *args, **kwargs)
-
-        dist.all_gather_single = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather_single = self._real
 
 
 def expected_gather_bytes(model, world: int) -> tuple[int, int]:
@@ -112,13 +92,15 @@ def step_seconds(model, x, t, state, steps: int) -> list[float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    timeout = timedelta(seconds=1800)
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_cuda_index())
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=1800))
+        dist.init_process_group("gloo", timeout=timeout)
+    backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         fp8_dir, bf16_dir = common.checkpoints(args.size, args.dir)
@@ -144,7 +126,7 @@ def main(argv=None) -> int:
             states[name] = model.reason(prompt)
             counts = []
             for _ in range(2):  # first forward after reason, then steady state
-                with GatherCounter() as c:
+                with AllGatherMeter() as c:
                     model.denoise(x, t, states[name])
                 counts.append(c.bytes)
             gathered[name] = counts

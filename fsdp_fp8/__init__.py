@@ -5,9 +5,42 @@ first use (PEP 562), so ``import fsdp_fp8.format`` does not pull in torchao or F
 The layers and their rules are in docs/design.md.
 """
 
-from importlib import import_module
+import re
+import sys
+from importlib import import_module, metadata
 
 __version__ = "0.1.0"
+
+# The oldest torch every module, test and bench here runs on (README: what was run, what read).
+MIN_TORCH = (2, 10)
+
+
+def _torch_version() -> str:
+    """The torch this process has (or will import), read without importing it where possible."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path: ask torch itself
+        import torch
+
+        return torch.__version__
+
+
+def _check_torch() -> None:
+    try:
+        version = _torch_version()
+    except ImportError:
+        raise ImportError("fsdp_fp8 needs torch >= 2.10; this Python has no torch") from None
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None or (int(match[1]), int(match[2])) < MIN_TORCH:
+        raise ImportError(
+            f"fsdp_fp8 needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (FSDP2, DTensor and the FP8 "
+            f"kernels it relies on); this Python ({sys.executable}) has torch {version}"
+        )
+
+
+_check_torch()
 
 # public name -> the module that defines it
 _PUBLIC = {

@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_shutdown.py: the minimal FSDP2 + gloo exit-abort case.
 
 A small ``nn.Sequential`` of Linears, ``fully_shard``-ed per layer and at the root, one
-forward, then ``shutdown_distributed(0)`` (or, with ``--plain-exit``, a plain
+forward, then ``shutdown_distributed(0)`` (``--exit-code N``: the failure path), or, with ``--plain-exit``, a plain
 ``destroy_process_group()`` and a normal interpreter exit, to reproduce the abort; see
 docs/shutdown.md). Prints the output checksum, which every rank must agree on.
 """
@@ -23,6 +23,7 @@ from fsdp_fp8.cli.shutdown import shutdown_distributed
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plain-exit", action="store_true")
+    parser.add_argument("--exit-code", type=int, default=0, help="non-zero: the failure path (abort)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -43,8 +44,10 @@ def main() -> None:
     if args.plain_exit:
         dist.destroy_process_group()
         return
-    shutdown_distributed(0)
-    raise AssertionError("shutdown_distributed(0) returned")
+    if args.exit_code:  # the failure path must abort: a destroy here is reported
+        dist.destroy_process_group = lambda *a, **k: print(f"rank {rank} destroy_process_group called", flush=True)
+    shutdown_distributed(args.exit_code)
+    raise AssertionError("shutdown_distributed returned")
 
 
 if __name__ == "__main__":

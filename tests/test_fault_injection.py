@@ -96,6 +96,7 @@ def _model_state(model, failed: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_fp8 import Float8StaticLinear, ModelUnusableError
+    from fsdp_fp8.load.collectives import all_gather_name
 
     if model is None:
         return {"built": False}
@@ -113,9 +114,10 @@ def _model_state(model, failed: bool) -> dict:
         collectives.append(1)
         raise RuntimeError("collective in the forward of a model that failed to load")
 
-    saved = dist.all_gather_single, dist.all_gather_into_tensor
+    name = all_gather_name()  # the collective FSDP2 calls on this torch
+    saved = getattr(dist, name)
     if failed:  # the peers may be gone: the refusal must come before FSDP2's all-gather
-        dist.all_gather_single = dist.all_gather_into_tensor = refuse_collective
+        setattr(dist, name, refuse_collective)
     t0 = time.monotonic()
     try:
         with torch.no_grad():
@@ -126,7 +128,7 @@ def _model_state(model, failed: bool) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
         state["forward"] = f"{type(exc).__name__}: {exc}"
     finally:
-        dist.all_gather_single, dist.all_gather_into_tensor = saved
+        setattr(dist, name, saved)
     state["forward_s"] = time.monotonic() - t0
     state["forward_collectives"] = len(collectives)
     return state

@@ -32,8 +32,17 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.export.modelopt import export_bf16, export_fp8
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.models import PRESETS, build_model, init_weights
+from fsdp_fp8.runtime import ptq
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from ranks import run_ranks
+
+# torch 2.10 / 2.11's CPU _scaled_mm takes per-tensor scales only: per_row is refused there
+# (test_per_row_on_a_cpu_kernel_without_row_scales_is_refused forces that path on any torch).
+ROW_SCALES = pytest.mark.skipif(not ptq.cpu_scaled_mm_takes_row_scales(),
+                                reason=f"torch {torch.__version__}'s CPU _scaled_mm takes no per-row scales")
+GRANULARITIES = [pytest.param("per_row", marks=ROW_SCALES), "per_tensor"]
+# Where a test is about selection, not scales: the default where this torch's CPU runs it.
+ANY_GRANULARITY = "per_row" if ptq.cpu_scaled_mm_takes_row_scales() else "per_tensor"
 
 ROOT = Path(__file__).resolve().parents[1]
 U_E4M3 = 2.0**-4
@@ -69,7 +78,7 @@ def weights(model):
 # --- quantizing -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("granularity", ["per_row", "per_tensor"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_one_linear_is_within_the_e4m3_bound(granularity):
     torch.manual_seed(0)
     linear = nn.Linear(256, 128, dtype=torch.bfloat16)
@@ -82,7 +91,7 @@ def test_one_linear_is_within_the_e4m3_bound(granularity):
     assert err > ONE_LINEAR / 4, err  # really quantized: no high-precision fallback
 
 
-@pytest.mark.parametrize("granularity", ["per_row", "per_tensor"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_fp8_quantizes_the_selected_linears_of_the_mot_within_tolerance(granularity):
     from torchao.quantization import Float8Tensor
 
@@ -122,10 +131,11 @@ def test_fp8_quantizes_the_selected_linears_of_the_mot_within_tolerance(granular
 
 def test_every_linear_when_nothing_is_excluded():
     model = mot()
-    names = quantize_model(model, "fp8")
+    names = quantize_model(model, "fp8", granularity=ANY_GRANULARITY)
     assert len(names) == sum(isinstance(m, nn.Linear) for m in model.modules()) == 33
 
 
+@ROW_SCALES
 def test_cpu_weights_are_what_torchao_quantize_builds(monkeypatch):
     """On CPU we bypass only quantize_'s CUDA-capability assert; the tensor is TorchAO's own."""
     import torchao.quantization.quant_api as quant_api
@@ -150,7 +160,7 @@ def test_include_exclude_and_compiled_names():
     model = mot()
     compiled = torch.compile(model)  # names gain `_orig_mod.`; patterns see them without it
     names = quantize_model(compiled, "fp8", include=[r"\.self_attn\.to_(q|k)$", r"mlp\w*\.up_proj"],
-                           exclude=r"^layers\.1\.")
+                           exclude=r"^layers\.1\.", granularity=ANY_GRANULARITY)
     assert names == ["layers.0.mlp.up_proj", "layers.0.mlp_moe_gen.up_proj",
                      "layers.0.self_attn.to_k", "layers.0.self_attn.to_q"]
 
@@ -193,7 +203,7 @@ def test_a_selection_that_matches_nothing_is_refused():
 
 def test_an_already_quantized_linear_is_refused():
     model = mot()
-    quantize_model(model, "fp8", include=["to_q$"])
+    quantize_model(model, "fp8", include=["to_q$"], granularity=ANY_GRANULARITY)
     msg = refused(model, "fp8", exclude=EXCLUDE)  # selects the to_q's again, among others
     assert "`layers.0.self_attn.to_q` is already quantized" in msg and "Float8Tensor" in msg
     assert "`layers.0.self_attn.to_k`" not in msg
@@ -223,6 +233,17 @@ def test_mx_formats_are_refused_off_blackwell(method):
     msg = refused(mot(), method, exclude=EXCLUDE)
     assert f"{method} needs a CUDA GPU with compute capability >= 10.0" in msg
     assert "the model is on cpu" in msg
+
+
+def test_per_row_on_a_cpu_kernel_without_row_scales_is_refused(monkeypatch):
+    """What torch 2.10 / 2.11 do on CPU, forced here: a clear refusal before any quantization."""
+    monkeypatch.setattr(ptq, "cpu_scaled_mm_takes_row_scales", lambda: False)
+    linear = nn.Linear(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        quantize_model(linear, "fp8", granularity="per_row")
+    assert "fp8 per_row on CPU" in str(err.value) and "per_tensor" in str(err.value)
+    assert type(linear.weight) is nn.Parameter  # nothing was quantized
+    quantize_model(linear, "fp8", granularity="per_tensor")  # the way out still works
 
 
 def test_bad_method_and_granularity_are_refused():
@@ -287,6 +308,7 @@ def infer(tmp_path, *args, nproc=None):
     return proc, (json.loads(report.read_text()) if report.exists() else None)
 
 
+@ROW_SCALES
 def test_infer_quantizes_a_bf16_checkpoint(tmp_path, checkpoints):
     bf16, _ = checkpoints
     proc, report = infer(tmp_path, "--checkpoint", str(bf16), "--quantize", "fp8", "--exclude", EXCLUDE)

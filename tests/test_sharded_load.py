@@ -68,12 +68,11 @@ def _count_our_ops() -> dict[str, int]:
 
 
 def _observe(rank: int, world: int, uneven_dir: str) -> dict:
-    import torch.distributed as dist
-
     from fsdp_fp8 import gather_state_dict, load_checkpoint, open_checkpoint, swap_fp8_linears
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
     from fsdp_fp8.load.api import load_model
+    from fsdp_fp8.load.collectives import AllGatherMeter
 
     obs: dict = {}
     op_calls = _count_our_ops()
@@ -99,21 +98,10 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
         local[t.module] = (tuple(q.shape), str(q.dtype), q.untyped_storage().nbytes())
     obs["local_after_to_empty"] = local
 
-    sent: list[tuple[int, str]] = []
-    real = dist.all_gather_single
-
-    def counting(output, input, *args, **kwargs):
-        sent.append((input.numel() * input.element_size(), str(input.dtype)))
-        return real(output, input, *args, **kwargs)
-
     x = torch.randn(3, 4, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    dist.all_gather_single = counting
-    try:
-        with torch.no_grad():
-            obs["y"] = model(x)
-    finally:
-        dist.all_gather_single = real
-    obs["all_gather_bytes"] = sum(n for n, _ in sent)
+    with torch.no_grad(), AllGatherMeter() as meter:  # the collective FSDP2 calls on this torch
+        obs["y"] = model(x)
+    obs["all_gather_bytes"] = meter.bytes
     obs["op_calls"] = dict(op_calls)
     obs["storage_after_forward"] = {
         t.module: model.get_submodule(t.module).weight._local_tensor.qdata.untyped_storage().nbytes() for t in plan.fp8

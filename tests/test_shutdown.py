@@ -55,3 +55,54 @@ def test_bad_exit_code_is_refused_before_anything_happens(code):
 def test_without_exit_code_it_returns(monkeypatch):
     # No process group here: nothing to destroy, and the process must go on.
     assert shutdown_distributed() is None
+
+
+def _shutdown_after_a_peer_failed(rank, world, failed):
+    """Rank 0 waits in an all-reduce rank 1 never joins (it failed); both then shut down."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.cli import shutdown
+
+    destroyed = []
+    real = dist.destroy_process_group
+    # A tripwire: on the failure path nothing may call destroy (on NCCL it would wait for the
+    # queued all-reduce forever); elsewhere it must, and then really destroys.
+    dist.destroy_process_group = lambda *a, **k: (destroyed.append(rank), real(*a, **k))[1]
+    try:
+        work = dist.all_reduce(torch.ones(4), async_op=True) if rank == 0 else None
+        t0 = time.monotonic()
+        shutdown.shutdown_distributed(failed=failed)
+        seconds = time.monotonic() - t0
+    finally:
+        dist.destroy_process_group = real
+    del work
+    return {"destroyed": bool(destroyed), "initialized": dist.is_initialized(), "seconds": seconds}
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_the_failure_path_aborts_instead_of_destroying(failed):
+    from ranks import run_ranks
+
+    if failed:
+        results = run_ranks(_shutdown_after_a_peer_failed, 2, True, timeout=60)
+        for r in results:
+            assert not r["destroyed"] and not r["initialized"], r
+            assert r["seconds"] < 10, r
+    else:  # a clean exit destroys (finalizes) the group; no collective is pending then
+        results = run_ranks(_shutdown_after_a_peer_failed, 1, False, timeout=60)
+        assert results[0]["destroyed"] and not results[0]["initialized"]
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_exit_code_aborts_and_still_runs_atexit():
+    proc = _torchrun("--exit-code", "3")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output  # torchrun reports the ranks' exit code 3 as a failure
+    assert "exitcode  : 3" in output or "exitcode: 3" in output.replace(" ", ""), output
+    assert "destroy_process_group called" not in output, output
+    for rank in range(2):
+        assert f"rank {rank} atexit ran" in proc.stdout, output
+

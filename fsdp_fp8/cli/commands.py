@@ -113,7 +113,7 @@ def _run(argv: list[str]) -> int:
     try:
         code = run_main(argv)
     except BaseException:
-        shutdown_distributed()  # keep the traceback and Python's own exit status
+        shutdown_distributed(failed=True)  # abort, not destroy; keep the traceback and exit status
         raise
     shutdown_distributed(code)
     return code  # not reached

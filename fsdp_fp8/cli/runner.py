@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fsdp_fp8.load.api import default_device, load_model
+from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import ProblemsError
 from fsdp_fp8.interop.hf_run import prompt_bytes, run_hf
@@ -78,10 +78,16 @@ def init_distributed(timeout_s: float) -> None:
     """gloo on CPU, NCCL on CUDA; a single process (no torchrun) runs without a group."""
     if "RANK" not in os.environ or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    device = torch.device("cuda", local_cuda_index())
+    torch.cuda.set_device(device)
+    # device_id (torch >= 2.3) binds the group to this GPU: NCCL builds its communicator here,
+    # so a missing peer or a bad device fails now rather than in the first all-gather, and no
+    # collective has to guess the device from the current one.
+    dist.init_process_group("nccl", timeout=timeout, device_id=device)
 
 
 def _rank() -> int:

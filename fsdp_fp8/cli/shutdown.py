@@ -8,6 +8,12 @@ worker that asks for the GIL is ended by ``pthread_exit`` inside a ``noexcept`` 
 destructor, and libstdc++ calls ``std::terminate``: "terminate called without an active
 exception", SIGABRT, after every result was already correct. No Python-level cleanup
 (barrier, ``gc.collect()``, sleeping) closes that race for certain; not finalizing does.
+
+On the failure path the group is aborted, not destroyed: with NCCL, ``destroy_process_group``
+finalizes each communicator, which waits for the collectives already queued on it, and a
+peer that died (or raised before its all-gather) never joins them, so the rank that is
+trying to report an error would hang until the watchdog kills it. Aborting
+(``ncclCommAbort`` on NCCL) returns at once; the process exits next.
 """
 
 from __future__ import annotations
@@ -17,13 +23,32 @@ import logging
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
 
-def shutdown_distributed(exit_code: int | None = None) -> None:
+def abort_process_group() -> None:
+    """Tear down every process group without waiting for peers (``ncclCommAbort`` on NCCL).
+
+    ``_abort_process_group`` is torch's own (private, in 2.10 through 2.13; gloo accepts it
+    too). Where a torch lacks it the group is left alone: the process exits next and its
+    communicators end with it, which is still better than a destroy that waits forever.
+    """
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        logger.warning("torch %s has no _abort_process_group; leaving the process group to the exit",
+                       torch.__version__)
+        return
+    abort()
+
+
+def shutdown_distributed(exit_code: int | None = None, *, failed: bool | None = None) -> None:
     """Destroy the default process group; with ``exit_code``, also end the process cleanly.
+
+    ``failed`` (default: ``exit_code`` is neither None nor 0): abort the group instead of
+    destroying it, so no rank waits on a collective a failed peer never joins (see above).
 
     ``exit_code=None``: destroy the process group (if any) and return. The interpreter's own
     exit may still abort as described above; use this form only where the process goes on
@@ -41,14 +66,19 @@ def shutdown_distributed(exit_code: int | None = None) -> None:
         try:
             code = main()
         except BaseException:
-            shutdown_distributed()   # keep the traceback and Python's own exit status
+            shutdown_distributed(failed=True)   # keep the traceback and Python's exit status
             raise
         shutdown_distributed(code)
     """
     if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
         raise ValueError(f"exit_code must be an int in [0, 255] or None, got {exit_code!r}")
+    if failed is None:
+        failed = exit_code not in (None, 0)
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        if failed:
+            abort_process_group()
+        else:
+            dist.destroy_process_group()
     if exit_code is None:
         return
     import threading

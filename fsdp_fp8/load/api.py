@@ -41,9 +41,19 @@ class LoadedModel:
     architecture: Architecture | None = None  # set when load_model resolved the model from config.json
 
 
+def local_cuda_index() -> int:
+    """This process's GPU: torchrun's ``LOCAL_RANK`` modulo the GPUs this process sees.
+
+    A launcher that hands each rank its own ``CUDA_VISIBLE_DEVICES`` leaves one visible GPU
+    per process while ``LOCAL_RANK`` still counts the node's ranks: the modulo maps rank 3 to
+    its one GPU (index 0) instead of asking for a ``cuda:3`` that does not exist.
+    """
+    return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
 
 

@@ -18,6 +18,7 @@ preference; tests/test_ptq.py compares the two byte for byte); on CUDA we call `
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -114,7 +115,7 @@ def quantize_model(
         problems.append(f"include {list(include)} / exclude {list(exclude)} select no linear")
     for name, module in selected.items():
         problems += _module_problems(name, module, method, granularity)
-    problems += _hardware_problems(method, selected)
+    problems += _hardware_problems(method, selected, granularity)
     raise_if_problems(problems, error=QuantizeError)
 
     if method == "fp8":
@@ -194,7 +195,23 @@ def _module_problems(name: str, module: nn.Module, method: str, granularity: str
     return problems
 
 
-def _hardware_problems(method: str, selected: dict[str, nn.Module]) -> list[str]:
+@functools.cache
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes per-row scales.
+
+    torch 2.10 and 2.11 take only per-tensor scales on CPU (an internal assert otherwise);
+    2.13 takes both. Asked of the kernel itself, once, not read from a version number.
+    """
+    codes = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(codes, torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(), scale_a=torch.ones(2, 1),
+                         scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _hardware_problems(method: str, selected: dict[str, nn.Module], granularity: str = "per_row") -> list[str]:
     if method not in METHODS:
         return []
     devices = sorted({str(m.weight.device) for m in selected.values() if m.weight.device.type != "meta"})
@@ -211,6 +228,9 @@ def _hardware_problems(method: str, selected: dict[str, nn.Module]) -> list[str]
                             f"{_MX_CAPABILITY[0]}.{_MX_CAPABILITY[1]} (Blackwell); the model is on {device}")
         elif device.type != "cpu":
             problems.append(f"fp8 runs on CPU or on CUDA with compute capability >= 8.9; the model is on {device}")
+        elif granularity == "per_row" and not cpu_scaled_mm_takes_row_scales():
+            problems.append(f"fp8 per_row on CPU needs a torch whose CPU _scaled_mm takes per-row scales "
+                            f"(2.13 does; this is {torch.__version__}): use granularity per_tensor, or CUDA")
     return problems
 
 
