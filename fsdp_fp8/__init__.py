@@ -71,6 +71,8 @@ _PUBLIC = {
     "LoadReport": "fsdp_fp8.load.loader",
     "load_checkpoint": "fsdp_fp8.load.loader",
     "gather_state_dict": "fsdp_fp8.load.gather",
+    "SaveReport": "fsdp_fp8.load.save",
+    "save_checkpoint": "fsdp_fp8.load.save",
     "LoadedModel": "fsdp_fp8.load.api",
     "load_model": "fsdp_fp8.load.api",
     "export_bf16": "fsdp_fp8.export.modelopt",

@@ -1,7 +1,8 @@
-"""``fsdp-fp8`` / ``python -m fsdp_fp8``: ``run`` (the launcher), ``inspect`` and ``verify``.
+"""``fsdp-fp8`` / ``python -m fsdp_fp8``: ``run`` (the launcher), ``inspect``, ``verify`` and ``save``.
 
 ``inspect`` and ``verify`` look at a checkpoint without loading it: ``inspect`` summarises
-headers and scales; ``verify`` decides as ``load_model`` would (docs/usage.md).
+headers and scales; ``verify`` decides as ``load_model`` would (docs/usage.md). ``save``
+loads a checkpoint (sharded under torchrun) and writes it back with ``save_checkpoint``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.sharding import rank_forecast
 
 
@@ -119,6 +120,33 @@ def _run(argv: list[str]) -> int:
     return code  # not reached
 
 
+def _save(args) -> int:
+    """Load SOURCE (sharded under torchrun) and write it to DESTINATION; exit 0 on success."""
+    import torch.distributed as dist
+
+    from fsdp_fp8.cli.runner import init_distributed
+    from fsdp_fp8.cli.shutdown import shutdown_distributed
+    from fsdp_fp8.load.api import default_device, load_model
+    from fsdp_fp8.load.save import save_checkpoint
+
+    init_distributed(args.timeout)  # a process group only under torchrun
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    code = 0
+    try:
+        loaded = load_model(None, args.source, device=default_device())
+        report = save_checkpoint(loaded, args.destination, max_shard_size=args.max_shard_size)
+        if rank == 0:
+            print(f"saved {report.directory}: {report.tensors} tensors in {report.files} files")
+    except (ProblemsError, PeerLostError, OSError) as exc:
+        # Agreed errors are the same on every rank: rank 0 prints them; others say who they are.
+        if rank == 0 or not isinstance(exc, ProblemsError):
+            print(f"error{'' if rank == 0 else f' (rank {rank})'}: {exc}", file=sys.stderr)
+        code = 1
+    if dist.is_initialized():
+        shutdown_distributed(code)  # never returns
+    return code
+
+
 def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Load ModelOpt static-FP8 checkpoints into "
                                      "FSDP2-sharded models (docs/usage.md).")
@@ -139,6 +167,13 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
                         help="the device load_model would load onto (default: cuda when torch sees a GPU, "
                              "else cpu); cuda adds the checks made before loading onto CUDA")
     verify.add_argument("--sha256", action="store_true", help="also hash every shard file")
+    save = sub.add_parser("save", help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
+                          "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing")
+    save.add_argument("source", help="checkpoint directory, diffusers pipeline root or hub repo id")
+    save.add_argument("destination")
+    save.add_argument("--max-shard-size", type=_positive, default=None, metavar="BYTES",
+                      help="tensor bytes per shard file (default: one file)")
+    save.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     return parser
 
 
@@ -149,6 +184,8 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     args = build_parser(prog).parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "save":
+        return _save(args)
     if args.device is None:
         import torch
 
