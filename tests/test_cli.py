@@ -96,7 +96,7 @@ def test_help_lists_the_subcommands(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: fsdp-fp8 ")
-    for command in ("run", "inspect", "verify"):
+    for command in ("run", "inspect", "verify", "save"):
         assert f"\n    {command} " in out, out
 
 
