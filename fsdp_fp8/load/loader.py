@@ -28,6 +28,7 @@ from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.load.agreement import merge_rank_problems
 from fsdp_fp8.load.meta_build import tensors_on_meta
+from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.format.sharding import staging_rows
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,14 @@ class LoadReport:
     tensors: int
     bytes_read: int
     bytes_held: int
-    seconds: float
+    seconds: float  # the load after ``prepare``: the reads and the agreement on their outcome
+    read_seconds: float  # the reads alone: what GB/s is measured over (waiting for peers is not I/O)
     peak_rss_bytes: int
     peak_device_bytes: int | None
 
     @property
     def gb_per_s(self) -> float:
-        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
 
 
 def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
@@ -100,28 +102,13 @@ def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     raise KeyError(f"`{name}` is neither a parameter nor a buffer of the model (was it changed after planning?)")
 
 
-class _Progress:
-    """Rank 0 logs how far the load is, at most every ``every_s`` seconds (long loads only)."""
-
-    def __init__(self, total: int, every_s: float = 5.0):
-        self.total, self.every_s, self.done = total, every_s, 0
-        self.start = self.last = time.perf_counter()
-        self.enabled = (dist.get_rank() if dist.is_initialized() else 0) == 0
-
-    def step(self) -> None:
-        self.done += 1
-        now = time.perf_counter()
-        if self.enabled and now - self.last >= self.every_s:
-            self.last = now
-            read = slice_reader.bytes_read()
-            log.info("loading: %d/%d tensors, %.2f GB read by rank 0 in %.0f s",
-                     self.done, self.total, read / 1e9, now - self.start)
-
-
 def _load_local(model: nn.Module, plan) -> tuple[int, int]:
     """Every read this rank does; returns (bytes held by the targets, number of tensors)."""
     held = 0
-    progress = _Progress(len(plan.fp8) + len(plan.tensors))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    progress = LoadProgress(plan.rank_bytes(world, rank), enabled=rank == 0)
+    read_before = slice_reader.bytes_read()
     with torch.no_grad():
         for target in plan.fp8:
             weight = model.get_submodule(target.module).weight
@@ -130,12 +117,13 @@ def _load_local(model: nn.Module, plan) -> tuple[int, int]:
             local.scale.copy_(slice_reader.read_scale(target.entry.weight_scale).reshape(1, 1))
             local.act_quant_scale.copy_(slice_reader.read_scale(target.entry.input_scale).reshape(1, 1))
             held += local.qdata.numel() + 8
-            progress.step()
+            progress.update(slice_reader.bytes_read() - read_before)
         for target in plan.tensors:
             local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
             _read_rows_into(target.entry, start, stop, local)
             held += local.numel() * local.element_size()
-            progress.step()
+            progress.update(slice_reader.bytes_read() - read_before)
+    progress.close()
     return held, len(plan.fp8) + len(plan.tensors)
 
 
@@ -172,7 +160,7 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
-    ok, message, held, count = True, "", 0, 0
+    ok, message, held, count, read_s = True, "", 0, 0, 0.0
     try:
         if prepare is not None:
             prepare()
@@ -180,7 +168,9 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         on_meta = tensors_on_meta(model)
         if on_meta:
             raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")
+        t_read = time.perf_counter()
         held, count = _load_local(model, plan)
+        read_s = time.perf_counter() - t_read
         left = tensors_on_meta(model)
         assert not left, left
     except Exception as exc:  # every rank must learn of it: re-raised below after agreement
@@ -208,6 +198,7 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         bytes_read=slice_reader.bytes_read() - read_before,
         bytes_held=held,
         seconds=time.perf_counter() - t0,
+        read_seconds=read_s,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         peak_device_bytes=device_peak,
     )
