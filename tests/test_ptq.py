@@ -320,21 +320,33 @@ def test_infer_quantizes_a_bf16_checkpoint(tmp_path, checkpoints):
     assert f"{q['weight_bytes_before']:,} -> {q['weight_bytes_after']:,} bytes" in proc.stdout
 
 
-def test_infer_refuses_quantize_on_a_modelopt_checkpoint(tmp_path, checkpoints):
+def test_infer_refuses_quantize_on_a_modelopt_checkpoint(tmp_path, checkpoints, capsys, monkeypatch):
+    from fsdp_fp8.cli.runner import main
+
     _, fp8 = checkpoints
-    proc, report = infer(tmp_path, "--checkpoint", str(fp8), "--quantize", "fp8")
-    assert proc.returncode == 1 and report is None
-    assert "error:" in proc.stderr and "is a ModelOpt static-FP8 checkpoint" in proc.stderr
+    monkeypatch.delenv("FSDP_FP8_TRACEBACK", raising=False)
+    report = tmp_path / "report.json"
+    assert main(["--checkpoint", str(fp8), "--quantize", "fp8", "--report", str(report)]) == 1
+    assert not report.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "is a ModelOpt static-FP8 checkpoint" in err
 
 
-def test_infer_refuses_quantize_on_two_ranks(tmp_path, checkpoints):
+def test_infer_refuses_quantize_on_two_ranks(tmp_path, checkpoints, capsys, monkeypatch):
+    """What torchrun --nproc-per-node 2 gives rank 0: refused before any process group."""
+    from fsdp_fp8.cli.runner import main
+
     bf16, _ = checkpoints
-    proc, report = infer(tmp_path, "--checkpoint", str(bf16), "--quantize", "fp8", nproc=2)
-    assert proc.returncode != 0 and report is None
-    assert "--quantize runs on a single process, not on 2 ranks" in proc.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("FSDP_FP8_TRACEBACK", raising=False)
+    assert main(["--checkpoint", str(bf16), "--quantize", "fp8", "--report", str(tmp_path / "r.json")]) == 1
+    assert "--quantize runs on a single process, not on 2 ranks" in capsys.readouterr().err
 
 
-def test_infer_include_without_quantize_is_a_usage_error(tmp_path, checkpoints):
+def test_infer_include_without_quantize_is_a_usage_error(checkpoints, capsys):
+    from fsdp_fp8.cli.runner import parse_args
+
     bf16, _ = checkpoints
-    proc, _ = infer(tmp_path, "--checkpoint", str(bf16), "--include", "to_q")
-    assert proc.returncode == 2 and "pass --quantize too" in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--checkpoint", str(bf16), "--include", "to_q"])
+    assert exit_.value.code == 2 and "pass --quantize too" in capsys.readouterr().err
