@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
+from fsdp_fp8.load.collectives import AllGatherMeter
+from fsdp_fp8.load.residency import POLICIES, apply_residency
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import ProblemsError
 from fsdp_fp8.interop.hf_run import prompt_bytes, run_hf
@@ -53,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=8, help="causal LM: greedy tokens to generate (default 8)")
     p.add_argument("--report", help="also write the report as JSON to this path (rank 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--resident", choices=POLICIES, default="none",
+                   help="FSDP2 blocks kept gathered between forwards: none (re-gather each forward), "
+                        "auto (what --resident-budget and the free device memory allow), all")
+    p.add_argument("--resident-budget", type=_byte_count, metavar="BYTES",
+                   help="with --resident auto: the most the gathered blocks may take per rank (e.g. 60e9, 48GiB)")
     p.add_argument("--quantize", choices=METHODS,
                    help="quantize a high-precision checkpoint's linears with TorchAO at load (one process)")
     p.add_argument("--include", action="append", default=[], metavar="RE",
@@ -64,7 +71,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--include / --exclude select linears for --quantize; pass --quantize too")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.resident_budget is not None and args.resident != "auto":
+        p.error("--resident-budget applies to --resident auto; pass that too")
+    if args.report:  # now, not after the whole run: make its directory, fail if it cannot be
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        except OSError as exc:
+            p.error(f"--report {args.report}: cannot create its directory: {exc}")
     return args
+
+
+def _byte_count(text: str) -> int:
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
+             "GB": 10**9, "TB": 10**12}
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 60e9 or 48GiB, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be >= 0, got {text!r}")
+    return int(value)
 
 
 def _id_list(text: str) -> list[int]:
@@ -138,24 +166,30 @@ def run(args: argparse.Namespace) -> dict:
                 "quantize": quantized, "load_seconds": round(load_s, 3),
                 "run_seconds": round(time.perf_counter() - t1, 3), **output,
                 "ranks": _rank_rows(_all_reports(loaded.report))}
+    residency = apply_residency(model, args.resident, budget_bytes=args.resident_budget, device=device)
     if _rank() == 0:
-        log.info("loaded %d FP8 linears in %.2f s; sampling %d steps", len(loaded.fp8_linears), load_s, args.steps)
+        log.info("loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
+                 len(loaded.fp8_linears), load_s, len(residency.resident), residency.blocks, args.resident,
+                 args.steps)
+    step_bytes: list[int] = []  # all-gather bytes this rank sent per step (step 1: with the reasoner)
 
     def progress(i: int, n: int) -> None:
+        step_bytes.append(meter.bytes - sum(step_bytes))
         if _rank() == 0:
             log.info("step %d/%d  %s", i + 1, n, "W8A16" if routing.trace[-1] == "a16" else "W8A8")
 
     t1 = time.perf_counter()
-    latent = sample(
+    with AllGatherMeter() as meter:
+        latent = sample(
         model,
-        prompt_bytes(args.prompt, model.config.vocab_size),
-        steps=args.steps,
-        seed=args.seed,
-        guidance=args.guidance,
-        num_latent_tokens=args.latent_tokens,
-        step_context=lambda i, n: denoising_step(model, i, n),
-        on_step=progress,
-    )
+            prompt_bytes(args.prompt, model.config.vocab_size),
+            steps=args.steps,
+            seed=args.seed,
+            guidance=args.guidance,
+            num_latent_tokens=args.latent_tokens,
+            step_context=lambda i, n: denoising_step(model, i, n),
+            on_step=progress,
+        )
     sample_s = time.perf_counter() - t1
     latent_bytes = latent.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     reports = _all_reports(loaded.report)
@@ -172,6 +206,8 @@ def run(args: argparse.Namespace) -> dict:
         "step_policy": "checkpoint" if policy is not None else "none",
         "latent_shape": list(latent.shape),
         "latent_sha256": hashlib.sha256(latent_bytes).hexdigest(),
+        "residency": residency.as_dict(),
+        "allgather_bytes_per_step": step_bytes,
         "ranks": _rank_rows(reports),
     }
 
@@ -212,8 +248,11 @@ def _output_lines(result: dict) -> list[str]:
     if "output_sha256" in result:  # a diffusers transformer
         return [f"model           {result['architecture']}, one forward in {result['run_seconds']:.2f} s",
                 f"output          {tuple(result['output_shape'])} sha256 {result['output_sha256']}"]
+    res, per_step = result["residency"], result["allgather_bytes_per_step"]
     return [f"sampling        {result['steps']} steps in {result['sample_seconds']:.2f} s",
             f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
+            f"resident        {len(res['resident'])} of {res['blocks']} blocks ({res['policy']})",
+            f"all-gathered    {per_step[0]:,} B in step 1 (with the reasoner), {per_step[-1]:,} B per step after",
             f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
 
 
