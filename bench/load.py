@@ -2,6 +2,7 @@
 loading, and the read-only floor, in one run, interleaved.
 
     torchrun --nproc-per-node 4 bench/load.py [--size small|default] [--reps 3] [--dir DIR]
+    python bench/load.py --setup      # FP8-vs-BF16 set-up cost at Super scale (bench/setup_cost.py)
 
 Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   a  fsdp_fp8 ``load_model`` from the FP8 checkpoint (each rank preads its own rows)
@@ -48,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--setup", action="store_true",
+                   help="only the FP8-vs-BF16 set-up comparison at Super scale (bench/setup_cost.py; no torchrun)")
     return p.parse_args(argv)
 
 
@@ -334,6 +337,10 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.setup:  # one process on a fake process group of 8: see bench/setup_cost.py
+        import setup_cost
+
+        return setup_cost.main(["--results", args.results] + (["--dir", args.dir] if args.dir else []))
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout + 60))

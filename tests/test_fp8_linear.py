@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fsdp_fp8.fp8.linear as fp8_linear_module
 from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
-from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight
+from fsdp_fp8.fp8.tensor import E4M3, as_prototype, make_static_fp8_weight
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.format.slice_reader import read_scale
 from small_models import FIXTURE, quantize_per_tensor
@@ -38,13 +38,23 @@ def _x(*shape, seed=1):
 def test_w8a8_is_torchaos_own_linear_bit_for_bit():
     lin, _ = _linear()
     x = _x(5, 16)
-    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert torch.equal(lin(x), F.linear(x, as_prototype(lin.weight), lin.bias))
+
+
+def test_f_linear_on_the_weight_itself_is_torchaos_mm_or_a_clear_refusal():
+    """The weight has no __torch_function__ layer (set-up cost): without a bias F.linear reaches
+    TorchAO's own mm, with one it stops at TorchAO's missing addmm, never a wrong result."""
+    lin, _ = _linear()
+    x = _x(5, 16)
+    assert torch.equal(F.linear(x, lin.weight), F.linear(x, as_prototype(lin.weight)))
+    with pytest.raises(NotImplementedError, match="addmm"):
+        F.linear(x, lin.weight, lin.bias)
 
 
 def test_zero_row_inputs_return_empty_outputs_where_torchao_divides_by_zero():
     lin, _ = _linear()
     with pytest.raises(ZeroDivisionError):
-        F.linear(_x(0, 16), lin.weight, lin.bias)
+        F.linear(_x(0, 16), as_prototype(lin.weight), lin.bias)
     for mode in ("native", "a16"):
         lin.mode = mode
         assert lin(_x(0, 16)).shape == (0, 7)
@@ -63,7 +73,7 @@ def test_inputs_of_any_rank_equal_the_same_tokens_as_2d(shape):
 def test_torchao_alone_fails_on_3d_inputs_with_a_static_scale():
     lin, _ = _linear()
     with pytest.raises(AssertionError):
-        F.linear(_x(2, 3, 16), lin.weight, lin.bias)
+        F.linear(_x(2, 3, 16), as_prototype(lin.weight), lin.bias)
 
 
 def test_bias_stays_high_precision_and_is_added():
@@ -196,7 +206,7 @@ def test_weight_is_a_torchao_prototype_tensor_with_e4m3_codes():
     assert isinstance(w, PrototypeFloat8Tensor) and type(w).__name__ == "StaticFloat8Tensor"
     assert w.qdata.dtype == E4M3 and w.scale.dtype == torch.float32 and w.dtype == torch.bfloat16
     again = make_static_fp8_weight(w.qdata, w.scale, w.act_quant_scale, torch.bfloat16)
-    assert torch.equal(F.linear(_x(2, 16), again), F.linear(_x(2, 16), w))
+    assert torch.equal(F.linear(_x(2, 16), as_prototype(again)), F.linear(_x(2, 16), as_prototype(w)))
 
 
 def test_precision_selector_compiles_whole_and_switches_without_a_sync():

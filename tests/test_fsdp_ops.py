@@ -4,7 +4,9 @@ The FSDP2 flow is: fully_shard every block and the root, ``to_empty``, write eve
 through each rank's real local shard, a forward (the uint8 all-gather) and, on a fresh model,
 ``Module.to(float32)``. With our entries the sharded forward equals the single-process forward
 bit for bit. With TorchAO's own entry put back for one op of ``FSDP_OPS`` (or none, where
-TorchAO has none) the same flow fails: that failure is why the op is in the table.
+TorchAO has none) the same flow fails: that failure is why the op is in the table. The
+``FAST_OPS`` entries are there for set-up cost only: with TorchAO's entry the flow gives the
+same bits.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def _trials(rank: int, world: int) -> dict:
     """The flow with our table (counting the calls), then once per op with TorchAO's entry."""
     table = StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor]
     torchao = ops.torchao_table()
-    ours = {op: table[op] for op in ops.FSDP_OPS}
+    ours = {op: table[op] for op in (*ops.FSDP_OPS, *ops.FAST_OPS)}
     calls: dict[str, int] = {}
 
     def counting(op):
@@ -192,7 +194,7 @@ def test_sharded_forward_equals_the_single_process_forward_bit_for_bit(trials):
 
 def test_every_op_in_the_table_is_reached_through_fsdp2(trials):
     reached = set().union(*(r["calls"] for r in trials))
-    assert {str(op) for op in ops.FSDP_OPS} <= reached
+    assert {str(op) for op in (*ops.FSDP_OPS, *ops.FAST_OPS)} <= reached
 
 
 @pytest.mark.parametrize("op", sorted(ops.FSDP_OPS, key=str), ids=str)
@@ -203,6 +205,15 @@ def test_with_torchaos_own_entry_the_fsdp2_flow_fails(trials, op):
         assert all(f.split(":")[0] in ("AssertionError", "TypeError", "ValueError") for f in failures), failures
     else:  # TorchAO has no entry
         assert all(f.startswith("NotImplementedError") and "unimplemented operator" in f for f in failures), failures
+
+
+@pytest.mark.parametrize("op", sorted(ops.FAST_OPS, key=str), ids=str)
+def test_fast_entries_give_torchaos_bits_through_fsdp2(trials, op):
+    assert op in ops.torchao_table() and op not in ops.FSDP_OPS
+    for r in trials:
+        theirs = r[str(op)]
+        assert not theirs["failures"], theirs["failures"]
+        assert torch.equal(theirs["y"], r["ours"]["y"]) and torch.equal(theirs["y32"], r["ours"]["y32"])
 
 
 # --- one tensor at a time ----------------------------------------------------------------
@@ -226,7 +237,7 @@ def test_importing_any_module_of_the_layer_registers_the_ops():
     code = (
         "import sys, fsdp_fp8.fp8.tensor as t; o = sys.modules['fsdp_fp8.fp8.ops'];"
         "table = t.StaticFloat8Tensor._ATEN_OP_TABLE[t.StaticFloat8Tensor];"
-        "assert all(table[op].__wrapped__ is impl for op, impl in o.FSDP_OPS.items())"
+        "assert all(table[op].__wrapped__ is impl for op, impl in (o.FSDP_OPS | o.FAST_OPS).items())"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

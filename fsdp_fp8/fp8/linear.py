@@ -61,17 +61,21 @@ class Float8StaticLinear(nn.Module):
         device: torch.device | str = "meta",
     ):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.compute_dtype = compute_dtype
+        # Plain attributes go straight to __dict__ and parameters through register_parameter:
+        # Module.__setattr__'s checks cost more than the rest of this constructor, and a
+        # Super-scale swap builds 896 of these (bench/setup_cost.py).
+        self.__dict__.update(in_features=in_features, out_features=out_features, compute_dtype=compute_dtype)
+        self.mode: Mode
+        self.shared: SharedActivation | None
+        self.__dict__.update(mode="native", shared=None)
         weight = empty_static_fp8_weight(out_features, in_features, compute_dtype, device)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
-        self.mode: Mode = "native"
-        self.shared: SharedActivation | None = None
+        self.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        self.register_parameter(
+            "bias",
+            nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+            if bias
+            else None,
+        )
 
     def extra_repr(self) -> str:
         return (

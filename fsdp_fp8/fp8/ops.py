@@ -7,6 +7,8 @@ rows), and ``to_empty`` / ``.to()`` run ``empty_like`` / ``_to_copy``. The subcl
 inherits TorchAO 0.18's op table (``__init_subclass__`` copies it), and TorchAO's entries for
 ``detach``, ``clone``, ``copy_`` and ``t`` serve static tensors as they are. For the ops in
 ``FSDP_OPS`` TorchAO's entry fails on them, or there is none; the comment on each says how.
+``FAST_OPS`` replaces two correct TorchAO entries that FSDP2 runs on every parameter by
+cheaper ones with the same results (set-up cost, bench/setup_cost.py).
 tests/test_fsdp_ops.py drives every entry through FSDP2 on gloo ranks and shows the same
 flow failing with TorchAO's own entry put back.
 
@@ -27,26 +29,55 @@ from fsdp_fp8.fp8.tensor import E4M3, StaticFloat8Tensor, rebuild
 aten = torch.ops.aten
 
 
+# A view's wrapper must share its source's storage, as return_and_correct_aliasing arranges
+# for a view op; for the view ops below the alias is always (input 0 -> every output), so it
+# is set directly instead of re-deriving the op's alias schema on every call.
+_alias = torch._functionalize_unsafe_set
+
+
+def _view_of(self: StaticFloat8Tensor, codes: torch.Tensor) -> StaticFloat8Tensor:
+    out = rebuild(self, codes)
+    _alias(out, self)
+    return out
+
+
 def _split(func, types, args, kwargs):
     self, size = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    pieces = self.qdata.split(size, dim)
-    return [return_and_correct_aliasing(func, args, kwargs, rebuild(self, q)) for q in pieces]
+    return [_view_of(self, q) for q in self.qdata.split(size, dim)]
 
 
 def _slice(func, types, args, kwargs):
     self = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, rebuild(self, func(self.qdata, *args[1:], **kwargs)))
+    dim, start, end, step = (*args[1:], *(0, None, None, 1)[len(args) - 1 :])[:4]
+    codes = self.qdata
+    if kwargs or step != 1 or start is None or end is None or end < 0 or not 0 <= start <= codes.shape[dim]:
+        return _view_of(self, func(codes, *args[1:], **kwargs))
+    # narrow() (what FSDP2 calls) through the tensor method, cheaper than the op overload.
+    return _view_of(self, codes.narrow(dim, start, max(0, min(end, codes.shape[dim]) - start)))
 
 
 def _view(func, types, args, kwargs):
-    self = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, rebuild(self, self.qdata.view(args[1])))
+    return _view_of(args[0], args[0].qdata.view(args[1]))
 
 
 def _as_strided(func, types, args, kwargs):
-    self = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, rebuild(self, func(self.qdata, *args[1:], **kwargs)))
+    return _view_of(args[0], args[0].qdata.as_strided(*args[1:], **kwargs))
+
+
+def _detach(func, types, args, kwargs):
+    return _view_of(args[0], args[0].qdata.detach())
+
+
+def _copy(func, types, args, kwargs):
+    """copy_ from a static tensor of the same shape: codes and both scales, as TorchAO's does."""
+    self, src = args[0], args[1]
+    if kwargs or not (type(self) is type(src) is StaticFloat8Tensor and self.shape == src.shape):
+        return _TORCHAO[aten.copy_.default](func, types, args, kwargs)
+    self.qdata.copy_(src.qdata)
+    self.scale.copy_(src.scale)
+    self.act_quant_scale.copy_(src.act_quant_scale)
+    return self
 
 
 def _scales_on(self: StaticFloat8Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +95,8 @@ def _new_sized(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.qdata.device
     # The wrapper's dtype is the compute dtype; a requested dtype never reaches the codes.
-    qdata = func(self.qdata, args[1], dtype=E4M3, device=device)
+    new = self.qdata.new_zeros if func is aten.new_zeros.default else self.qdata.new_empty
+    qdata = new(args[1], dtype=E4M3, device=device)
     scale, act = _scales_on(self, device)
     return rebuild(self, qdata, scale=scale, act_quant_scale=act)
 
@@ -113,6 +145,14 @@ FSDP_OPS = {
     # Module.to(dtype): TorchAO's keeps the old compute dtype (and takes any dtype silently).
     aten._to_copy.default: _to_copy,
 }
+# op -> our entry where TorchAO's is right but slow: its generic path rebuilds the tensor
+# through every field and re-derives the op's alias schema, and FSDP2 runs these on every
+# parameter (detach for each nn.Parameter, copy_ into the padded shard). Same results: the
+# FSDP2 test runs the flow with TorchAO's entry for each and compares the bits.
+FAST_OPS = {
+    aten.detach.default: _detach,
+    aten.copy_.default: _copy,
+}
 
 
 def torchao_table() -> dict:
@@ -134,10 +174,11 @@ def _register() -> None:
     missing = sorted(str(op) for op in needed if op not in inherited or ours.get(op) is not inherited[op])
     if missing:
         raise KeyError(f"StaticFloat8Tensor did not inherit TorchAO's entries for {missing}")
-    for op, impl in FSDP_OPS.items():
+    for op, impl in (FSDP_OPS | FAST_OPS).items():
         StaticFloat8Tensor.implements(op)(impl)
 
 
+_TORCHAO = torchao_table()
 _register()
 
 

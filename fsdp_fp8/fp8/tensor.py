@@ -68,7 +68,16 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
     The constructor is TorchAO's, with its fields checked: anything but per-tensor scales, or
     an output quantization (``output_act_quant_*``, which ``Float8StaticLinear`` never
     applies), is refused here, so every instance is what the FSDP2 ops and hooks assume.
+
+    It has no ``__torch_function__`` layer: FSDP2 queries sizes, strides and devices ~40 times
+    per parameter while it shards, and TorchAO's Python-level handler (which exists for its
+    ``F.linear`` / ``matmul`` overrides) cost more than the ops themselves. ``Float8StaticLinear``
+    never calls ``F.linear`` on the weight; for TorchAO's own linear use ``as_prototype(w)``.
+    ``F.linear(x, w)`` without a bias still reaches TorchAO's ``mm``; with a bias it stops at
+    TorchAO's missing ``addmm`` (a ``NotImplementedError``, never a wrong result).
     """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __init__(
         self,
@@ -94,10 +103,9 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
             problems.append("output_act_quant_scale/output_act_quant_kwargs are set (no output quantization)")
         if problems:
             raise ValueError("not a static per-tensor FP8 weight: " + "; ".join(problems))
-        super().__init__(
-            qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs,
-            kernel_preference, dtype, None,
-        )
+        # The fields TorchAO's __init__ sets, set here directly: its __init__ also logs API
+        # usage per instance, and FSDP2 builds ~20 of these per parameter while it shards.
+        _set_fields(self, qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs, kernel_preference, None)
 
     # --- FSDP2 all-gather extension (docs/design.md draws the flow) ----------------------
 
@@ -205,6 +213,23 @@ def is_static_fp8(t: Any) -> bool:
     )
 
 
+def _set_fields(out, qdata, scale, act_quant_scale, output_act_quant_scale, block_size, mm_config,
+                act_quant_kwargs, kernel_preference, output_act_quant_kwargs) -> None:
+    """Every field of ``FIELDS`` but ``dtype`` (the wrapper's own), as TorchAO's __init__ sets them."""
+    out.qdata = qdata
+    out.scale = scale
+    out.act_quant_scale = act_quant_scale
+    out.output_act_quant_scale = output_act_quant_scale
+    out.block_size = block_size
+    out.mm_config = mm_config
+    out.act_quant_kwargs = act_quant_kwargs
+    out.kernel_preference = kernel_preference
+    out.output_act_quant_kwargs = output_act_quant_kwargs
+
+
+_wrapper = torch.Tensor._make_wrapper_subclass
+
+
 def rebuild(
     t: StaticFloat8Tensor,
     qdata: torch.Tensor,
@@ -213,19 +238,21 @@ def rebuild(
     act_quant_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> StaticFloat8Tensor:
-    """``t`` with new codes, every other constructor field carried (``block_size`` follows the shape)."""
-    return StaticFloat8Tensor(
-        qdata,
-        t.scale if scale is None else scale,
-        act_quant_scale=t.act_quant_scale if act_quant_scale is None else act_quant_scale,
-        output_act_quant_scale=t.output_act_quant_scale,
-        block_size=list(qdata.shape),
-        mm_config=t.mm_config,
-        act_quant_kwargs=t.act_quant_kwargs,
-        kernel_preference=t.kernel_preference,
-        dtype=t.dtype if dtype is None else dtype,
-        output_act_quant_kwargs=t.output_act_quant_kwargs,
+    """``t`` with new codes, every other constructor field carried (``block_size`` follows the shape).
+
+    Built without the constructor's checks, which ``t`` passed: FSDP2's ``chunk`` alone makes
+    one of these per rank for every parameter.
+    """
+    out = _wrapper(
+        StaticFloat8Tensor, qdata.shape, dtype=t.dtype if dtype is None else dtype, device=qdata.device,
+        requires_grad=False,
     )
+    _set_fields(
+        out, qdata, t.scale if scale is None else scale,
+        t.act_quant_scale if act_quant_scale is None else act_quant_scale, t.output_act_quant_scale,
+        list(qdata.shape), t.mm_config, t.act_quant_kwargs, t.kernel_preference, t.output_act_quant_kwargs,
+    )
+    return out
 
 
 def as_prototype(t: StaticFloat8Tensor) -> PrototypeFloat8Tensor:
