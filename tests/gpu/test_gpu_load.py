@@ -57,7 +57,7 @@ def nccl_world_1(tmp_path_factory):
 
     store = (tmp_path_factory.mktemp("nccl") / "store").as_uri()
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=store, rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield
     dist.destroy_process_group()
 
@@ -97,8 +97,61 @@ def test_nccl_world_1_load_forward_matches_cpu_and_uses_scaled_mm(demo, cpu_refe
     w8a16 = _forward(model, device, "a16")
     assert not calls  # W8A16 dequantizes: no FP8 GEMM
 
-    # Same codes and scales, same activation quantization; only the GEMM's accumulation
-    # order differs between the CPU and CUDA kernels, so the outputs agree to BF16 rounding.
-    torch.testing.assert_close(w8a8, cpu_reference["native"], atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(w8a16, cpu_reference["a16"], atol=2e-2, rtol=2e-2)
+    # Same codes and scales, same activation quantization; the GEMM's accumulation order
+    # differs between the CPU and CUDA kernels, and after four layers a BF16 rounding flip
+    # can move an activation across an E4M3 step in the next layer's quantization. An
+    # elementwise bound would then flake on a few outliers; the relative norm of the whole
+    # output does not, and a wrong scale or layout is O(1) in it.
+    for got, want in ((w8a8, cpu_reference["native"]), (w8a16, cpu_reference["a16"])):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
     assert not torch.equal(w8a8, w8a16)  # the two precisions really differ
+
+
+def _mesh(n):
+    return type("Mesh", (), {"size": lambda self: n})()
+
+
+@pytest.mark.parametrize(("world", "rows"), [(3, 4), (8, 7)])  # each with a zero-row rank
+def test_uint8_all_gather_through_nccl_rebuilds_the_codes(nccl_world_1, world, rows):
+    """The hooks' payload through a real NCCL all-gather (one rank here, so each simulated
+    rank's shard goes through the collective in turn) gives back the full E4M3 codes."""
+    import torch.distributed as dist
+
+    from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
+    from fsdp_fp8.load.collectives import all_gather_into
+
+    device = torch.device("cuda", 0)
+    codes = (torch.randn(rows, 32, generator=torch.Generator().manual_seed(world)) * 40).to(E4M3).to(device)
+    full = make_static_fp8_weight(codes, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device),
+                                  torch.bfloat16)
+    chunks = list(torch.chunk(codes, world)) + [codes[:0]] * world
+    gathered = []
+    for chunk in chunks[:world]:
+        (payload,), meta = rebuild(full, chunk.contiguous()).fsdp_pre_all_gather(_mesh(world), full.shape,
+                                                                                 full.stride(), None, None)
+        assert payload.dtype == torch.uint8 and payload.is_cuda
+        out = torch.empty_like(payload)
+        all_gather_into(out, payload, group=dist.group.WORLD)
+        gathered.append(out)
+    unsharded, _ = full.fsdp_post_all_gather((torch.cat(gathered),), meta, torch.bfloat16)
+    assert torch.equal(unsharded.qdata.view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one GPU")
+def test_the_demo_on_every_gpu_equals_one_gpu(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    digests = []
+    for n in (1, min(torch.cuda.device_count(), 3)):
+        report = tmp_path / f"r{n}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               str(root / "launch" / "infer.py"), "--steps", "4", "--report", str(report)]
+        proc = subprocess.run(cmd, cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests.append(json.loads(report.read_text())["latent_sha256"])
+    assert digests[0] == digests[1]
