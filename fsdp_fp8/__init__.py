@@ -80,6 +80,7 @@ _PUBLIC = {
     "denoising_step": "fsdp_fp8.runtime.precision",
     "install_step_policy": "fsdp_fp8.runtime.precision",
     "quantize_model": "fsdp_fp8.runtime.ptq",
+    "load_pipeline": "fsdp_fp8.interop.pipeline",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,4 +1,4 @@
-"""The static-FP8 exporter and the cached demo checkpoint, checked against the format (docs/checkpoint-format.md)."""
+"""The static-FP8 exporter and the cached demo pipeline, checked against the format (docs/checkpoint-format.md)."""
 
 from __future__ import annotations
 
@@ -248,20 +248,27 @@ def test_demo_checkpoint_concurrent_idempotent_and_self_healing(tmp_path):
     path = Path(results[0][0])
     assert os.stat(path).st_ino == results[0][1]
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
-    tensors, dtypes, where = read_all(path)
+    assert (path / "model_index.json").is_file()
+    tensors, dtypes, where = read_all(path / "transformer")
     assert len(set(where.values())) >= 3
-    assert dtypes["layers.3.mlp_moe_gen.down_proj.weight"] == "F8_E4M3"
-    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert dtypes["layers.1.mlp_moe_gen.down_proj.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.self_attn.to_q.weight"] == "F8_E4M3"
+    assert dtypes["proj_in.weight"] == "BF16" and dtypes["time_embedder.linear_1.weight"] == "F32"
+    qc = json.loads((path / "transformer" / "config.json").read_text())["quantization_config"]
     assert qc["runtime"]["diffusion_step_policy"] == DEMO_STEP_POLICY
-    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def contents():
+        return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+    before = contents()
 
     assert demo_checkpoint(tmp_path) == path and os.stat(path).st_ino == results[0][1]
     # A damaged cache and a crashed build's leftovers are repaired on the next call.
-    shard = sorted(path.glob("*.safetensors"))[0]
+    shard = sorted((path / "transformer").glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     (tmp_path / f".{path.name}.tmp-crashed").mkdir()
     assert demo_checkpoint(tmp_path) == path
-    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert contents() == before  # the build is deterministic: the same bytes again
     assert not (tmp_path / f".{path.name}.tmp-crashed").exists()

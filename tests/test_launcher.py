@@ -30,16 +30,33 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("demo-cache")
 
 
-def test_two_ranks_give_the_single_process_latent(tmp_path, cache):
-    single, one = _run(tmp_path, cache, "--steps", "8", nproc=None)
-    assert single.returncode == 0, single.stderr[-3000:]
-    double, two = _run(tmp_path, cache, "--steps", "8", nproc=2)
-    assert double.returncode == 0, double.stderr[-3000:]
+def test_two_ranks_give_the_single_process_outputs_prompt_by_prompt(tmp_path, cache):
+    from PIL import Image
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n\na lighthouse in a storm\na bowl of ramen\n")  # 3 prompts, a blank line
+    outputs = {}
+    for nproc in (None, 2):
+        out = tmp_path / f"out-{nproc}" / "image.png"
+        out.parent.mkdir()
+        proc, report = _run(tmp_path, cache, "--steps", "8", "--prompts", str(prompts), "--output", str(out),
+                            nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[nproc] = (proc, report, sorted(out.parent.iterdir()))
+    (_, one, files_1), (double, two, files_2) = outputs[None], outputs[2]
     assert two["world_size"] == 2 and one["world_size"] == 1
-    assert two["latent_sha256"] == one["latent_sha256"]
+    # Rank 0 made prompts 0 and 2, rank 1 prompt 1 (and one padding request).
+    assert [r["rank"] for r in two["outputs"]] == [0, 1, 0] and [r["index"] for r in two["outputs"]] == [0, 1, 2]
+    assert [r["latent_sha256"] for r in two["outputs"]] == [r["latent_sha256"] for r in one["outputs"]]
+    assert len({r["latent_sha256"] for r in one["outputs"]}) == 3  # three different prompts
+    assert [f.name for f in files_2] == ["image-000.png", "image-001.png", "image-002.png"]
+    for a, b in zip(files_1, files_2):
+        assert a.read_bytes() == b.read_bytes()
+        with Image.open(b) as image:  # a file an image reader opens
+            assert image.format == "PNG" and image.size == (32, 32)
     assert two["latent_sha256"] in double.stdout  # the table shows it too
-    # The demo's published first/last-3 policy, per step.
-    assert two["precision_trace"] == "W8A16 x3 / W8A8 x2 / W8A16 x3"
+    # The demo's published first/last-3 policy, per step, for every prompt.
+    assert {r["precision_trace"] for r in two["outputs"]} == {"W8A16 x3 / W8A8 x2 / W8A16 x3"}
     # Each rank holds and reads about half of the single process's bytes.
     assert sum(r["bytes_held"] for r in two["ranks"]) <= one["ranks"][0]["bytes_held"] * 1.05
     assert all(r["bytes_read"] < 0.6 * one["ranks"][0]["bytes_read"] for r in two["ranks"])

@@ -1,4 +1,12 @@
-"""A deterministic demo FP8 checkpoint of the reference MoT model, made on first use and cached.
+"""The embedded demo: a tiny deterministic Cosmos 3 pipeline, made on first use and cached.
+
+It is a real diffusers ``Cosmos3OmniPipeline`` directory, laid out like the official FP8
+builds (``model_index.json``, ``transformer/``, ``vae/``, ``scheduler/``,
+``text_tokenizer/``): a random ``Cosmos3OmniTransformer`` (2 layers, hidden 64) calibrated
+on the pipeline's own denoising loop and written by ``fsdp_fp8.export_fp8`` in ModelOpt
+static-FP8 layout with the published first/last-3 step policy, a random ``AutoencoderKLWan``
+(spatial factor 4, temporal 4), a ``UniPCMultistepScheduler`` and a byte-level tokenizer
+built here (256 bytes + the chat and vision special tokens). Nothing is downloaded.
 
 Several torchrun ranks may call :func:`demo_checkpoint` at once: ``fsdp_fp8.export.cache``
 builds it once under a file lock, into a temporary directory renamed into place; a damaged
@@ -15,66 +23,133 @@ from pathlib import Path
 
 import torch
 
-from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.export.cache import build_once
-from fsdp_fp8.export.modelopt import export_fp8
+from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.writer import producer_version
-from fsdp_fp8.models import PRESETS, ReferenceMoTTransformer, build_model, init_weights
-from fsdp_fp8.runtime.sampler import sample
 from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
 
 logger = logging.getLogger(__name__)
 
-DEMO_PRESET = "demo"
 DEMO_SEED = 0
-DEMO_PROMPT_TOKENS = 16
-DEMO_LATENT_TOKENS = 64
-DEMO_CALIBRATION_STEPS = 8
-DEMO_MAX_SHARD_SIZE = 3_000_000  # bytes: the ~7.5 MB demo lands in a few shards
 DEMO_STEP_POLICY = PUBLISHED_POLICY  # the published first/last-3 policy
+DEMO_PROMPTS = ("a red fox jumps over a sleeping dog, golden hour", "a lighthouse in a storm at night")
+DEMO_SIZE = {"num_frames": 1, "height": 32, "width": 32}  # one 32x32 image: a PNG
+DEMO_CALIBRATION_STEPS = 8
+DEMO_MAX_SHARD_SIZE = 150_000  # bytes: the ~0.4 MB transformer lands in a few shards
 MANIFEST = "fsdp_fp8_manifest.json"
 
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRANSFORMER_CONFIG = dict(
+    head_dim=16, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=2, latent_channel=4, latent_patch_size=2, patch_latent_dim=16,
+    rope_axes_dim=[4, 2, 2], enable_fps_modulation=False,
+)
+VAE_CONFIG = dict(
+    base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
+    latents_mean=[0.0] * 4, latents_std=[1.0] * 4, scale_factor_spatial=4, scale_factor_temporal=4,
+)
+SCHEDULER_CONFIG = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0)
 
-def demo_prompt_ids(batch: int = 1) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(DEMO_SEED + 1)
-    vocab = PRESETS[DEMO_PRESET].vocab_size
-    return torch.randint(0, vocab, (batch, DEMO_PROMPT_TOKENS), generator=gen)
+
+def demo_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is a token, plus specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
-def demo_model() -> ReferenceMoTTransformer:
-    """The high-precision (BF16) demo model the checkpoint is quantized from."""
-    return init_weights(build_model(PRESETS[DEMO_PRESET], device="cpu"), seed=DEMO_SEED)
+def demo_components() -> dict:
+    """The high-precision pipeline components, seeded: transformer (bf16), vae, scheduler, tokenizer."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    tokenizer = demo_tokenizer()
+    torch.manual_seed(DEMO_SEED)
+    transformer = Cosmos3OmniTransformer(vocab_size=len(tokenizer), **TRANSFORMER_CONFIG)
+    transformer = transformer.to(torch.bfloat16).eval()
+    transformer.time_embedder.float()  # _keep_in_fp32_modules, as diffusers keeps it
+    torch.manual_seed(DEMO_SEED + 1)
+    vae = AutoencoderKLWan(**VAE_CONFIG).eval()
+    return {"transformer": transformer, "vae": vae, "text_tokenizer": tokenizer,
+            "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG)}
 
 
-def _calibrate(model: ReferenceMoTTransformer) -> None:
-    sample(model, demo_prompt_ids(), steps=DEMO_CALIBRATION_STEPS, seed=DEMO_SEED,
-           num_latent_tokens=DEMO_LATENT_TOKENS)
+def _calibrate(components: dict):
+    from diffusers import Cosmos3OmniPipeline
+
+    def run(transformer) -> None:
+        pipe = Cosmos3OmniPipeline(**{**components, "transformer": transformer}, enable_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        for i, prompt in enumerate(DEMO_PROMPTS):
+            pipe(prompt, **DEMO_SIZE, num_inference_steps=DEMO_CALIBRATION_STEPS, guidance_scale=3.0,
+                 generator=torch.Generator().manual_seed(DEMO_SEED + i), output_type="latent")
+
+    return run
+
+
+def build_demo_pipeline(directory: str | os.PathLike) -> Path:
+    """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest)."""
+    directory = Path(directory)
+    components = demo_components()
+    transformer = components["transformer"]
+    config = json.loads(transformer.to_json_string())
+    export_fp8(transformer, directory / "transformer", config=config, calibrate=_calibrate(components),
+               ignore=DEFAULT_IGNORE, step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE)
+    components["vae"].save_pretrained(directory / "vae")
+    components["scheduler"].save_pretrained(directory / "scheduler")
+    components["text_tokenizer"].save_pretrained(directory / "text_tokenizer")
+    index = {
+        "_class_name": "Cosmos3OmniPipeline",
+        "_diffusers_version": config["_diffusers_version"],
+        "default_use_system_prompt": True,
+        "enable_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", type(components["scheduler"]).__name__],
+        "sound_tokenizer": [None, None],
+        "text_tokenizer": ["transformers", type(components["text_tokenizer"]).__name__],
+        "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+        "use_native_flow_schedule": False,
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (directory / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def _is_complete(directory: Path) -> bool:
     try:
         files = json.loads((directory / MANIFEST).read_text())["files"]
-        return all(file_sha256(directory / name) == sha for name, sha in files.items())
+        return bool(files) and all(file_sha256(directory / name) == sha for name, sha in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
 def _build(directory: Path) -> None:
     started = time.perf_counter()
-    model = demo_model()
-    export_fp8(
-        model, directory, config=model.config.to_config_dict(), calibrate=_calibrate,
-        step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE,
-    )
-    files = {p.name: file_sha256(p) for p in sorted(directory.iterdir())}
+    build_demo_pipeline(directory)
+    files = {str(p.relative_to(directory)): file_sha256(p) for p in _files(directory)}
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
-    logger.info("built demo checkpoint in %.1f s", time.perf_counter() - started)
+    logger.info("built the demo pipeline in %.1f s", time.perf_counter() - started)
 
 
 def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the demo checkpoint ``<cache>/demo-<version>``, building it on first call.
+    """Path of the demo pipeline root ``<cache>/cosmos3-demo-<version>``, building it on first call.
 
     ``cache_dir`` defaults to ``$FSDP_FP8_CACHE``, else ``~/.cache/fsdp_fp8``.
     """
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
-    return build_once(Path(cache_dir or default) / f"demo-{producer_version()}", _build, _is_complete)
+    return build_once(Path(cache_dir or default) / f"cosmos3-demo-{producer_version()}", _build, _is_complete)

@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.cli.generate import is_pipeline_root, run_pipeline
 from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
 from fsdp_fp8.load.residency import POLICIES, apply_residency
@@ -46,7 +47,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", help="ModelOpt static-FP8 checkpoint directory (default: the embedded demo)")
     p.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (bytes become token ids)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="prompt text (a pipeline's tokenizer, else its bytes become token ids)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="pipeline: one prompt per line; each rank generates its share (docs/usage.md)")
+    p.add_argument("--negative-prompt", default=None, help="pipeline: the unconditional prompt (default empty)")
+    p.add_argument("--output", metavar="FILE",
+                   help="pipeline: save the decoded result as .png (image / animated frames) or .mp4; "
+                        "with --prompts, FILE-000.png, FILE-001.png, ...")
+    p.add_argument("--frames", type=int, help="pipeline: frames to generate (1: an image; default: the demo's, "
+                                              "else the pipeline's)")
+    p.add_argument("--height", type=int, help="pipeline: height in pixels (default: the demo's, else the pipeline's)")
+    p.add_argument("--width", type=int, help="pipeline: width in pixels (default: the demo's, else the pipeline's)")
+    p.add_argument("--fps", type=float, default=24.0, help="pipeline: frames per second (prompt template, mp4)")
     p.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale")
     p.add_argument("--latent-tokens", type=int, default=DEFAULT_LATENT_TOKENS, help="latent tokens (default 64)")
     p.add_argument("--step-policy", choices=("auto", "off"), default="auto",
@@ -78,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
         except OSError as exc:
             p.error(f"--report {args.report}: cannot create its directory: {exc}")
+    if args.prompts and args.quantize:
+        p.error("--prompts runs a pipeline; --quantize runs one process on a transformer")
     return args
 
 
@@ -134,15 +149,25 @@ def run(args: argparse.Namespace) -> dict:
     if args.checkpoint:
         path = args.checkpoint
     else:
-        from fsdp_fp8.cli.demo import demo_checkpoint
+        from fsdp_fp8.cli.demo import DEMO_SIZE, demo_checkpoint
 
         if _rank() == 0:
             log.info("using the embedded demo checkpoint (built once, then cached)")
         path = demo_checkpoint()
+        for key, value in DEMO_SIZE.items():
+            name = {"num_frames": "frames"}.get(key, key)
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
     device = default_device()
     t0 = time.perf_counter()
+    if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
+        report, loaded = run_pipeline(args, path, device)
+        return {**report, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "device": str(device), "quantize": None, "ranks": _rank_rows(_all_reports(loaded.report))}
+    if args.prompts or args.output:
+        raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     # The model class comes from config.json; every rank opens and plans inside load_model,
     # where the ranks agree before anything is built, sharded or read.
     loaded = load_model(None, path, device=device)
@@ -154,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         quantized = {"method": args.quantize, "linears": len(names),
                      "weight_bytes_before": before, "weight_bytes_after": linear_weight_bytes(model)}
     policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, args.step_policy)
-    routing = install_step_policy(model, policy, arch.towers(model) if arch.towers else None)
+    routing = install_step_policy(model, policy, loaded.towers)
     share_quantized_inputs(model)
     load_s = time.perf_counter() - t0
     if arch.kind != "mot":  # transformers / diffusers: one deterministic run, digested
@@ -245,6 +270,21 @@ def _output_lines(result: dict) -> list[str]:
                 f"prompt          {result['prompt_ids']} ({result['prompt_source']})",
                 f"generated       {result['generated_ids']} in {result['run_seconds']:.2f} s (greedy)",
                 f"logits          sha256 {result['logits_sha256']}"]
+    if "pipeline" in result:  # a diffusers pipeline (fsdp_fp8.cli.generate)
+        lines = [f"pipeline        {result['pipeline']}, {len(result['outputs'])} prompt(s), {result['steps']} steps "
+                 f"in {result['sample_seconds']:.2f} s",
+                 f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
+                 f"resident        {len(result['residency']['resident'])} of {result['residency']['blocks']} "
+                 f"blocks ({result['residency']['policy']})"]
+        for row in result["outputs"]:
+            saved = f" -> {row['output']}" if "output" in row else ""
+            lines.append(f"latent {row['index']:>3}      {tuple(row['latent_shape'])} sha256 {row['latent_sha256']}"
+                         f" (rank {row['rank']}){saved}")
+        return lines
+    if "precision_trace" in result and "architecture" in result:  # a diffusers denoiser, alone
+        return [f"model           {result['architecture']}, {result['steps']} steps in {result['run_seconds']:.2f} s",
+                f"precision       {result['precision_trace']}",
+                f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
     if "output_sha256" in result:  # a diffusers transformer
         return [f"model           {result['architecture']}, one forward in {result['run_seconds']:.2f} s",
                 f"output          {tuple(result['output_shape'])} sha256 {result['output_sha256']}"]

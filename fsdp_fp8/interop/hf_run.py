@@ -57,8 +57,16 @@ def _flux_inputs(config, dtype: torch.dtype, g: torch.Generator) -> dict:
     return inputs
 
 
+def _cosmos3_inputs(config, dtype: torch.dtype, g: torch.Generator) -> dict:
+    from fsdp_fp8.interop.cosmos import seeded_inputs
+
+    return seeded_inputs(config, dtype, g)
+
+
 # Seeded-input recipes by diffusers class name; the launcher runs only these.
-INPUT_RECIPES = {"FluxTransformer2DModel": _flux_inputs}
+INPUT_RECIPES = {"FluxTransformer2DModel": _flux_inputs, "Cosmos3OmniTransformer": _cosmos3_inputs}
+# Classes the launcher denoises (a whole loop, step policy applied) rather than runs once.
+DENOISERS = ("Cosmos3OmniTransformer",)
 
 
 def diffusers_inputs(model: nn.Module, seed: int = 0, dtype: torch.dtype | None = None) -> dict:
@@ -113,8 +121,29 @@ def run_hf(model: nn.Module, arch, directory, args) -> dict:
         generated, digest = greedy_generate(model, prompt, args.new_tokens)
         return {"prompt_ids": prompt[0].tolist(), "prompt_source": source,
                 "generated_ids": generated, "logits_sha256": digest}
+    if kind == "diffusers" and arch.name in DENOISERS:
+        return cosmos3_loop(model, directory, args)
     if kind == "diffusers":
         shape, digest = diffusers_forward(model, args.seed, arch.dtype)
         return {"output_shape": list(shape), "output_sha256": digest}
     raise ValueError(f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
                      "(load it from Python with fsdp_fp8.load_model)")
+
+
+def cosmos3_loop(model: nn.Module, directory, args) -> dict:
+    """A Cosmos 3 transformer alone: ``args.steps`` denoising steps on seeded latents, with
+    guidance, the step policy applied per step (``fsdp_fp8.interop.cosmos.denoise``)."""
+    from fsdp_fp8.format.step_policy import describe_trace
+    from fsdp_fp8.interop.cosmos import denoise, latent_shape
+    from fsdp_fp8.runtime.precision import denoising_step, routing_of
+
+    vocab = model.config.vocab_size
+    cond, source = prompt_token_ids(args.prompt, None, vocab, directory)
+    uncond, _ = prompt_token_ids(getattr(args, "negative_prompt", None) or "", None, vocab, directory)
+    routing = routing_of(model)
+    start = len(routing.trace)
+    latent = denoise(model, cond[0], uncond[0], steps=args.steps, seed=args.seed, guidance=args.guidance,
+                     shape=latent_shape(model.config), step_context=lambda i, n: denoising_step(model, i, n))
+    return {"prompt_source": source, "steps": args.steps,
+            "precision_trace": describe_trace(routing.trace[start:]),
+            "latent_shape": list(latent.shape), "latent_sha256": hashlib.sha256(_bytes(latent)).hexdigest()}

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_fp8.load.agreement import agree_or_raise, checkpoint_identity
-from fsdp_fp8.load.architectures import Architecture, resolve_architecture
+from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.fp8.linear import cuda_shape_problems
@@ -27,6 +27,8 @@ from fsdp_fp8.load.plan import LoadPlan
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.swap import swap_fp8_linears
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.load.towers import TOWERS_HINT, TowerSpec, needs_towers, resolve_towers, tower_problems
+from fsdp_fp8.format.step_policy import parse_step_policy
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class LoadedModel:
     report: LoadReport
     fp8_linears: list[str]
     architecture: Architecture | None = None  # set when load_model resolved the model from config.json
+    towers: dict[str, str] | None = None  # linear name -> tower (fsdp_fp8.load.towers), when one is known
 
 
 def local_cuda_index() -> int:
@@ -67,6 +70,7 @@ class PlannedLoad:
     plan: LoadPlan | None
     architecture: Architecture | None
     problems: list[str]
+    towers: dict[str, str] | None = None  # the tower map (fsdp_fp8.load.towers), when one is known
 
 
 def plan_model_load(
@@ -77,11 +81,12 @@ def plan_model_load(
     device: torch.device,
     strict: bool = True,
     strict_kv_scales: bool = False,
+    towers: TowerSpec | None = None,
 ) -> PlannedLoad:
     """Open, resolve the architecture, build on meta and plan, exactly as ``load_model`` does
     on each rank, collecting every problem instead of raising. Touches no process group and
     reads no tensor data beyond the scales: ``python -m fsdp_fp8 verify`` runs this."""
-    checkpoint = model = plan = arch = None
+    checkpoint = model = plan = arch = tower_map = None
     problems: list[str] = []
     try:
         checkpoint = open_checkpoint(path)
@@ -91,13 +96,33 @@ def plan_model_load(
         with meta_init():
             model = model_fn(checkpoint.config)
         plan = plan_load(checkpoint, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
+        tower_map, more = _tower_map(towers, arch, model, checkpoint, plan)
+        problems += more
         if device.type == "cuda":
             problems += cuda_shape_problems(plan.fp8)
     except CheckpointError as exc:
         problems += exc.problems
     except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
         problems.append(f"{type(exc).__name__}: {exc}")
-    return PlannedLoad(checkpoint, model, plan, arch, problems)
+    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map)
+
+
+def _tower_map(spec: TowerSpec | None, arch, model, checkpoint, plan) -> tuple[dict[str, str] | None, list[str]]:
+    """The tower map (the user's, else the class's), and what is wrong with it for this
+    checkpoint: a step policy that runs the towers differently needs one (fail-closed)."""
+    if spec is None:
+        spec = arch.towers if arch is not None else known_towers(model)
+    towers = resolve_towers(spec, model)
+    raw = checkpoint.quant.step_policy
+    source = f"{checkpoint.directory}/config.json"
+    if towers is None:
+        if raw is not None and needs_towers(parse_step_policy(raw, source)):
+            return None, [
+                f"{source}: the step policy's `reasoner` ({raw.get('reasoner')!r}) differs from its steps, but "
+                f"{arch.name if arch else type(model).__name__} has no known tower map, so fsdp_fp8 cannot tell "
+                f"the reasoner's linears from the generation tower's; {TOWERS_HINT}"]
+        return None, []
+    return towers, tower_problems(towers, [t.module for t in plan.fp8], "the tower map")
 
 
 def load_model(
@@ -109,6 +134,7 @@ def load_model(
     device: torch.device | None = None,
     strict: bool = True,
     strict_kv_scales: bool = False,
+    towers: TowerSpec | None = None,
 ) -> LoadedModel:
     """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
 
@@ -119,14 +145,17 @@ def load_model(
 
     With a process group up, this is collective: the model is ``fully_shard``-ed over
     ``mesh`` (default: every rank) and each rank loads only its rows. Without one, it
-    loads a plain single-process model. Every rank raises the same error if any rank
+    loads a plain single-process model. ``towers`` maps linear names to towers for the step
+    policy (``fsdp_fp8.load.towers``); without it the class's own map is used (our reference
+    MoT, diffusers ``Cosmos3OmniTransformer``), and a checkpoint whose step policy runs the
+    towers differently is refused for a class that has none. Every rank raises the same error if any rank
     finds a problem, before anything is swapped, sharded or read.
     """
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
     problems = _setup_problems(device, mesh, distributed)
     planned = plan_model_load(model_fn, path, key_map, device=device, strict=strict,
-                              strict_kv_scales=strict_kv_scales)
+                              strict_kv_scales=strict_kv_scales, towers=towers)
     checkpoint, model, plan, arch = planned.checkpoint, planned.model, planned.plan, planned.architecture
     problems += planned.problems
     identity = checkpoint_identity(checkpoint) if checkpoint is not None else None
@@ -144,7 +173,7 @@ def load_model(
     report = load_checkpoint(model, plan, prepare=prepare)
     model.eval()
     return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
-                       architecture=arch)
+                       architecture=arch, towers=planned.towers)
 
 
 def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:

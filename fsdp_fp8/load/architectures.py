@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_fp8.load import hf_build as hf
+from fsdp_fp8.load.towers import cosmos3_towers
 from fsdp_fp8.models import MoTConfig, build_model, linear_towers
 from fsdp_fp8.models.mot_config import CLASS_NAME as MOT_CLASS_NAME
 
@@ -29,6 +30,12 @@ class Architecture:
     model_fn: Callable[[dict], nn.Module]
     towers: Callable[[nn.Module], dict[str, str]] | None  # linear name -> tower, for the step policy
     dtype: torch.dtype | None = None  # what an HF model is built in (None: the model decides)
+
+
+# Tower maps of diffusers / transformers classes, by the class name config.json gives
+# (fsdp_fp8.load.towers); a class not here has none, and a step policy that needs one is
+# refused unless the user passes `towers=`.
+KNOWN_TOWERS: dict[str, Callable[[nn.Module], dict[str, str]]] = {"Cosmos3OmniTransformer": cosmos3_towers}
 
 
 def _mot(config: dict) -> nn.Module:
@@ -50,12 +57,27 @@ def resolve_architecture(config: dict, source: str = "config.json", checkpoint=N
     stored = hf.stored_dtype(checkpoint) if checkpoint is not None else None
     if isinstance(class_name, str):
         name, fn, dtype = hf.diffusers_model_fn(config, source, stored)
-        return Architecture(name, "diffusers", fn, None, dtype)
+        return Architecture(name, "diffusers", fn, KNOWN_TOWERS.get(name), dtype)
     if "architectures" in config:
         name, fn, dtype = hf.transformers_model_fn(config, source, stored)
-        return Architecture(name, "causal_lm" if hf.is_causal_lm(name) else "transformers", fn, None, dtype)
+        kind = "causal_lm" if hf.is_causal_lm(name) else "transformers"
+        return Architecture(name, kind, fn, KNOWN_TOWERS.get(name), dtype)
     raise ValueError(
         f"{source}: names no model class (no `_class_name`, no `architectures`); pass your own "
         f"model_fn to fsdp_fp8.load_model (this launcher runs {MOT_CLASS_NAME!r}, transformers "
         "and diffusers checkpoints)"
     )
+
+
+def known_towers(model: nn.Module) -> Callable[[nn.Module], dict[str, str]] | None:
+    """The tower map of a model built by the user's own ``model_fn``, when its class has one.
+
+    By the class and its bases (``fully_shard`` renames the class to ``FSDP<name>``), before
+    or after sharding alike.
+    """
+    for cls in type(model).__mro__:
+        if cls.__name__ == MOT_CLASS_NAME:
+            return linear_towers
+        if cls.__name__ in KNOWN_TOWERS:
+            return KNOWN_TOWERS[cls.__name__]
+    return None

@@ -36,8 +36,29 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def fp32_units(model: nn.Module, inside: list[nn.Module]) -> list[nn.Module]:
+    """Modules the class keeps in float32 (``_keep_in_fp32_modules``, e.g. Cosmos 3's
+    ``time_embedder``) outside the blocks, outermost only.
+
+    FSDP2 all-gathers a unit's parameters as one flat buffer and refuses a unit whose
+    parameters have different dtypes, so a float32 module in a bfloat16 model is a unit of
+    its own rather than part of the root's.
+    """
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    skip = {id(m) for block in inside for m in block.modules()}
+    found: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if id(module) in skip or not name or name.split(".")[-1] not in keep:
+            continue
+        if any(True for _ in module.parameters()):
+            found.append(module)
+            skip.update(id(m) for m in module.modules())
+    return found
+
+
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    for block in blocks(model):
+    units = blocks(model)
+    for block in units + fp32_units(model, units):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

@@ -2,7 +2,9 @@
 
 The generation (denoising) tower follows the checkpoint's step policy, step by step; the
 understanding ("reasoner") tower runs once per request and takes the policy's
-``reasoner`` precision outright. The selector is a plain Python attribute on each linear,
+``reasoner`` precision outright; linears in neither tower ("other": embedders, heads) are
+never switched. Which linear is in which tower comes from a tower map
+(``fsdp_fp8.load.towers``). The selector is a plain Python attribute on each linear,
 so choosing it costs no device sync and ``torch.compile`` guards on it like any constant.
 The choice is a pure function of ``(step, num_steps)``: both classifier-free-guidance
 passes of one step, and every rank, agree.
@@ -11,15 +13,14 @@ passes of one step, and every rank, agree.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.format.step_policy import StepPolicy
-
-GENERATION, REASONER = "generation", "reasoner"
+from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
 
 
 @dataclass
@@ -28,21 +29,31 @@ class PrecisionRouting:
     generation: list[Float8StaticLinear] = field(default_factory=list)
     reasoner: list[Float8StaticLinear] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)  # the generation tower's precision per step run
+    active: int = 0  # how many step contexts are open (a pipeline enters one per guidance pass)
 
 
 def install_step_policy(
-    model: nn.Module, policy: StepPolicy | None, towers: dict[str, str] | None = None
+    model: nn.Module, policy: StepPolicy | None, towers: Mapping[str, str] | None = None
 ) -> PrecisionRouting:
     """Attach the routing to ``model``; ``towers`` maps linear names to a tower.
 
-    Without ``towers`` every FP8 linear belongs to the generation tower (a plain diffusion
-    transformer). Linears in any other tower ("other") are never touched.
+    Without ``towers`` every FP8 linear belongs to the generation tower, which is exact only
+    when the policy never runs the two towers differently; a policy that does (its
+    ``reasoner`` differs from its steps) is refused with ``ValueError``. Linears mapped to
+    "other" are never touched.
     """
+    fp8 = {name: m for name, m in model.named_modules() if isinstance(m, Float8StaticLinear)}
+    if towers is None and needs_towers(policy):
+        raise ValueError(
+            f"the step policy runs the reasoner {policy.reasoner} but its steps differ, and "
+            f"{type(model).__name__} has no known tower map: {TOWERS_HINT}")
+    if towers is not None:
+        problems = tower_problems(towers, list(fp8))
+        if problems:
+            raise ValueError("bad tower map:\n" + "\n".join(f"  - {p}" for p in problems))
     routing = PrecisionRouting(policy)
-    for name, module in model.named_modules():
-        if not isinstance(module, Float8StaticLinear):
-            continue
-        tower = towers.get(name, "other") if towers is not None else GENERATION
+    for name, module in fp8.items():
+        tower = towers[name] if towers is not None else GENERATION
         if tower == GENERATION:
             routing.generation.append(module)
         elif tower == REASONER:
@@ -62,15 +73,27 @@ def routing_of(model: nn.Module) -> PrecisionRouting:
 
 
 @contextlib.contextmanager
-def denoising_step(model: nn.Module, step: int, num_steps: int) -> Iterator[str]:
-    """Run the generation tower at step ``step`` of ``num_steps``'s precision; yields it."""
-    routing = routing_of(model)
+def set_step_precision(routing: PrecisionRouting, step: int, num_steps: int, *, record: bool = True) -> Iterator[str]:
+    """The generation tower at step ``step`` of ``num_steps``'s precision, W8A8 again on exit.
+
+    ``record``: append the precision to ``routing.trace`` (once per step, not per pass).
+    """
     precision = routing.policy.precision(step, num_steps) if routing.policy is not None else "native"
     for module in routing.generation:
         module.mode = precision
-    routing.trace.append(precision)
+    if record:
+        routing.trace.append(precision)
+    routing.active += 1
     try:
         yield precision
     finally:
+        routing.active -= 1
         for module in routing.generation:
             module.mode = "native"
+
+
+@contextlib.contextmanager
+def denoising_step(model: nn.Module, step: int, num_steps: int) -> Iterator[str]:
+    """Run the generation tower at step ``step`` of ``num_steps``'s precision; yields it."""
+    with set_step_precision(routing_of(model), step, num_steps) as precision:
+        yield precision

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
-    return demo_checkpoint(tmp_path_factory.mktemp("cache"))
+    return write_mot_checkpoint(tmp_path_factory.mktemp("mot") / "ckpt")
 
 
 def _inputs(model, device):
-    from fsdp_fp8.cli.demo import demo_prompt_ids
+    from fsdp_fp8.testing.mot_checkpoint import mot_prompt_ids as demo_prompt_ids
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 64, model.config.latent_channels, generator=gen).to(device, torch.bfloat16)

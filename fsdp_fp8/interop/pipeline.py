@@ -1,0 +1,159 @@
+"""``load_pipeline``: a diffusers pipeline whose transformer fsdp_fp8 loaded, sharded, with its step policy.
+
+    pipeline root (model_index.json)
+      transformer/   -> fsdp_fp8.load_model: meta build, FP8 swap, fully_shard, rank-slice reads
+      vae/, scheduler/, text_tokenizer/, ...  -> diffusers / transformers from_pretrained, same directory
+
+Every component but the transformer is loaded by diffusers itself, from local files only
+(``local_files_only=True``, ``trust_remote_code=False``); nothing is downloaded and no code
+from the checkpoint runs. ModelOpt is not needed.
+
+The step policy runs once per scheduler step through a hook the pipeline already drives:
+diffusers pipelines call every transformer pass inside ``transformer.cache_context(name,
+step_index=i, num_inference_steps=n, ...)`` (``Cosmos3OmniPipeline``: ``"cond"``, then
+``"uncond"`` under classifier-free guidance). fsdp_fp8 wraps that context manager on the
+loaded transformer: on entry it sets the generation tower to the policy's precision for
+``(i, n)``, on exit it returns it to W8A8. The precision is a pure function of ``(i, n)``, so
+both guidance passes of one step agree; the trace records each step once. A transformer
+forward outside such a context while a policy is installed is refused (the policy could
+not be applied), never run silently at the wrong precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_fp8.load.api import LoadedModel, default_device, load_model
+from fsdp_fp8.load.towers import TowerSpec
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.format.step_policy import resolve_step_policy
+from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision
+
+MODEL_INDEX = "model_index.json"
+TRANSFORMER = "transformer"
+_LIBRARIES = ("diffusers", "transformers")
+
+
+def _read_index(root: Path) -> dict:
+    index_path = root / MODEL_INDEX
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{root} has no {MODEL_INDEX}: not a diffusers pipeline root "
+                                "(load a transformer directory alone with fsdp_fp8.load_model)")
+    try:
+        index = json.loads(index_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{index_path}: not valid JSON ({exc})") from None
+    problems = []
+    if not isinstance(index.get("_class_name"), str):
+        problems.append(f"`_class_name` is {index.get('_class_name')!r}, not a pipeline class name")
+    entry = index.get(TRANSFORMER)
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+        problems.append(f"`{TRANSFORMER}` is {entry!r}, not a diffusers model entry")
+    elif not (root / TRANSFORMER / "config.json").is_file():
+        problems.append(f"`{TRANSFORMER}` is listed but {root / TRANSFORMER / 'config.json'} does not exist")
+    for name, value in sorted(index.items()):
+        if name.startswith("_") or not isinstance(value, list):
+            continue
+        if len(value) == 2 and value[0] is not None and value[0] not in _LIBRARIES:
+            problems.append(f"component `{name}` comes from {value[0]!r}; only {list(_LIBRARIES)} components "
+                            "are loaded (no code from the checkpoint runs)")
+    if problems:
+        raise ValueError(f"{index_path}:\n" + "\n".join(f"  - {p}" for p in problems))
+    return index
+
+
+def _pipeline_class(name: str, source: Path):
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise ValueError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers "
+                         f"{diffusers.__version__}")
+    return cls
+
+
+class StepHook:
+    """The transformer's ``cache_context``, wrapped to switch precision per pipeline step."""
+
+    def __init__(self, model: nn.Module, routing: PrecisionRouting):
+        self.model = model
+        self.routing = routing
+        self.inner = model.cache_context  # the bound diffusers method
+        self._step: tuple[int, int] | None = None
+        self._passes: set[str] = set()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, **kwargs):
+        step, steps = kwargs.get("step_index"), kwargs.get("num_inference_steps")
+        if not (isinstance(step, int) and isinstance(steps, int)):
+            raise RuntimeError(
+                f"the pipeline entered transformer.cache_context({name!r}) without `step_index` and "
+                "`num_inference_steps`; fsdp_fp8 cannot tell which denoising step runs, so it cannot apply "
+                "the checkpoint's step policy (load with step_policy='off' to run every step W8A8)")
+        # A new step begins at a new (i, n), or when a pass name repeats (the next request).
+        new_step = (step, steps) != self._step or name in self._passes
+        if new_step:
+            self._step, self._passes = (step, steps), set()
+        self._passes.add(name)
+        with self.inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
+            yield
+
+    def check_forward(self, _module, _args, _kwargs) -> None:
+        if self.routing.active == 0:
+            raise RuntimeError(
+                "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
+                "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)")
+
+
+def load_pipeline(
+    path: str | os.PathLike,
+    mesh: DeviceMesh | None = None,
+    *,
+    device: torch.device | None = None,
+    step_policy: str | dict = "auto",
+    towers: TowerSpec | None = None,
+    **components,
+):
+    """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
+    resolved through the local cache only, ``fsdp_fp8.format.hub``), its
+    transformer loaded by fsdp_fp8 and sharded over ``mesh`` (default: every rank).
+
+    ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy
+    dict. ``towers`` overrides the tower map (``fsdp_fp8.load.towers``). Other keyword
+    arguments go to the pipeline's ``from_pretrained`` (e.g. ``safety_checker=None``); a
+    ``transformer`` is refused. Collective under a process group, like ``load_model``.
+    The result carries ``pipe.fsdp_fp8`` (the ``LoadedModel``) and the routing is
+    ``pipe.transformer.fsdp_fp8_precision`` (its ``trace``: one precision per step run).
+    """
+    root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
+    index = _read_index(root)
+    cls = _pipeline_class(index["_class_name"], root / MODEL_INDEX)
+    for key in ("transformer", "local_files_only", "trust_remote_code"):
+        if key in components:
+            raise ValueError(f"load_pipeline sets `{key}` itself; do not pass it")
+    device = device or default_device()
+    loaded: LoadedModel = load_model(None, root / TRANSFORMER, mesh, device=device, towers=towers)
+    model = loaded.model
+    policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, step_policy,
+                                 str(root / TRANSFORMER / "config.json"))
+    routing = install_step_policy(model, policy, loaded.towers)
+    share_quantized_inputs(model)
+    pipe = cls.from_pretrained(str(root), transformer=model, local_files_only=True, trust_remote_code=False,
+                               **components)
+    for name, component in pipe.components.items():
+        if name != TRANSFORMER and isinstance(component, nn.Module):
+            component.to(device)
+    hook = StepHook(model, routing)
+    model.cache_context = hook  # an instance attribute: shadows the method for this model only
+    if policy is not None:
+        # Prepended: refuse before FSDP's own pre-forward all-gathers anything.
+        model.register_forward_pre_hook(hook.check_forward, with_kwargs=True, prepend=True)
+    pipe.fsdp_fp8 = loaded
+    return pipe
