@@ -341,10 +341,12 @@ def test_load_pipeline_refuses_what_it_would_have_to_guess_or_run(tmp_path, pipe
     index = json.loads((custom / "model_index.json").read_text())
     index["vae"] = ["my_vae_package", "MyVAE"]
     (custom / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="component `vae` comes from 'my_vae_package'"):
+    with pytest.raises(ValueError, match="`vae` comes from module 'my_vae_package'"):
         load_pipeline(custom, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="`transformer`"):
         load_pipeline(pipeline_root, device=torch.device("cpu"), transformer=None)
+    with pytest.raises(ValueError, match="never runs code"):
+        load_pipeline(pipeline_root, device=torch.device("cpu"), trust_remote_code=True)
 
 
 def test_a_pipeline_transformer_called_outside_a_denoising_step_is_refused(pipeline_root):

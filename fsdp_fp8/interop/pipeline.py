@@ -5,7 +5,7 @@
       vae/, scheduler/, text_tokenizer/, ...  -> diffusers / transformers from_pretrained, same directory
 
 Every component but the transformer is loaded by diffusers itself, from local files only
-(``local_files_only=True``, ``trust_remote_code=False``); nothing is downloaded and no code
+(``fsdp_fp8.format.remote_code``: ``local_files_only=True``, ``trust_remote_code=False``); nothing is downloaded and no code
 from the checkpoint runs. ModelOpt is not needed.
 
 The step policy runs once per scheduler step through a hook the pipeline already drives:
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -33,12 +34,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_fp8.load.api import LoadedModel, default_device, load_model
 from fsdp_fp8.load.towers import TowerSpec
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 from fsdp_fp8.format.step_policy import resolve_step_policy
 from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision
 
 MODEL_INDEX = "model_index.json"
 TRANSFORMER = "transformer"
-_LIBRARIES = ("diffusers", "transformers")
+log = logging.getLogger(__name__)
 
 
 def _read_index(root: Path) -> dict:
@@ -58,12 +60,13 @@ def _read_index(root: Path) -> dict:
         problems.append(f"`{TRANSFORMER}` is {entry!r}, not a diffusers model entry")
     elif not (root / TRANSFORMER / "config.json").is_file():
         problems.append(f"`{TRANSFORMER}` is listed but {root / TRANSFORMER / 'config.json'} does not exist")
-    for name, value in sorted(index.items()):
-        if name.startswith("_") or not isinstance(value, list):
-            continue
-        if len(value) == 2 and value[0] is not None and value[0] not in _LIBRARIES:
-            problems.append(f"component `{name}` comes from {value[0]!r}; only {list(_LIBRARIES)} components "
-                            "are loaded (no code from the checkpoint runs)")
+    references, unreadable = remote_code_references(root)
+    problems += unreadable
+    for ref in references:
+        if ref.startswith("model_index.json"):  # a component diffusers would import from the checkpoint
+            problems.append(ref)
+        else:  # an `auto_map` transformers ignores under trust_remote_code=False
+            log.warning("%s: %s; ignored (fsdp_fp8 never runs code from a checkpoint)", root, ref)
     if problems:
         raise ValueError(f"{index_path}:\n" + "\n".join(f"  - {p}" for p in problems))
     return index
@@ -128,16 +131,17 @@ def load_pipeline(
     ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy
     dict. ``towers`` overrides the tower map (``fsdp_fp8.load.towers``). Other keyword
     arguments go to the pipeline's ``from_pretrained`` (e.g. ``safety_checker=None``); a
-    ``transformer`` is refused. Collective under a process group, like ``load_model``.
+    ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is refused, and
+    ``local_files_only`` is always set. Collective under a process group, like ``load_model``.
     The result carries ``pipe.fsdp_fp8`` (the ``LoadedModel``) and the routing is
     ``pipe.transformer.fsdp_fp8_precision`` (its ``trace``: one precision per step run).
     """
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
     index = _read_index(root)
     cls = _pipeline_class(index["_class_name"], root / MODEL_INDEX)
-    for key in ("transformer", "local_files_only", "trust_remote_code"):
-        if key in components:
-            raise ValueError(f"load_pipeline sets `{key}` itself; do not pass it")
+    if "transformer" in components:
+        raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
+    kwargs = safe_pretrained_kwargs(**components)  # refuses trust_remote_code / custom_pipeline
     device = device or default_device()
     loaded: LoadedModel = load_model(None, root / TRANSFORMER, mesh, device=device, towers=towers)
     model = loaded.model
@@ -145,8 +149,7 @@ def load_pipeline(
                                  str(root / TRANSFORMER / "config.json"))
     routing = install_step_policy(model, policy, loaded.towers)
     share_quantized_inputs(model)
-    pipe = cls.from_pretrained(str(root), transformer=model, local_files_only=True, trust_remote_code=False,
-                               **components)
+    pipe = cls.from_pretrained(str(root), transformer=model, **kwargs)
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
             component.to(device)
