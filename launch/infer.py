@@ -14,4 +14,4 @@ from fsdp_fp8.cli.commands import main
 if __name__ == "__main__":
     # Never returns: run leaves through os._exit after flushing, because gloo + FSDP2 can
     # abort during interpreter finalization after a correct run (docs/shutdown.md).
-    sys.exit(main(["run", *sys.argv[1:]]))
+    sys.exit(main(["run", *sys.argv[1:]], prog="launch/infer.py"))

@@ -45,3 +45,19 @@ def _anchors(path: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
     headings = re.findall(r"^#+\s+(.*)$", path.read_text(), re.M)
     return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+
+
+def _options_in_help(argv, capsys, main) -> set[str]:
+    with pytest.raises(SystemExit):
+        main(argv)
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", capsys.readouterr().out)) - {"--help"}
+
+
+@pytest.mark.parametrize("command", ["run", "inspect", "verify", "save"])
+def test_every_option_is_in_usage_md(command, capsys):
+    from fsdp_fp8.cli import commands
+
+    options = _options_in_help([command, "--help"], capsys, commands.main)
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert options, command
+    assert sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])", usage)) == []

@@ -52,7 +52,7 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
                FSDP_FP8_CACHE=str(tmp / "cache"), PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     pip = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-build-isolation",
-         "-c", str(src / "constraints.txt"), str(src)],
+         "-c", str(src / "constraints.txt"), f"{src}[hf]"],  # the demo is a diffusers pipeline
         env=env, capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     empty = tmp / "empty"

@@ -62,11 +62,22 @@ def test_two_ranks_give_the_single_process_outputs_prompt_by_prompt(tmp_path, ca
     assert all(r["bytes_read"] < 0.6 * one["ranks"][0]["bytes_read"] for r in two["ranks"])
 
 
-def test_step_policy_off_runs_every_step_w8a8_and_changes_the_result(tmp_path, cache):
-    proc, report = _run(tmp_path, cache, "--steps", "4", "--step-policy", "off", nproc=None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert report["precision_trace"] == "W8A8 x4"
-    assert "disabled by override 'off'" in proc.stderr
+def test_step_policy_off_runs_every_step_w8a8_and_changes_the_result(tmp_path, cache, monkeypatch, caplog):
+    """In process (one process, no group): the same 4 steps with the checkpoint's policy (all
+    four inside its first/last-3 windows: W8A16) and with it off (W8A8)."""
+    from fsdp_fp8.cli.runner import main
+
+    monkeypatch.setenv("FSDP_FP8_CACHE", str(cache))
+    reports = {}
+    for policy in ("auto", "off"):
+        path = tmp_path / f"{policy}.json"
+        with caplog.at_level("WARNING", logger="fsdp_fp8"):
+            assert main(["--steps", "4", "--step-policy", policy, "--report", str(path)]) == 0
+        reports[policy] = json.loads(path.read_text())
+    assert reports["auto"]["precision_trace"] == "W8A16 x4"
+    assert reports["off"]["precision_trace"] == "W8A8 x4"
+    assert reports["off"]["latent_sha256"] != reports["auto"]["latent_sha256"]
+    assert "disabled by override 'off'" in caplog.text
 
 
 def test_a_bad_checkpoint_is_one_clear_message_and_a_failing_exit(tmp_path, cache):

@@ -105,14 +105,14 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], prog: str) -> int:
     """``run``: the launcher (``fsdp_fp8.cli.runner``); leaves through ``shutdown_distributed``
     (never returns), as torchrun's ranks must (docs/shutdown.md)."""
     from fsdp_fp8.cli.runner import main as run_main
     from fsdp_fp8.cli.shutdown import shutdown_distributed
 
     try:
-        code = run_main(argv)
+        code = run_main(argv, prog)
     except BaseException:
         shutdown_distributed(failed=True)  # abort, not destroy; keep the traceback and exit status
         raise
@@ -180,7 +180,7 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # the launcher parses its own options
-        return _run(argv[1:])
+        return _run(argv[1:], prog if prog.endswith(".py") else f"{prog} run")
     args = build_parser(prog).parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)

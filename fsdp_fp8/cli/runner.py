@@ -22,13 +22,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fsdp_fp8.cli.generate import is_pipeline_root, run_pipeline
+from fsdp_fp8.cli.generate import check_output, is_pipeline_root, read_prompts, run_pipeline
+from fsdp_fp8.cli.options import given_options, unused_options, value_problems
+from fsdp_fp8.cli.platform import platform_info
 from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
 from fsdp_fp8.load.residency import POLICIES, apply_residency
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import ProblemsError
-from fsdp_fp8.interop.hf_run import prompt_bytes, run_hf
+from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.runtime.sampler import sample
@@ -42,8 +44,8 @@ DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch/infer.py", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="ModelOpt static-FP8 checkpoint directory (default: the embedded demo)")
     p.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
@@ -82,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.include or args.exclude) and not args.quantize:
         p.error("--include / --exclude select linears for --quantize; pass --quantize too")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
     if args.resident_budget is not None and args.resident != "auto":
         p.error("--resident-budget applies to --resident auto; pass that too")
     if args.report:  # now, not after the whole run: make its directory, fail if it cannot be
@@ -93,6 +93,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--report {args.report}: cannot create its directory: {exc}")
     if args.prompts and args.quantize:
         p.error("--prompts runs a pipeline; --quantize runs one process on a transformer")
+    problems = value_problems(args)  # every value, now: not after the model is loaded
+    checks = [lambda: check_output(args.output)]
+    if args.prompts is None or os.path.isfile(args.prompts):
+        checks.append(lambda: read_prompts(args))
+    for check in checks:
+        try:
+            check()
+        except (ValueError, OSError) as exc:
+            problems.append(str(exc))
+    if problems:
+        p.error("; ".join(sorted(problems)))
+    args.given = given_options(p, args)
     return args
 
 
@@ -163,7 +175,9 @@ def run(args: argparse.Namespace) -> dict:
     device = default_device()
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
+        _warn_unused(args, "pipeline", "a diffusers pipeline")
         report, loaded = run_pipeline(args, path, device)
+        _warn_no_fp8(report["fp8_linears"], path, report)
         return {**report, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "device": str(device), "quantize": None, "ranks": _rank_rows(_all_reports(loaded.report))}
     if args.prompts or args.output:
@@ -172,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     # where the ranks agree before anything is built, sharded or read.
     loaded = load_model(None, path, device=device)
     model, arch = loaded.model, loaded.architecture
+    _warn_unused(args, "cosmos3" if arch.name in DENOISERS else arch.kind, arch.name)
     quantized = None
     if args.quantize:
         before = linear_weight_bytes(model)
@@ -185,6 +200,8 @@ def run(args: argparse.Namespace) -> dict:
     if arch.kind != "mot":  # transformers / diffusers: one deterministic run, digested
         t1 = time.perf_counter()
         output = run_hf(model, arch, loaded.checkpoint.directory, args)
+        if quantized is None:
+            _warn_no_fp8(len(loaded.fp8_linears), path, output)
         return {"checkpoint": str(loaded.checkpoint.directory), "architecture": arch.name,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1, "device": str(device),
                 "fp8_linears": len(loaded.fp8_linears), "kv_scales_unused": len(loaded.plan.kv_scales),
@@ -218,6 +235,9 @@ def run(args: argparse.Namespace) -> dict:
     sample_s = time.perf_counter() - t1
     latent_bytes = latent.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     reports = _all_reports(loaded.report)
+    trace = {"precision_trace": describe_trace(routing.trace)}
+    if quantized is None:
+        _warn_no_fp8(len(loaded.fp8_linears), path, trace)
     return {
         "checkpoint": str(loaded.checkpoint.directory),
         "world_size": reports[0].world_size,
@@ -227,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         "load_seconds": round(load_s, 3),
         "sample_seconds": round(sample_s, 3),
         "steps": args.steps,
-        "precision_trace": describe_trace(routing.trace),
+        **trace,
         "step_policy": "checkpoint" if policy is not None else "none",
         "latent_shape": list(latent.shape),
         "latent_sha256": hashlib.sha256(latent_bytes).hexdigest(),
@@ -237,6 +257,27 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _warn_unused(args: argparse.Namespace, kind: str, what: str) -> None:
+    """Options this kind of run ignores are named, not dropped silently."""
+    unused = unused_options(getattr(args, "given", set()), kind)
+    if unused and _rank() == 0:
+        log.warning("%s do%s not apply to %s and %s ignored", ", ".join(unused), "es" if len(unused) == 1 else "",
+                    what, "is" if len(unused) == 1 else "are")
+
+
+def _warn_no_fp8(fp8_linears: int, path, result: dict) -> None:
+    """A checkpoint without one static-FP8 linear runs in high precision: say so, and report
+    no precision trace (W8A8 / W8A16 would describe linears that do not exist)."""
+    if fp8_linears:
+        return
+    if _rank() == 0:
+        log.warning("%s has no FP8 linear: every linear runs in high precision (a plain checkpoint, "
+                    "not a ModelOpt static-FP8 one)", path)
+    for row in [result, *result.get("outputs", [])]:
+        if "precision_trace" in row:
+            row["precision_trace"] = None
+
+
 def _rank_rows(reports) -> list[dict]:
     return [
         {
@@ -244,6 +285,7 @@ def _rank_rows(reports) -> list[dict]:
             "bytes_held": r.bytes_held,
             "bytes_read": r.bytes_read,
             "load_seconds": round(r.seconds, 3),
+            "read_seconds": round(r.read_seconds, 3),
             "read_gb_per_s": round(r.gb_per_s, 3),
             "peak_rss_bytes": r.peak_rss_bytes,
             "peak_device_bytes": r.peak_device_bytes,
@@ -296,6 +338,10 @@ def _output_lines(result: dict) -> list[str]:
             f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
 
 
+def _no_trace(line: str) -> str:
+    return line.replace("precision       None", "precision       high precision (no FP8 linear)")
+
+
 def format_report(result: dict) -> str:
     lines = [
         f"checkpoint      {result['checkpoint']}",
@@ -303,20 +349,25 @@ def format_report(result: dict) -> str:
         f"FP8 linears     {result['fp8_linears']}",
         *_quantize_lines(result.get("quantize")),
         f"load            {result['load_seconds']:.2f} s",
-        *_output_lines(result),
+        *map(_no_trace, _output_lines(result)),
+        # What the digests above depend on besides checkpoint and options (docs/usage.md).
+        f"computed with   torch {result['torch']} on {result['device']}, {result['device_name']}; "
+        "digests compare only with runs on the same torch build and device model",
         "",
-        f"{'rank':>4}  {'held':>12}  {'read':>12}  {'load s':>7}  {'GB/s':>6}  {'peak RSS':>12}  {'peak device':>12}",
+        f"{'rank':>4}  {'held':>12}  {'read':>12}  {'load s':>7}  {'read s':>7}  {'GB/s':>6}  {'peak RSS':>12}  "
+        f"{'peak device':>12}",
     ]
     for r in result["ranks"]:
         lines.append(
             f"{r['rank']:>4}  {_mib(r['bytes_held']):>12}  {_mib(r['bytes_read']):>12}  {r['load_seconds']:>7.2f}  "
-            f"{r['read_gb_per_s']:>6.2f}  {_mib(r['peak_rss_bytes']):>12}  {_mib(r['peak_device_bytes']):>12}"
+            f"{r['read_seconds']:>7.2f}  {r['read_gb_per_s']:>6.2f}  {_mib(r['peak_rss_bytes']):>12}  "
+            f"{_mib(r['peak_device_bytes']):>12}"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "launch/infer.py") -> int:
+    args = parse_args(argv, prog)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="[fsdp_fp8] %(message)s")
     try:
@@ -325,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             init_distributed(args.timeout)
         result = run(args)
+        result.update(platform_info(torch.device(result["device"])))
     except Exception as exc:  # one clear message on rank 0, not a traceback per rank
         # Errors every rank raised alike (agreed, or before any collective) print once, on
         # rank 0; any other is this rank's own and says which rank it is.
