@@ -2,9 +2,11 @@
 
 Each case copies one file of ``fixtures/modelopt-0.47-llama-sharded`` with a seeded random
 mutation (bytes flipped, inserted or deleted in a shard header, the length prefix changed,
-a file cut short, one JSON value of a header, the index or a config replaced, or bytes of
-the data region flipped), then runs ``open_checkpoint`` and the load plan against the
-fixture's Llama on meta. Three outcomes only:
+a file cut short, one JSON value of a header, the index or a config replaced, a config's
+numeric model field made non-finite or non-positive, JSON nested deeply, a header or JSON
+file re-encoded (BOM, UTF-16, a non-UTF-8 byte, a NaN constant), or bytes of the data region
+flipped), then runs ``open_checkpoint`` and the load plan against the fixture's Llama on
+meta. Three outcomes only:
 
 - refused with ``CheckpointError`` (or ``FileNotFoundError``); any other exception fails;
 - accepted, and then every tensor holds the same keys, dtypes and shapes as the original and
@@ -13,7 +15,8 @@ fixture's Llama on meta. Three outcomes only:
   JSON that means the same thing);
 - every case finishes within ``CASE_LIMIT_S``: nothing hangs.
 
-Default: 200 cases, a few seconds. A longer run::
+Default: 2,000 cases, well under a minute (the directory lives in ``/dev/shm`` where there is
+one, so the file writes cost nothing). A longer run::
 
     FSDP_FP8_FUZZ_CASES=20000 FSDP_FP8_FUZZ_SEED=7 .venv/bin/python -m pytest -q tests/test_fuzz_checkpoint.py
 """
@@ -25,6 +28,7 @@ import os
 import random
 import shutil
 import struct
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +42,7 @@ from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
 from small_models import FIXTURE, fixture_llama_fn
 
-CASES = int(os.environ.get("FSDP_FP8_FUZZ_CASES", "200"))
+CASES = int(os.environ.get("FSDP_FP8_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("FSDP_FP8_FUZZ_SEED", "0"))
 CASE_LIMIT_S = 5.0
 SHARDS = sorted(p.name for p in FIXTURE.glob("*.safetensors"))
@@ -96,9 +100,49 @@ def _mutate_json(rng: random.Random, obj):
         return "/".join(path + [str(key)]) + f" {action}"
 
 
+# Fields the model's arithmetic depends on (fsdp_fp8.format.checkpoint.POSITIVE_FIELDS).
+NUMERIC_FIELDS = ["rms_norm_eps", "rope_theta"]
+MUST_REFUSE = "refuse: "
+BAD_NUMBERS = ["1e999", "-1e999", "0", "-1e-6", "0.0", "NaN", "Infinity", "-Infinity"]
+
+
+def _reencode(rng: random.Random, text: str) -> tuple[bytes, str]:
+    """The same JSON text in an encoding or spelling the safetensors library refuses."""
+    kind = rng.choice(["bom", "utf-16", "latin-1 byte", "nan"])
+    if kind == "bom":
+        return b"\xef\xbb\xbf" + text.encode(), kind
+    if kind == "utf-16":
+        return text.encode(rng.choice(["utf-16", "utf-16-le", "utf-16-be"])), kind
+    if kind == "latin-1 byte":
+        at = text.index('"', 1) + 1  # inside the first string
+        return text[:at].encode() + bytes([rng.randrange(0x80, 0x100)]) + text[at:].encode(), kind
+    return text.replace("{", '{"fuzz": ' + rng.choice(["NaN", "Infinity", "-Infinity"]) + ", ", 1).encode(), kind
+
+
+def _nest(rng: random.Random, text: str) -> tuple[bytes, str]:
+    depth = rng.choice([33, 200, 5000, 200_000])
+    return (text[:-1] + f', "deep": {"[" * depth}{"]" * depth}}}').encode(), f"nested {depth}"
+
+
 def _mutation(rng: random.Random, originals: dict[str, bytes]) -> tuple[str, bytes, str]:
-    """(file name, its mutated bytes, description)."""
-    target = rng.choice(["shard"] * 6 + ["json"] * 3 + ["data"])
+    """(file name, its mutated bytes, description); descriptions starting with ``MUST_REFUSE``
+    are mutations no valid checkpoint has."""
+    target = rng.choice(["shard"] * 6 + ["json"] * 3 + ["data"] + ["encoding", "config number", "nesting"])
+    if target == "config number":
+        obj = json.loads(originals["config.json"])
+        field, value = rng.choice(NUMERIC_FIELDS), rng.choice(BAD_NUMBERS)
+        text = json.dumps({**obj, field: "@"}).replace('"@"', value)
+        return "config.json", text.encode(), f"refuse: config {field}={value}"
+    if target in ("encoding", "nesting"):
+        change = _reencode if target == "encoding" else _nest
+        name = rng.choice(SHARDS + JSONS)
+        raw = originals[name]
+        if name in JSONS:
+            mutated, how = change(rng, raw.decode())
+            return name, mutated, f"refuse: {how}"
+        span = _header_span(raw)
+        text, how = change(rng, raw[8:span].decode().rstrip())
+        return name, struct.pack("<Q", len(text)) + text + raw[span:], f"refuse: header {how}"
     if target == "json":
         name = rng.choice(JSONS)
         raw = originals[name]
@@ -158,6 +202,17 @@ def _judge_accepted(directory: Path, ckpt, original: dict[str, tuple], descripti
 
 @pytest.mark.timeout(600)
 def test_mutated_fixture_is_refused_cleanly_or_loads_the_true_bytes(tmp_path):
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):  # thousands of rewrites: keep them in memory
+        tmp_path = Path(tempfile.mkdtemp(prefix="fsdp_fp8-fuzz-", dir=shm))
+    try:
+        _fuzz(tmp_path)
+    finally:
+        if str(tmp_path).startswith("/dev/shm/"):
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _fuzz(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     shutil.copytree(FIXTURE, directory)
     originals = {p.name: p.read_bytes() for p in directory.iterdir()}
@@ -182,6 +237,7 @@ def test_mutated_fixture_is_refused_cleanly_or_loads_the_true_bytes(tmp_path):
             pytest.fail(f"{description}: raised {type(exc).__name__}: {exc}")
         else:
             outcomes["accepted"] += 1
+            assert not how.startswith(MUST_REFUSE), f"{description}: accepted"
             _judge_accepted(directory, ckpt, original, description)
         finally:
             (directory / name).write_bytes(originals[name])

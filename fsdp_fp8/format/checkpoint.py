@@ -4,6 +4,10 @@
 (FP8 linear weight + its two scales, KV-cache scale, or high precision) and reads the scale
 values themselves (a few bytes each). It reads no other tensor data. Every problem found is
 collected and raised once as a ``CheckpointError``.
+
+Each shard is opened once and held (``Checkpoint.handles``) until ``close()``: the loader
+reads through the same descriptors the headers were checked through, and uses the scale
+values checked here (``Checkpoint.scales``), never a second read of them.
 """
 
 from __future__ import annotations
@@ -11,14 +15,18 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
+import torch
+
 from fsdp_fp8.errors import raise_if_problems
-from fsdp_fp8.format.quant_config import QuantConfig, read_quant_config
-from fsdp_fp8.format.safetensors_header import Header, TensorEntry, load_json_object, read_header
+from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
+from fsdp_fp8.format.handles import OpenFile, open_regular, present, read_json_file, short_repr
+from fsdp_fp8.format.quant_config import QuantConfig, parse_quant_config
+from fsdp_fp8.format.safetensors_header import Header, TensorEntry, read_header
 from fsdp_fp8.format.slice_reader import read_scale
 
 __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEntry", "open_checkpoint"]
@@ -60,14 +68,59 @@ class Checkpoint:
     high_precision: dict[str, TensorEntry]  # includes FP8 modules' biases
     kv_scales: dict[str, TensorEntry]
     index_file: str | None = None
+    scales: dict[str, float] = field(default_factory=dict)  # every validated scale's value (float32-exact)
+    json_files: dict[str, dict] = field(default_factory=dict)  # file name -> parsed config / index
+    handles: dict[str, OpenFile] = field(default_factory=dict, repr=False)  # shard name -> held descriptor
+
+    def changed_files(self) -> list[str]:
+        """A problem for every shard rewritten in place or replaced since it was opened."""
+        return [p for name, handle in sorted(self.handles.items()) for p in handle.changes()]
+
+    def close(self) -> None:
+        """Release the held descriptors; reading tensor data afterwards raises."""
+        for handle in self.handles.values():
+            handle.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 
-def _read_config(directory: Path, problems: list[str]) -> dict:
-    path = directory / "config.json"
-    if not path.exists():
-        return {}
-    return load_json_object(path.read_bytes(), "config.json", problems) or {}
+def _read_json(directory: Path, name: str, problems: list[str], json_files: dict[str, dict]) -> dict | None:
+    if not present(directory / name):
+        return None
+    obj = read_json_file(directory / name, name, problems)
+    if obj is not None:
+        json_files[name] = obj
+    return obj
+
+
+# Numeric config fields the model's arithmetic divides by or exponentiates: zero, negative or
+# non-finite values build a model that computes garbage without an error.
+POSITIVE_FIELDS = frozenset({"rms_eps", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+                             "eps", "norm_epsilon", "rope_theta", "theta", "rope_base"})
+
+
+def config_number_problems(obj: object, file: str) -> list[str]:
+    """Every non-finite number in a config (Python's JSON reads ``1e999`` as inf), and every
+    field of ``POSITIVE_FIELDS`` that is not a number > 0; named by its dotted path."""
+    problems, stack = [], [(obj, "")]
+    while stack:
+        node, where = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(value, (dict, list)):
+                stack.append((value, path))
+            elif isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{file}: field `{path}` is {value}; numbers must be finite")
+            elif isinstance(node, dict) and key in POSITIVE_FIELDS and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                problems.append(f"{file}: field `{path}` is {short_repr(value)}; it must be a number > 0")
+    return problems
 
 
 def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[str]) -> dict[str, TensorEntry]:
@@ -97,8 +150,13 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
     return tensors
 
 
-def _check_scale(entry: TensorEntry, problems: list[str]) -> bool:
-    """A scale must be one finite, positive F32; reads only its 4 bytes. True when it is."""
+_F32 = torch.finfo(torch.float32)
+FP8_MAX = 448.0  # the largest E4M3 magnitude: codes * scale must stay finite in float32
+
+
+def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, float]) -> bool:
+    """A scale must be one normal, positive F32 with ``448 * scale`` finite; reads only its 4
+    bytes (through the held descriptor) and records the value in ``values``. True when it is."""
     if entry.dtype != "F32" or entry.numel != 1:
         problems.append(f"`{entry.key}` in {entry.file} must be F32 with exactly one element, "
                         f"got {entry.dtype} shape {entry.shape}")
@@ -111,11 +169,20 @@ def _check_scale(entry: TensorEntry, problems: list[str]) -> bool:
     if not math.isfinite(value) or value <= 0:
         problems.append(f"`{entry.key}` in {entry.file} is {value}; a scale must be finite and > 0")
         return False
+    if value < _F32.tiny:  # dequantizes every code to ~0: a zero layer that looks loaded
+        problems.append(f"`{entry.key}` in {entry.file} is {value}, a subnormal float32 (below {_F32.tiny}); "
+                        "a scale must be a normal float32 > 0")
+        return False
+    if math.isinf(float(torch.tensor(value, dtype=torch.float32) * FP8_MAX)):
+        problems.append(f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 "
+                        f"(max {_F32.max:.6g})")
+        return False
+    values[entry.key] = value
     return True
 
 
 def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool,
-              problems: list[str]):
+              problems: list[str], values: dict[str, float]):
     fp8: dict[str, Fp8ModuleEntry] = {}
     kv: dict[str, TensorEntry] = {}
     f8_weights: set[str] = set()  # modules whose weight is stored F8_E4M3, even if malformed
@@ -145,7 +212,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             if scale is None:
                 problems.append(f"`{module}.weight` in {weight.file} is F8_E4M3 but `{module}{suffix}` is missing")
             else:
-                scales[suffix] = scale if _check_scale(scale, problems) else None
+                scales[suffix] = scale if _check_scale(scale, problems, values) else None
         if len(weight.shape) == 2 and all(scales.get(s) for s in _SCALE_SUFFIXES):
             fp8[module] = Fp8ModuleEntry(module, weight, scales[".weight_scale"], scales[".input_scale"],
                                          tensors.get(f"{module}.bias"))
@@ -164,7 +231,7 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
                 problems.append(f"`{key}` in {e.file} is a scale for `{module}.weight`, which is stored as "
                                 f"{weight.dtype}, not F8_E4M3")
         elif key.endswith(KV_SCALE_SUFFIXES):
-            _check_scale(e, problems)
+            _check_scale(e, problems, values)
             kv[key] = e
     if kv and quant.kv_cache_quant_algo is None:
         problems.append(f"KV-cache scales {sorted(kv)[:2]}... are present but the quantization config "
@@ -178,26 +245,62 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
     return fp8, high, kv
 
 
+def _descriptor_problem(count: int) -> str | None:
+    """One descriptor per shard is held for the load: make room for them, or say why not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = count + 256  # headroom for everything else the process has open
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return None
+    if hard == resource.RLIM_INFINITY or need <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        return None
+    return (f"the checkpoint has {count} shard files, and one descriptor is held per shard, but this "
+            f"process may open at most {hard} files (ulimit -n)")
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open and fully validate the checkpoint at ``path`` (a directory or diffusers pipeline root)."""
+    """Open and fully validate the checkpoint at ``path`` (a directory or diffusers pipeline root).
+
+    The shards stay open until ``Checkpoint.close()`` (or ``with open_checkpoint(...)``, or
+    garbage collection); ``load_model`` closes them after its last read.
+    """
     directory = resolve_directory(path)
     context = f"checkpoint {directory}"
     problems: list[str] = []
-    config = _read_config(directory, problems)
-    before = len(problems)
-    quant = read_quant_config(directory, config, problems)
-    quant_ok = len(problems) == before
+    json_files: dict[str, dict] = {}
+    config = _read_json(directory, "config.json", problems, json_files) or {}
+    hf_quant = _read_json(directory, "hf_quant_config.json", problems, json_files)
+    problems += config_number_problems(config, "config.json")
+    if hf_quant is not None:
+        problems += config_number_problems(hf_quant, "hf_quant_config.json")
+    quant = parse_quant_config(hf_quant, config, problems)
+    quant_ok = not problems  # a file that could not be read counts as a bad quantization config
     layout = find_layout(directory, problems)
     if layout is None:
         raise_if_problems(problems, context)
+    if layout.index is not None:
+        json_files[layout.index_file] = layout.index
+        problems += config_number_problems(layout.index, layout.index_file)
+    too_many = _descriptor_problem(len(layout.files))
+    if too_many:
+        raise_if_problems(problems + [too_many], context)
     headers: dict[str, Header] = {}
+    handles: dict[str, OpenFile] = {}
     for name in layout.files:
-        header = read_header(directory / name, problems, name)
+        handle = open_regular(directory / name, name, problems)
+        if handle is None:
+            continue
+        handles[name] = handle
+        header = read_header(handle, problems, name)
         if header is not None:
             headers[name] = header
     tensors = _collect_tensors(layout, headers, problems)
-    fp8, high, kv = _classify(tensors, quant, quant_ok, problems)
-    raise_if_problems(problems, context)
+    values: dict[str, float] = {}
+    fp8, high, kv = _classify(tensors, quant, quant_ok, problems, values)
+    if problems:
+        for handle in handles.values():
+            handle.close()
+        raise_if_problems(problems, context)
     files = {n: ShardFile(n, h.path, h.size, h.header_sha256) for n, h in sorted(headers.items())}
     return Checkpoint(directory, config, quant, files, dict(sorted(tensors.items())), fp8, high, kv,
-                      layout.index_file)
+                      layout.index_file, values, json_files, handles)

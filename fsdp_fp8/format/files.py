@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_fp8.format.hub import resolve_hub_path
-from fsdp_fp8.format.safetensors_header import load_json_object
+from fsdp_fp8.format.handles import open_regular, present, read_json_file, short_repr
 
 WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -26,14 +27,22 @@ class Layout:
     index_file: str | None  # None for a single-file checkpoint
     files: tuple[str, ...]  # shard file names, sorted
     weight_map: dict[str, str] | None
+    index: dict | None = field(default=None, compare=False)  # the parsed index file, for the ranks' agreement
 
 
 def file_sha256(path: str | os.PathLike) -> str:
     """SHA-256 of a whole file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
+    problems: list[str] = []
+    handle = open_regular(Path(path), Path(path).name, problems)
+    if handle is None:
+        raise OSError(problems[0])
+    digest, offset = hashlib.sha256(), 0
+    try:
+        while block := handle.pread(1 << 24, offset):
             digest.update(block)
+            offset += len(block)
+    finally:
+        handle.close()
     return digest.hexdigest()
 
 
@@ -66,66 +75,70 @@ def hub_blobs(directory: Path) -> Path | None:
 
 
 def shard_path(directory: Path, name: object, what: str) -> tuple[Path | None, str | None]:
-    """``directory / name`` if ``name`` is a safe, existing safetensors file there."""
+    """``directory / name`` if ``name`` is a safe, existing safetensors file there (that it is a
+    regular file is checked when it is opened, without blocking: ``handles.open_regular``)."""
     if not isinstance(name, str) or not name:
-        return None, f"{what} names {name!r}, which is not a file name"
+        return None, f"{what} names {short_repr(name)}, which is not a file name"
     if os.path.isabs(name) or name.startswith(("/", "\\")):
-        return None, f"{what} names the absolute path {name!r}; only file names inside {directory} are allowed"
+        return None, f"{what} names the absolute path {short_repr(name)}; only file names inside {directory} are allowed"
     parts = name.replace("\\", "/").split("/")
     if ".." in parts:
-        return None, f"{what} names {name!r}, which uses '..'; only file names inside {directory} are allowed"
+        return None, f"{what} names {short_repr(name)}, which uses '..'; only file names inside {directory} are allowed"
     if len(parts) != 1 or name == ".":
-        return None, f"{what} names {name!r}, which is not a plain file name"
+        return None, f"{what} names {short_repr(name)}, which is not a plain file name"
     if not name.endswith(".safetensors"):
-        return None, f"{what} names {name!r}, which is not a .safetensors file (pickles are never loaded)"
+        return None, f"{what} names {short_repr(name)}, which is not a .safetensors file (pickles are never loaded)"
     path = directory / name
-    if path.is_symlink() and path.resolve().parent not in (directory.resolve(), hub_blobs(directory)):
-        return None, f"{what} names {name!r}, a symlink to {path.resolve()} outside {directory}"
-    if not path.exists():
-        return None, f"{what} names {name!r}, which does not exist in {directory}"
-    if not path.is_file():
-        return None, f"{what} names {name!r}, which is not a regular file"
+    try:  # a name too long for the filesystem, a loop of links, no permission: named, not raised
+        if path.is_symlink() and path.resolve().parent not in (directory.resolve(), hub_blobs(directory)):
+            return None, f"{what} names {short_repr(name)}, a symlink to {path.resolve()} outside {directory}"
+        if not path.exists():
+            return None, f"{what} names {short_repr(name)}, which does not exist in {directory}"
+    except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (3.11)
+        return None, f"{what} names {short_repr(name)}, which cannot be looked up: {type(exc).__name__}: {exc}"
     return path, None
 
 
-def _read_index(directory: Path, index_file: str, problems: list[str]) -> dict[str, str] | None:
-    obj = load_json_object((directory / index_file).read_bytes(), index_file, problems)
+def _read_index(directory: Path, index_file: str, problems: list[str]) -> tuple[dict | None, dict | None]:
+    """(weight_map, the whole index) when the index is usable."""
+    obj = read_json_file(directory / index_file, index_file, problems)
     if obj is None:
-        return None
+        return None, None
     weight_map = obj.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         problems.append(f"{index_file}: `weight_map` is missing, empty or not an object")
-        return None
+        return None, obj
     if "metadata" in obj and not isinstance(obj["metadata"], dict):
         problems.append(f"{index_file}: `metadata` is not an object")
-    return weight_map
+    return weight_map, obj
 
 
 def find_layout(directory: Path, problems: list[str]) -> Layout | None:
     """The checkpoint's files, or None (with the reason in ``problems``) when there are none to read."""
     indexes = sorted(p.name for p in directory.glob("*.safetensors.index.json"))
-    singles = [f"{s}.safetensors" for s in WEIGHT_STEMS if (directory / f"{s}.safetensors").exists()
-               or (directory / f"{s}.safetensors").is_symlink()]
+    singles = [f"{s}.safetensors" for s in WEIGHT_STEMS if present(directory / f"{s}.safetensors")]
     if len(indexes) + len(singles) > 1:
         problems.append(f"{directory}: ambiguous checkpoint, found {indexes + singles}; expected one "
                         "index or one single-file checkpoint")
         return None
     if indexes:
-        weight_map = _read_index(directory, indexes[0], problems)
+        weight_map, index = _read_index(directory, indexes[0], problems)
         if weight_map is None:
             return None
+        keys_of: dict[str, list[str]] = defaultdict(list)  # one pass: linear in the index size
+        for key, name in weight_map.items():
+            if isinstance(name, str):
+                keys_of[name].append(key)
+            else:
+                problems.append(f"{indexes[0]}: `{key}` maps to {short_repr(name)}, not a file name")
         files = set()
-        for name in sorted({v for v in weight_map.values() if isinstance(v, str)}):
-            keys = sorted(k for k, v in weight_map.items() if v == name)
-            _, problem = shard_path(directory, name, f"{indexes[0]} (for `{keys[0]}` and {len(keys) - 1} more)")
+        for name, keys in sorted(keys_of.items()):
+            _, problem = shard_path(directory, name, f"{indexes[0]} (for `{min(keys)}` and {len(keys) - 1} more)")
             if problem:
                 problems.append(problem)
             else:
                 files.add(name)
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                problems.append(f"{indexes[0]}: `{key}` maps to {name!r}, not a file name")
-        return Layout(directory, indexes[0], tuple(sorted(files)), weight_map)
+        return Layout(directory, indexes[0], tuple(sorted(files)), weight_map, index)
     if singles:
         _, problem = shard_path(directory, singles[0], str(directory))
         if problem:

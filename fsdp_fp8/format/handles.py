@@ -138,22 +138,26 @@ class OpenFile:
         return f"OpenFile({self.name!r}{', closed' if self.closed else ''})"
 
 
-def open_regular(path: Path, name: str) -> tuple[OpenFile | None, str | None]:
-    """Open ``path`` read-only if it is a regular file; never blocks (pipes, devices are refused)."""
+def open_regular(path: Path, name: str, problems: list[str]) -> OpenFile | None:
+    """``path`` opened read-only if it is a regular file; None (and a problem) otherwise.
+    Never blocks: a named pipe or device is refused by ``fstat`` before anything is read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        return None, f"{name}: cannot open: {type(exc).__name__}: {exc.strerror or exc}"
+        problems.append(f"{name}: cannot open: {type(exc).__name__}: {exc.strerror or exc}")
+        return None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            return None, f"{name} is {_kind(st.st_mode)}, not a regular file; refusing to read it"
+            problems.append(f"{name} is {_kind(st.st_mode)}, not a regular file; refusing to read it")
+            return None
         os.set_blocking(fd, True)  # regular files never block; reads then behave as usual
     except OSError as exc:
         os.close(fd)
-        return None, f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}"
-    return OpenFile(Path(path), name, fd, FileIdentity.of(st)), None
+        problems.append(f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}")
+        return None
+    return OpenFile(Path(path), name, fd, FileIdentity.of(st))
 
 
 def _too_deep(value: object, limit: int) -> bool:
@@ -182,49 +186,64 @@ def _no_constant(name: str):
     raise ValueError(f"non-standard constant {name} (JSON has no NaN or Infinity)")
 
 
-def load_json_object(text: bytes | str, what: str, max_depth: int | None = MAX_JSON_DEPTH) -> tuple[dict | None, list[str]]:
-    """Decode a strict JSON object: UTF-8 without a BOM, no duplicate keys, no NaN/Infinity,
-    nested at most ``max_depth`` levels (``None``: the parser's own bound only)."""
+def load_json_object(text: bytes | str, what: str, problems: list[str], max_depth: int | None = MAX_JSON_DEPTH,
+                     constants: bool = True) -> dict | None:
+    """Decode a JSON object; None (and a problem) when it is not one. UTF-8 without a BOM, no
+    duplicate keys, nested at most ``max_depth`` levels (``None``: the parser's own bound only).
+    ``constants=False`` refuses ``NaN`` / ``Infinity`` outright (as the safetensors library does
+    in headers); otherwise they parse as floats, for ``checkpoint.config_number_problems`` to
+    name by their key."""
     if isinstance(text, (bytes, bytearray, memoryview)):
         if bytes(text[:3]) == b"\xef\xbb\xbf":
-            return None, [f"{what} is not valid JSON: it starts with a byte-order mark (plain UTF-8 only)"]
+            problems.append(f"{what} is not valid JSON: it starts with a byte-order mark (plain UTF-8 only)")
+            return None
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as exc:
-            return None, [f"{what} is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})"]
+            problems.append(f"{what} is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})")
+            return None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+        value = json.loads(text, object_pairs_hook=_no_duplicate_keys,
+                           **({} if constants else {"parse_constant": _no_constant}))
     except RecursionError:
-        return None, [f"{what} is not valid JSON here: nested too deeply to parse"]
+        problems.append(f"{what} is not valid JSON here: nested too deeply to parse")
+        return None
     except ValueError as exc:
-        return None, [f"{what} is not valid JSON: {exc}"]
+        problems.append(f"{what} is not valid JSON: {exc}")
+        return None
     if not isinstance(value, dict):
-        return None, [f"{what} is not a JSON object (got {type(value).__name__})"]
+        problems.append(f"{what} is not a JSON object (got {type(value).__name__})")
+        return None
     if max_depth is not None and _too_deep(value, max_depth):
-        return None, [f"{what} is nested more than {max_depth} levels deep"]
-    return value, []
+        problems.append(f"{what} is nested more than {max_depth} levels deep")
+        return None
+    return value
 
 
-def read_json_file(path: Path, name: str, max_bytes: int = MAX_JSON_BYTES) -> tuple[dict | None, bytes, list[str]]:
-    """(object, the bytes it was parsed from, problems) for a JSON file that must exist.
+def read_json_file(path: Path, name: str, problems: list[str], max_bytes: int | None = None) -> dict | None:
+    """The JSON object in ``path`` (which must exist); None (and a problem) otherwise.
 
-    Reads at most ``max_bytes + 1`` bytes: a larger file (or one that grows) is refused.
+    Reads at most its size at open plus one byte: a file above ``max_bytes`` (default
+    ``MAX_JSON_BYTES``), or one that grows meanwhile, is refused.
     """
-    handle, problem = open_regular(path, name)
+    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
+    handle = open_regular(path, name, problems)
     if handle is None:
-        return None, b"", [problem]
+        return None
     try:
         if handle.identity.size > max_bytes:
-            return None, b"", [f"{name} is {handle.identity.size:,} bytes; JSON files above {max_bytes:,} are refused"]
-        raw = handle.pread(max_bytes + 1, 0)
+            problems.append(f"{name} is {handle.identity.size:,} bytes; JSON files above {max_bytes:,} are refused")
+            return None
+        raw = handle.pread(handle.identity.size + 1, 0)  # one byte more tells a file that grew
     except OSError as exc:
-        return None, b"", [f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}"]
+        problems.append(f"{name}: cannot read: {type(exc).__name__}: {exc.strerror or exc}")
+        return None
     finally:
         handle.close()
-    if len(raw) > max_bytes:
-        return None, b"", [f"{name} grew past {max_bytes:,} bytes while being read; refused"]
-    obj, problems = load_json_object(raw, name)
-    return obj, raw, problems
+    if len(raw) > handle.identity.size:
+        problems.append(f"{name} grew while being read; refused")
+        return None
+    return load_json_object(raw, name, problems)
 
 
 def present(path: Path) -> bool:

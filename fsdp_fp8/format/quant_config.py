@@ -11,10 +11,12 @@ block are refused too: we cannot know they do not change what the bytes mean.
 from __future__ import annotations
 
 import fnmatch
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.format.safetensors_header import load_json_object
+from fsdp_fp8.format.handles import present, read_json_file, short_repr
 from fsdp_fp8.format.step_policy import check_step_policy
 
 NESTED = "hf_quant_config.json (nested)"
@@ -42,12 +44,27 @@ class QuantConfig:
     step_policy: dict | None = None  # raw runtime.diffusion_step_policy; parsed elsewhere
 
     def is_ignored(self, module: str) -> bool:
-        return matches_ignore(module, self.ignore)
+        matcher = self.__dict__.get("_matcher")
+        if matcher is None:  # built once per config: matching every module stays linear
+            matcher = ignore_matcher(self.ignore)
+            object.__setattr__(self, "_matcher", matcher)
+        return matcher(module)
+
+
+def ignore_matcher(patterns) -> Callable[[str], bool]:
+    """``matcher(module)``: does ``module`` match a pattern? ModelOpt ignore lists hold module
+    names with fnmatch wildcards (`model.layers.1*`). Real lists are mostly plain names (every
+    MoE router of a model) and a few wildcards: plain names go in a set, so matching each module
+    costs a set look-up plus the wildcards, not the whole list."""
+    patterns = tuple(patterns)
+    literal = frozenset(p for p in patterns if not any(c in p for c in "*?["))
+    wild = [re.compile(fnmatch.translate(p)).match for p in dict.fromkeys(patterns) if p not in literal]
+    return lambda module: module in literal or any(match(module) for match in wild)
 
 
 def matches_ignore(module: str, patterns) -> bool:
-    """ModelOpt ignore lists hold module names with fnmatch wildcards (`model.layers.1*`)."""
-    return any(fnmatch.fnmatchcase(module, pattern) for pattern in patterns)
+    """One name against ``patterns``; for many names build one ``ignore_matcher``."""
+    return ignore_matcher(patterns)(module)
 
 
 PLAIN = QuantConfig(is_modelopt_fp8=False)
@@ -76,9 +93,9 @@ def _unknown(obj: dict, known: set[str], file: str, prefix: str, problems: list[
 def _expect(obj: dict, key: str, want: object, file: str, prefix: str, problems: list[str]) -> None:
     value = obj.get(key, ...)
     if value is ...:
-        problems.append(f"{_where(file, prefix + key)} is missing (expected {want!r})")
+        problems.append(f"{_where(file, prefix + key)} is missing (expected {short_repr(want)})")
     elif value != want or type(value) is not type(want):
-        problems.append(f"{_where(file, prefix + key)} is {value!r}; only {want!r} is supported")
+        problems.append(f"{_where(file, prefix + key)} is {short_repr(value)}; only {short_repr(want)} is supported")
 
 
 def _producer(obj: dict, file: str, prefix: str, problems: list[str]) -> str | None:
@@ -86,11 +103,11 @@ def _producer(obj: dict, file: str, prefix: str, problems: list[str]) -> str | N
     if raw is None:
         return None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("name", "version")):
-        problems.append(f"{_where(file, prefix + 'producer')} must be {{'name': str, 'version': str}}, got {raw!r}")
+        problems.append(f"{_where(file, prefix + 'producer')} must be {{'name': str, 'version': str}}, got {short_repr(raw)}")
         return None
     if raw["name"] not in PRODUCERS:
         problems.append(
-            f"{_where(file, prefix + 'producer.name')} is {raw['name']!r}; supported: {sorted(PRODUCERS)}"
+            f"{_where(file, prefix + 'producer.name')} is {short_repr(raw['name'])}; supported: {sorted(PRODUCERS)}"
         )
     return f"{raw['name']} {raw['version']}"
 
@@ -100,7 +117,7 @@ def _patterns(obj: dict, key: str, file: str, prefix: str, problems: list[str]) 
     if raw is None:
         return None
     if not isinstance(raw, list) or not all(isinstance(p, str) for p in raw):
-        problems.append(f"{_where(file, prefix + key)} must be a list of module-name strings, got {raw!r}")
+        problems.append(f"{_where(file, prefix + key)} must be a list of module-name strings, got {short_repr(raw)}")
         return None
     return tuple(raw)
 
@@ -110,7 +127,7 @@ def _kv_algo(obj: dict, key: str, file: str, prefix: str, problems: list[str]):
         return ...
     value = obj[key]
     if value not in (None, "FP8"):
-        problems.append(f"{_where(file, prefix + key)} is {value!r}; only null or 'FP8' is supported")
+        problems.append(f"{_where(file, prefix + key)} is {short_repr(value)}; only null or 'FP8' is supported")
     return value if value in (None, "FP8") else None
 
 
@@ -120,7 +137,7 @@ def _parse_nested(obj: dict, problems: list[str]) -> _Parsed:
     parsed = _Parsed(NESTED, producer=_producer(obj, file, "", problems))
     quant = obj["quantization"]
     if not isinstance(quant, dict):
-        problems.append(f"{_where(file, 'quantization')} must be an object, got {quant!r}")
+        problems.append(f"{_where(file, 'quantization')} must be an object, got {short_repr(quant)}")
         return parsed
     _unknown(quant, _NESTED_QUANT, file, "quantization.", problems)
     _expect(quant, "quant_algo", "FP8", file, "quantization.", problems)
@@ -146,7 +163,7 @@ def _parse_flat(obj: dict, problems: list[str]) -> _Parsed:
 def _check_scheme(raw: object, file: str, prefix: str, problems: list[str]) -> None:
     """A weights/input_activations/kv_cache_scheme block: static 8-bit float, per tensor."""
     if not isinstance(raw, dict):
-        problems.append(f"{_where(file, prefix.rstrip('.'))} must be an object, got {raw!r}")
+        problems.append(f"{_where(file, prefix.rstrip('.'))} must be an object, got {short_repr(raw)}")
         return
     _unknown(raw, _SCHEME, file, prefix, problems)
     _expect(raw, "num_bits", 8, file, prefix, problems)
@@ -165,12 +182,12 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
                      ignore=_patterns(obj, "ignore", file, pre, problems), kv=None)
     groups = obj.get("config_groups", {})
     if not isinstance(groups, dict):
-        problems.append(f"{_where(file, pre + 'config_groups')} must be an object, got {groups!r}")
+        problems.append(f"{_where(file, pre + 'config_groups')} must be an object, got {short_repr(groups)}")
         groups = {}
     for gname, group in sorted(groups.items()):
         gpre = f"{pre}config_groups.{gname}."
         if not isinstance(group, dict):
-            problems.append(f"{_where(file, gpre.rstrip('.'))} must be an object, got {group!r}")
+            problems.append(f"{_where(file, gpre.rstrip('.'))} must be an object, got {short_repr(group)}")
             continue
         _unknown(group, _GROUP, file, gpre, problems)
         for block in ("weights", "input_activations"):
@@ -184,12 +201,12 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
     runtime = obj.get("runtime")
     if runtime is not None:
         if not isinstance(runtime, dict):
-            problems.append(f"{_where(file, pre + 'runtime')} must be an object, got {runtime!r}")
+            problems.append(f"{_where(file, pre + 'runtime')} must be an object, got {short_repr(runtime)}")
         else:
             _unknown(runtime, {"diffusion_step_policy"}, file, pre + "runtime.", problems)
             policy = runtime.get("diffusion_step_policy")
             if policy is not None and not isinstance(policy, dict):
-                problems.append(f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {policy!r}")
+                problems.append(f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {short_repr(policy)}")
             elif policy is not None:
                 found: list[str] = []  # validated here, with the rest of the config: before any model is built
                 check_step_policy(policy, found)
@@ -208,7 +225,7 @@ def _agree(parsed: list[_Parsed], problems: list[str]) -> None:
                 continue
             same = set(va) == set(vb) if field.startswith("ignore") else va == vb
             if not same:
-                problems.append(f"{a.spelling} and {b.spelling} disagree on {field}: {va!r} vs {vb!r}")
+                problems.append(f"{a.spelling} and {b.spelling} disagree on {field}: {short_repr(va)} vs {short_repr(vb)}")
 
 
 def read_quant_config(directory: Path, config: dict, problems: list[str]) -> QuantConfig:
@@ -217,16 +234,22 @@ def read_quant_config(directory: Path, config: dict, problems: list[str]) -> Qua
     ``config`` is the already-parsed config.json (``{}`` when absent). With a problem the
     result is ``PLAIN`` (and the caller raises).
     """
+    hf_path = Path(directory) / "hf_quant_config.json"
+    obj = read_json_file(hf_path, "hf_quant_config.json", problems) if present(hf_path) else None
+    return parse_quant_config(obj, config, problems)
+
+
+def parse_quant_config(obj: dict | None, config: dict, problems: list[str]) -> QuantConfig:
+    """``read_quant_config`` on an already-read ``hf_quant_config.json`` (``obj``; None when
+    absent or unreadable) and ``config.json``."""
     before = len(problems)
     parsed: list[_Parsed] = []
-    hf_path = Path(directory) / "hf_quant_config.json"
-    if hf_path.exists():
-        obj = load_json_object(hf_path.read_bytes(), "hf_quant_config.json", problems)
-        if obj is not None and "quantization" in obj:
+    if obj is not None:
+        if "quantization" in obj:
             parsed.append(_parse_nested(obj, problems))
-        elif obj is not None and ("quant_method" in obj or "quant_algo" in obj):
+        elif "quant_method" in obj or "quant_algo" in obj:
             parsed.append(_parse_flat(obj, problems))
-        elif obj is not None:
+        else:
             problems.append("hf_quant_config.json: has neither `quantization` (nested) nor "
                             "`quant_method`/`quant_algo` (flat); cannot tell what it describes")
     if "quantization_config" in config:
@@ -234,7 +257,7 @@ def read_quant_config(directory: Path, config: dict, problems: list[str]) -> Qua
         if isinstance(raw, dict):
             parsed.append(_parse_config_json(raw, problems))
         else:
-            problems.append(f"config.json: field `quantization_config` must be an object, got {raw!r}")
+            problems.append(f"config.json: field `quantization_config` must be an object, got {short_repr(raw)}")
     if len(problems) > before or not parsed:
         return PLAIN
     _agree(parsed, problems)

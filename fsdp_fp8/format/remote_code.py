@@ -68,6 +68,4 @@ def remote_code_references(directory: str | Path, subfolders: bool = True) -> tu
 def _read(path: Path, name: str, problems: list[str]) -> dict | None:
     if not present(path):
         return None
-    obj, _, errs = read_json_file(path, name)
-    problems += errs
-    return obj
+    return read_json_file(path, name, problems)

@@ -2,13 +2,14 @@
 
 Every data read in the package goes through ``_pread_into`` so ``bytes_read()`` is an honest
 count of tensor bytes this process pulled from disk; tests use it to prove that planning
-reads only scales and that each rank reads only its own rows.
+reads only scales and that each rank reads only its own rows. Reads use the descriptor the
+header was validated through (``TensorEntry.handle``), never the path: a file replaced after
+the checks cannot feed the reads.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 
@@ -43,18 +44,14 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
     global _bytes_read
     if not (entry.begin <= offset and offset + len(buf) <= entry.end):
         raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
-    done = 0
-    fd = os.open(entry.path, os.O_RDONLY)
-    try:
-        while done < len(buf):
-            chunk = os.preadv(fd, [buf[done:]], offset + done)
-            if chunk == 0:
-                raise ValueError(
-                    f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
-                    f"bytes at offset {offset} (truncated since the header was checked?)")
-            done += chunk
-    finally:
-        os.close(fd)
+    if entry.handle is None:  # every entry read_header makes holds one; a hand-made one does not
+        raise ValueError(f"`{entry.key}` in {entry.file} has no open file; read it through "
+                         "open_checkpoint or read_header")
+    done = entry.handle.pread_into(buf, offset)
+    if done < len(buf):
+        raise ValueError(
+            f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
+            f"bytes at offset {offset} (truncated since the header was checked?)")
     with _lock:
         _bytes_read += done
 

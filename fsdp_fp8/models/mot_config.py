@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,9 @@ class MoTConfig:
             problems.append(f"`head_dim` must be even for RoPE, got {self.head_dim}")
         for name in ("rope_theta", "rms_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                problems.append(f"`{name}` must be a positive number, got {value!r}")
+            # `not value > 0` is also true for NaN; inf passes a sign test but builds garbage
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                problems.append(f"`{name}` must be a finite number > 0, got {value!r}")
         if self.dtype not in _DTYPES:
             problems.append(f"`dtype` must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if problems:
