@@ -364,3 +364,34 @@ def test_a_pipeline_transformer_called_outside_a_denoising_step_is_refused(pipel
         with denoising_step(model, 4, STEPS) as precision:
             model(**inputs)
     assert precision == "native"
+
+
+def test_outputs_are_files_an_image_or_video_reader_opens(tmp_path):
+    from PIL import Image
+
+    from fsdp_fp8.cli.generate import check_output, output_path, save_frames
+
+    frames = [Image.new("RGB", (16, 16), (40 * i, 255 - 40 * i, 90)) for i in range(3)]
+    save_frames(frames[:1], tmp_path / "one.png", fps=24)
+    save_frames(frames, tmp_path / "three.png", fps=24)
+    with Image.open(tmp_path / "one.png") as one, Image.open(tmp_path / "three.png") as three:
+        assert (one.format, one.size, getattr(one, "n_frames", 1)) == ("PNG", (16, 16), 1)
+        assert (three.format, three.n_frames) == ("PNG", 3)  # an animated PNG, every frame kept
+        three.seek(2)
+        assert three.convert("RGB").getpixel((0, 0)) == (80, 175, 90)
+    assert output_path(str(tmp_path / "out.png"), 7, many=True).name == "out-007.png"
+    assert output_path(str(tmp_path / "out.png"), 7, many=False).name == "out.png"
+    with pytest.raises(ValueError, match=r"\.png .* or \.mp4"):
+        check_output(str(tmp_path / "out.gif"))
+    with pytest.raises(ValueError, match="does not exist"):
+        check_output(str(tmp_path / "missing" / "out.png"))
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        with pytest.raises(ValueError, match="imageio-ffmpeg"):
+            check_output(str(tmp_path / "out.mp4"))  # refused before anything is loaded
+        return
+    check_output(str(tmp_path / "out.mp4"))
+    save_frames(frames, tmp_path / "out.mp4", fps=24)
+    frames_read, _seconds = imageio_ffmpeg.count_frames_and_secs(str(tmp_path / "out.mp4"))  # ffmpeg decodes it
+    assert frames_read == 3
