@@ -156,8 +156,15 @@ def _launch(tmp_path, *args):
     root = Path(__file__).resolve().parents[1]
     report = tmp_path / "not" / "yet" / f"report{'-'.join(args)}.json"  # the runner makes the directory
     env = {**os.environ, "FSDP_FP8_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    # The reference MoT's launcher path reports the all-gather bytes per step (the embedded demo
+    # is a diffusers pipeline).
+    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
+
+    mot = tmp_path / "mot"
+    if not mot.exists():
+        write_mot_checkpoint(mot)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "launch" / "infer.py"), "--steps", "3", "--report", str(report), *args]
+           str(root / "launch" / "infer.py"), "--checkpoint", str(mot), "--steps", "3", "--report", str(report), *args]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(report.read_text()), proc.stdout
