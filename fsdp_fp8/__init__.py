@@ -59,6 +59,7 @@ _PUBLIC = {
     "parse_step_policy": "fsdp_fp8.format.step_policy",
     "resolve_step_policy": "fsdp_fp8.format.step_policy",
     "Float8StaticLinear": "fsdp_fp8.fp8.linear",
+    "set_kernels": "fsdp_fp8.fp8.linear",
     "install_fsdp_support": "fsdp_fp8.fp8.ops",
     "fuse_fp8_projections": "fsdp_fp8.fp8.topology",
     "share_quantized_inputs": "fsdp_fp8.fp8.shared_inputs",

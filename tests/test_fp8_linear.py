@@ -109,8 +109,8 @@ def test_a16_dequantizes_inside_the_call_and_keeps_no_copy(monkeypatch):
     made = []
     real = fp8_linear_module.dequantize
 
-    def spy(weight, dtype):
-        w = real(weight, dtype)
+    def spy(weight, dtype, **kwargs):
+        w = real(weight, dtype, **kwargs)
         made.append(weakref.ref(w))
         return w
 

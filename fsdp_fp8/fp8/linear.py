@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_fp8.fp8.tensor import dequantize, empty_static_fp8_weight, fp8_gemm, is_static_fp8, quantize_activation
+from fsdp_fp8.fp8.kernels import dequantize, fp8_gemm, quantize_activation
+from fsdp_fp8.fp8.tensor import empty_static_fp8_weight, is_static_fp8
 
 Mode = Literal["native", "a16"]
 
@@ -36,11 +37,13 @@ class SharedActivation:
         self._uses = 0
         self.quantizations = 0  # how many times this group actually quantized (for tests/bench)
 
-    def quantize(self, x: torch.Tensor, x2d: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, x: torch.Tensor, x2d: torch.Tensor, input_scale: torch.Tensor, *, fused: bool = False
+    ) -> torch.Tensor:
         if self._source is x and self._version == x._version and self._uses < self.members:
             codes = self._codes
         else:
-            codes = quantize_activation(x2d, input_scale)
+            codes = quantize_activation(x2d, input_scale, fused=fused)
             self._source, self._version, self._codes, self._uses = x, x._version, codes, 0
             self.quantizations += 1
         self._uses += 1
@@ -67,7 +70,9 @@ class Float8StaticLinear(nn.Module):
         self.__dict__.update(in_features=in_features, out_features=out_features, compute_dtype=compute_dtype)
         self.mode: Mode
         self.shared: SharedActivation | None
-        self.__dict__.update(mode="native", shared=None)
+        self.fused: bool  # compiled quantize / dequantize, same bits (fsdp_fp8.fp8.kernels)
+        self.fast_accum: bool  # _scaled_mm's use_fast_accum (fsdp_fp8.fp8.kernels)
+        self.__dict__.update(mode="native", shared=None, fused=False, fast_accum=False)
         weight = empty_static_fp8_weight(out_features, in_features, compute_dtype, device)
         self.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         self.register_parameter(
@@ -81,6 +86,8 @@ class Float8StaticLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}, mode={self.mode}"
+            + (", fused" if self.fused else "")
+            + (", fast_accum" if self.fast_accum else "")
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,15 +104,31 @@ class Float8StaticLinear(nn.Module):
         if x2d.shape[0] == 0:
             return x.new_empty(out_shape)
         if self.mode == "a16":
-            y = F.linear(x2d, dequantize(weight, x.dtype), self.bias)
+            y = F.linear(x2d, dequantize(weight, x.dtype, fused=self.fused), self.bias)
         else:
             input_scale = weight.act_quant_scale
             if self.shared is not None:
-                codes = self.shared.quantize(x, x2d, input_scale)
+                codes = self.shared.quantize(x, x2d, input_scale, fused=self.fused)
             else:
-                codes = quantize_activation(x2d, input_scale)
-            y = fp8_gemm(codes, input_scale, weight, self.bias, x.dtype)
+                codes = quantize_activation(x2d, input_scale, fused=self.fused)
+            y = fp8_gemm(codes, input_scale, weight, self.bias, x.dtype, fast_accum=self.fast_accum)
         return y.reshape(out_shape)
+
+
+def set_kernels(model: nn.Module, *, fused: bool | None = None, fast_accum: bool | None = None) -> int:
+    """Choose the kernel variants of every ``Float8StaticLinear`` in ``model``; returns how many.
+
+    ``fused``: compiled activation quantization and W8A16 dequantization, one kernel each and
+    the default's bits. ``fast_accum``: ``torch._scaled_mm(use_fast_accum=True)``, faster on
+    Hopper at a measured accuracy cost (docs/step-policy.md). ``None`` leaves a choice as it is.
+    """
+    linears = [m for m in model.modules() if isinstance(m, Float8StaticLinear)]
+    for m in linears:
+        if fused is not None:
+            m.fused = fused
+        if fast_accum is not None:
+            m.fast_accum = fast_accum
+    return len(linears)
 
 
 def cuda_shape_problems(targets) -> list[str]:

@@ -1,5 +1,6 @@
 """Static per-tensor FP8 weights: ``StaticFloat8Tensor``, a thin subclass of TorchAO's
-``PrototypeFloat8Tensor`` that owns its FSDP2 all-gather hooks, and the W8A8 / W8A16 math.
+``PrototypeFloat8Tensor`` that owns its FSDP2 all-gather hooks. The W8A8 / W8A16 math on
+these weights is in ``fsdp_fp8.fp8.kernels``.
 
 ModelOpt convention (docs/checkpoint-format.md): the weight is stored as E4M3 codes with one F32
 ``weight_scale``; activations are quantized with the calibrated ``input_scale``:
@@ -23,12 +24,11 @@ import math
 from typing import Any
 
 import torch
-from torchao.float8.inference import Float8MMConfig, addmm_float8_unwrapped_inference
+from torchao.float8.inference import Float8MMConfig
 from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import (
     PrototypeFloat8Tensor,
 )
 from torchao.quantization.granularity import PerTensor
-from torchao.quantization.quant_primitives import _quantize_affine_float8
 from torchao.quantization.quantize_.common import KernelPreference
 from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
 
@@ -37,8 +37,8 @@ from fsdp_fp8.format.sharding import padded_rows
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
 
-# use_fast_accum=False: the same accumulation on every device, so CPU and GPU results
-# are comparable and a sharded run is bit-identical to a single-process run.
+# What TorchAO's own linear on this weight (``as_prototype``) uses; Float8StaticLinear passes
+# its own ``fast_accum`` option (default False, F32 accumulation) to _scaled_mm instead.
 MM_CONFIG = Float8MMConfig(use_fast_accum=False)
 ACT_QUANT_KWARGS = QuantizeTensorToFloat8Kwargs(
     float8_dtype=E4M3,
@@ -258,37 +258,3 @@ def rebuild(
 def as_prototype(t: StaticFloat8Tensor) -> PrototypeFloat8Tensor:
     """The same codes and scales as TorchAO's own class, for TorchAO's own linear (a reference)."""
     return PrototypeFloat8Tensor(*(getattr(t, name) for name in FIELDS))
-
-
-def quantize_activation(x2d: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(x / input_scale, ±448) -> E4M3`` with TorchAO's own primitive (bit-identical to its path)."""
-    return _quantize_affine_float8(x2d, input_scale.reshape(1, 1), E4M3)
-
-
-def fp8_gemm(
-    x_q: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight: PrototypeFloat8Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """W8A8: ``(x_q * input_scale) @ (w * weight_scale).T + bias`` through ``torch._scaled_mm``.
-
-    The same call TorchAO's ``PrototypeFloat8Tensor`` linear makes; we call it directly so
-    several projections can share one quantized activation (TorchAO's path re-quantizes
-    per projection and refuses an already-quantized input).
-    """
-    return addmm_float8_unwrapped_inference(
-        x_q,
-        input_scale.reshape(1, 1),
-        weight.qdata.t(),  # column-major view of the row-major (out, in) codes, as _scaled_mm wants
-        weight.scale.reshape(1, 1),
-        output_dtype=out_dtype,
-        bias=bias,
-        use_fast_accum=MM_CONFIG.use_fast_accum,
-    )
-
-
-def dequantize(weight: PrototypeFloat8Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.float() * weight_scale`` (docs/checkpoint-format.md), rounded once to ``dtype``; a temporary."""
-    return (weight.qdata.to(torch.float32) * weight.scale.reshape(())).to(dtype)
