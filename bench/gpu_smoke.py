@@ -137,15 +137,15 @@ def linear_options() -> dict[str, str | None]:
     """The W8A8 options this checkout's FP8 layer offers: name -> None, or why it is absent."""
     from fsdp_fp8.fp8 import linear
 
-    have = {name: None for name in ("fast_accum", "fused_quant") if hasattr(linear.Float8StaticLinear, name)}
+    have = {name: None for name in ("fast_accum", "fused") if hasattr(linear.Float8StaticLinear, name)}
     return {name: have.get(name, "not in this checkout's Float8StaticLinear (fp8 layer option)")
-            for name in ("fast_accum", "fused_quant")}
+            for name in ("fast_accum", "fused")}
 
 
 def _reference(x, lin, mode: str):
     """fp32 reference with the FP8 path's own rounding of activations (W8A8) and weights."""
 
-    from fsdp_fp8.fp8.tensor import quantize_activation
+    from fsdp_fp8.fp8.kernels import quantize_activation
 
     w = lin.weight.qdata.float() * lin.weight.scale.float().reshape(())
     x2d = x.reshape(-1, x.shape[-1])
@@ -205,12 +205,12 @@ def section_gemm(device, dry: bool) -> dict:
                 x = torch.randn(*shape, generator=gen).to(device, dtype)
                 for mode, extra in modes:
                     lin.mode = mode
-                    for k, v in extra.items():
-                        setattr(lin, k, v)
+                    for option, v in extra.items():
+                        setattr(lin, option, v)
                     with torch.no_grad():
                         y = lin(x)
-                    for k in extra:
-                        setattr(lin, k, False)
+                    for option in extra:
+                        setattr(lin, option, False)
                     ref = _reference(x, lin, mode)
                     name = f"{mode}{'+' + '+'.join(extra) if extra else ''} bias={bias} x{tuple(shape)}"
                     if tuple(y.shape) != tuple(ref.shape):
@@ -448,7 +448,7 @@ def section_step(device, dry: bool, reps: int) -> dict:
     opts = linear_options()
     variants = {"BF16": (bf16, "native", {}), "W8A8": (fp8, "native", {}),
                 "W8A8 fast accum": (fp8, "native", {"fast_accum": True}),
-                "W8A8 fused quant": (fp8, "native", {"fused_quant": True}),
+                "W8A8 fused quant": (fp8, "native", {"fused": True}),
                 "W8A16": (fp8, "a16", {})}
     times, out = {}, {"status": "ok", "shape": {"hidden": cfg.hidden_size, "heads": cfg.num_heads,
                                                  "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size,

@@ -55,6 +55,10 @@ class SharedActivation:
 class Float8StaticLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` a ``StaticFloat8Tensor`` (per-tensor static FP8)."""
 
+    # Kernel options (fsdp_fp8.fp8.kernels, set_kernels): class defaults, set per instance.
+    fused: bool = False  # compiled activation quantization / W8A16 dequantization, same bits
+    fast_accum: bool = False  # torch._scaled_mm(use_fast_accum=True)
+
     def __init__(
         self,
         in_features: int,
@@ -70,9 +74,7 @@ class Float8StaticLinear(nn.Module):
         self.__dict__.update(in_features=in_features, out_features=out_features, compute_dtype=compute_dtype)
         self.mode: Mode
         self.shared: SharedActivation | None
-        self.fused: bool  # compiled quantize / dequantize, same bits (fsdp_fp8.fp8.kernels)
-        self.fast_accum: bool  # _scaled_mm's use_fast_accum (fsdp_fp8.fp8.kernels)
-        self.__dict__.update(mode="native", shared=None, fused=False, fast_accum=False)
+        self.__dict__.update(mode="native", shared=None)
         weight = empty_static_fp8_weight(out_features, in_features, compute_dtype, device)
         self.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         self.register_parameter(
