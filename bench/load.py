@@ -84,7 +84,7 @@ def method_a(fp8_dir, bf16_dir, cfg) -> dict:
     arch = resolve_architecture(cfg.to_config_dict())
     loaded = load_model(arch.model_fn, fp8_dir, device=torch.device("cpu"))
     return {"bytes_read": slice_reader.bytes_read(), "held": _local_bytes(loaded.model),
-            "read_phase_s": loaded.report.seconds, "_keep": loaded}
+            "read_phase_s": loaded.report.seconds, "code_check_s": loaded.report.code_check_seconds, "_keep": loaded}
 
 
 def method_b(fp8_dir, bf16_dir, cfg) -> dict:
@@ -293,6 +293,11 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
         })
         if m == "a":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
             rows[-1]["read_phase_s_median"] = statistics.median(max(x["read_phase_s"] for x in r) for r in ok)
+            # The FP8 NaN-code check (fsdp_fp8.load.loader.nan_code_flag), timed inside the load, as a
+            # share of the whole load_model on that rank: the reliability check's cost.
+            rows[-1]["code_check_share_median"] = statistics.median(
+                max(x["code_check_s"] / x["seconds"] for x in r) for r in ok)
+            rows[-1]["code_check_s_median"] = statistics.median(max(x["code_check_s"] for x in r) for r in ok)
     by = {r["method"]: r for r in rows if "error" not in r}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     for r in rows:
@@ -328,6 +333,8 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
             lines.append(f"a's load_checkpoint (reads + the agreement, which waits for the slowest rank's "
                          f"fully_shard): {phase:.3f} s = {phase / d['seconds_median']:.2f} x d; "
                          "bench/load_phases.py times the reads alone")
+        lines.append(f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} s = "
+                     f"{100 * a['code_check_share_median']:.2f}% of load_model (worst rank; target < 5%)")
         lines.append(f"a: bytes read / checkpoint bytes = {a['bytes_read_total'] / forecast['checkpoint_bytes']:.4f}")
         bound = [1.15 * b + (64 << 20) for b in forecast["local_shard_bytes"]]
         lines.append("a: peak RSS growth / (1.15 x local shard + 64 MiB) = "

@@ -13,7 +13,7 @@ together). ``format_problems`` is the one formatter::
 
 Distributed failures are ``RuntimeError``s: ``LoadFailedError`` (some rank failed and every
 rank agreed on it), ``PeerLostError`` (a collective itself failed: a peer died or hung) and
-``ModelUnusableError`` (the forward of a model whose load did not complete).
+``ModelUnusableError`` (any module of a model whose load did not complete).
 """
 
 from __future__ import annotations
@@ -72,10 +72,12 @@ class LoadFailedError(ProblemsError, RuntimeError):
 
 
 class PeerLostError(RuntimeError):
-    """A collective failed: a peer died, dropped out or hung past the process-group timeout.
+    """A collective failed: a peer died, dropped out, or did not arrive within the timeout
+    (the load's agreements: their own, on a gloo side group; see ``fsdp_fp8.load.agreement``).
 
-    Raised instead of the backend's own error, with what this rank was doing and whether
-    anything was changed. Any model involved is marked unusable first.
+    Raised instead of the backend's own error, with what this rank was doing, the timeout,
+    the ranks that never arrived where known, and whether anything was changed. Any model
+    involved is marked unusable first.
     """
 
 

@@ -114,7 +114,7 @@ def _problems_found(rank, world):
     if rank == 1:
         found.append("`b.weight` in model.safetensors looks different from here")
     try:
-        agree_or_raise(found, ("same files",), "cannot load ckpt")
+        agree_or_raise(found, None, "cannot load ckpt")
     except CheckpointError as exc:
         return exc.problems, str(exc)
     return None

@@ -83,3 +83,27 @@ def test_transformers_with_the_safe_kwargs_neither_prompts_nor_runs_the_code(tmp
     with pytest.raises(ValueError, match="contains custom code"):
         AutoTokenizer.from_pretrained(str(directory), **safe_pretrained_kwargs())
     assert prompts == [] and not marker.exists()
+
+
+def test_the_launcher_tokenizer_refuses_one_that_only_checkpoint_code_provides(tmp_path, prompts):
+    from fsdp_fp8.errors import CheckpointError
+    from fsdp_fp8.interop.hf_run import prompt_token_ids
+
+    directory, marker = _tokenizer_dir(tmp_path, custom_class=True)
+    with pytest.raises(CheckpointError) as info:
+        prompt_token_ids("a red fox", None, 10, directory)
+    (problem,) = info.value.problems
+    assert problem.startswith("tokenizer_config.json: `auto_map` names custom code") and "--prompt-ids" in problem
+    assert prompts == [] and not marker.exists()
+
+
+def test_the_launcher_tokenizer_reports_and_ignores_an_auto_map_it_does_not_need(tmp_path, prompts, caplog):
+    from fsdp_fp8.interop.hf_run import prompt_token_ids
+
+    directory, marker = _tokenizer_dir(tmp_path, custom_class=False)
+    with caplog.at_level("WARNING"):
+        ids, source = prompt_token_ids("a red fox", None, 10, directory)
+    assert ids.tolist() == [[1, 2, 3]] and source == "tokenizer"
+    assert any("`auto_map` names custom code" in r.getMessage() and "never runs it" in r.getMessage()
+               for r in caplog.records)
+    assert prompts == [] and not marker.exists()

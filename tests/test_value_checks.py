@@ -13,6 +13,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from ckpt_writer import set_scalar
 from fsdp_fp8.errors import CheckpointError
@@ -96,3 +97,30 @@ def test_reference_model_config_refuses_non_finite_and_non_positive_fields(field
                      vocab_size=100, latent_channels=6)
     with pytest.raises(ValueError, match=f"`{field}` must be a finite number > 0, got {value!r}"):
         MoTConfig(**{**base.__dict__, field: value})
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, code):
+    """ModelOpt saturates to +-448 and never writes the NaN patterns: the loader checks the codes
+    it has just read, in the same pass, and the load fails naming the tensor and the count."""
+    from ckpt_writer import read_raw
+    from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
+    from small_models import uneven_model_fn
+
+    d = write_uneven_checkpoint(tmp_path / "ckpt")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = d / index["layers.1.down.weight"]
+    header, _ = read_raw(shard)
+    n = int.from_bytes(shard.read_bytes()[:8], "little")
+    begin = header["layers.1.down.weight"]["data_offsets"][0]
+    with open(shard, "r+b") as f:  # three codes of row 0
+        f.seek(8 + n + begin)
+        f.write(bytes([code, 0x10, code, code]))
+    built = []
+    with pytest.raises(LoadFailedError) as info:
+        load_model(lambda c: built.append(uneven_model_fn(c)) or built[-1], d, device=torch.device("cpu"))
+    (problem,) = info.value.problems
+    assert problem.startswith("rank 0: CheckpointError: ") and (
+        f"`layers.1.down.weight` in {shard.name} holds 3 FP8 codes that are NaN in E4M3") in problem, problem
+    with pytest.raises(ModelUnusableError):
+        built[0].layers[1].down(torch.zeros(1, 7, dtype=torch.bfloat16))

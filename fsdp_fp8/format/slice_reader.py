@@ -9,6 +9,7 @@ the checks cannot feed the reads.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 import threading
@@ -56,6 +57,17 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
         _bytes_read += done
 
 
+def _writable(flat: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous uint8 CPU tensor's bytes, for ``preadv``.
+
+    Not ``memoryview(t.numpy())``: exporting a tensor to numpy marks its storage as never
+    resizable again, and a model whose load failed must be able to release its storage.
+    """
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())).cast("B")
+
+
 def _rows(entry: TensorEntry) -> int:
     return entry.shape[0] if entry.shape else 1
 
@@ -85,7 +97,7 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int,
                          f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}")
     flat = out.view(-1)
     if nbytes:
-        _pread_into(entry, entry.begin + start_row * row_nbytes(entry), memoryview(flat.numpy()))
+        _pread_into(entry, entry.begin + start_row * row_nbytes(entry), _writable(flat))
     return flat.view(entry.torch_dtype).view((stop_row - start_row, *entry.shape[1:]))
 
 
@@ -95,5 +107,5 @@ def read_scale(entry: TensorEntry) -> torch.Tensor:
         raise ValueError(f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
                          f"got {entry.dtype} shape {entry.shape}")
     flat = torch.empty(4, dtype=torch.uint8)
-    _pread_into(entry, entry.begin, memoryview(flat.numpy()))
+    _pread_into(entry, entry.begin, _writable(flat))
     return flat.view(torch.float32).reshape(())

@@ -11,9 +11,15 @@ equal digests at different world sizes mean bit-identical outputs.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import torch
 from torch import nn
+
+from fsdp_fp8.errors import CheckpointError, raise_if_problems
+from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
+
+log = logging.getLogger(__name__)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -100,11 +106,31 @@ def prompt_token_ids(text: str, ids: list[int] | None, vocab_size: int, director
             raise ValueError(f"--prompt-ids {bad} are outside the vocabulary [0, {vocab_size})")
         return torch.tensor([ids], dtype=torch.long), "--prompt-ids"
     if any((Path(directory) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        return torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long), "tokenizer"
+        return torch.tensor([_tokenizer(directory)(text)["input_ids"]], dtype=torch.long), "tokenizer"
     return prompt_bytes(text, vocab_size), "prompt bytes mod vocab"
+
+
+def _tokenizer(directory):
+    """The checkpoint's own tokenizer, loaded without ever running code shipped with it.
+
+    A ``tokenizer_config.json`` ``auto_map`` is reported and ignored: transformers is told
+    never to trust remote code (so it never prompts either). A tokenizer that exists only as
+    such code is refused, naming the file and the key.
+    """
+    from transformers import AutoTokenizer
+
+    references, problems = remote_code_references(directory, subfolders=False)
+    raise_if_problems(problems, f"tokenizer in {directory}")
+    for reference in references:
+        log.warning("%s; fsdp_fp8 never runs it (ignored)", reference)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), **safe_pretrained_kwargs())
+    except ValueError as exc:
+        if not references:
+            raise
+        raise CheckpointError([f"{r}, and the tokenizer cannot be loaded without it; pass --prompt-ids instead "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0]})" for r in references],
+                              f"tokenizer in {directory}") from exc
 
 
 def prompt_bytes(text: str, vocab_size: int) -> torch.Tensor:

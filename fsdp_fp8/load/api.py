@@ -16,13 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.load.agreement import agree_or_raise, checkpoint_identity
+from fsdp_fp8.load.agreement import (DEFAULT_TIMEOUT_S, agree_or_raise, checkpoint_facts, distributed as _many_ranks,
+                                     model_facts, outcome_timeout_s, plan_facts, side_group)
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
-from fsdp_fp8.load.loader import LoadReport, load_checkpoint
+from fsdp_fp8.load.loader import LoadReport, load_checkpoint, mark_unusable
 from fsdp_fp8.load.plan import LoadPlan
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.swap import swap_fp8_linears
@@ -135,6 +136,7 @@ def load_model(
     strict: bool = True,
     strict_kv_scales: bool = False,
     towers: TowerSpec | None = None,
+    agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> LoadedModel:
     """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
 
@@ -148,18 +150,35 @@ def load_model(
     loads a plain single-process model. ``towers`` maps linear names to towers for the step
     policy (``fsdp_fp8.load.towers``); without it the class's own map is used (our reference
     MoT, diffusers ``Cosmos3OmniTransformer``), and a checkpoint whose step policy runs the
-    towers differently is refused for a class that has none. Every rank raises the same error if any rank
-    finds a problem, before anything is swapped, sharded or read.
+    towers differently is refused for a class that has none. Every rank raises the same error
+    if any rank finds a problem, or if the ranks read different configs, index, headers or
+    scales, or built different models or plans, before anything is swapped, sharded or read.
+
+    ``agreement_timeout_s``: how long a rank waits for its peers in the agreement before
+    loading; the agreement after the reads adds the time the slowest rank's forecast bytes
+    take at ``agreement.ASSUMED_READ_BYTES_PER_S``. A later peer is named in a
+    ``PeerLostError``. The agreements run on a gloo side group (docs/reliability.md).
     """
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
+    if _many_ranks():
+        side_group(agreement_timeout_s, f"cannot load {path}")  # collective: before any rank can fail or die
     problems = _setup_problems(device, mesh, distributed)
     planned = plan_model_load(model_fn, path, key_map, device=device, strict=strict,
                               strict_kv_scales=strict_kv_scales, towers=towers)
     checkpoint, model, plan, arch = planned.checkpoint, planned.model, planned.plan, planned.architecture
     problems += planned.problems
-    identity = checkpoint_identity(checkpoint) if checkpoint is not None else None
-    agree_or_raise(problems, identity, f"cannot load {path}")
+    facts = None
+    if plan is not None:  # else this rank has a problem, which the others learn in the agreement
+        facts = {**checkpoint_facts(checkpoint), "load plan": plan_facts(plan), **model_facts(model, device, mesh)}
+    try:
+        agree_or_raise(problems, facts, f"cannot load {path}", timeout_s=agreement_timeout_s)
+    except BaseException as exc:
+        if model is not None:  # refused: nothing was changed, and nothing may run either
+            mark_unusable(model, str(exc))
+        if checkpoint is not None:
+            checkpoint.close()
+        raise
     _warn_not_strict(plan)
 
     swapped: list[str] = []
@@ -170,7 +189,12 @@ def load_model(
             shard_model(model, mesh or default_mesh(device.type))
         materialize(model, device)  # keeps non-persistent buffers and tied parameters
 
-    report = load_checkpoint(model, plan, prepare=prepare)
+    world = dist.get_world_size() if distributed else 1
+    try:
+        report = load_checkpoint(model, plan, prepare=prepare,
+                                 timeout_s=outcome_timeout_s(plan, world, agreement_timeout_s))
+    finally:
+        checkpoint.close()  # the last read is done: the descriptors go
     model.eval()
     return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
                        architecture=arch, towers=planned.towers)

@@ -16,11 +16,16 @@ stay float32, as diffusers keeps them.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from fsdp_fp8.format.handles import short_repr
+
+log = logging.getLogger(__name__)
 
 EXTRA = "pip install 'fsdp_fp8[hf]'"
 
@@ -62,6 +67,13 @@ def stored_dtype(checkpoint) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def _report_auto_map(config: dict, source: str) -> None:
+    # The class always comes from the library itself (by name), never from the checkpoint.
+    if config.get("auto_map"):
+        log.warning("%s: `auto_map` names custom code %s; fsdp_fp8 never runs it (ignored)",
+                    source, short_repr(config["auto_map"]))
+
+
 def transformers_model_fn(config: dict, source: str,
                           stored: torch.dtype | None = None) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
     """(class name, model_fn, dtype) for a transformers ``config.json`` with ``architectures``;
@@ -77,6 +89,7 @@ def transformers_model_fn(config: dict, source: str,
         dtype = _dtype(config[field], source, field)
     else:
         dtype = stored or torch.float32
+    _report_auto_map(config, source)
     cls = _import("transformers", class_name, source)
 
     def build(cfg: dict) -> nn.Module:
@@ -92,6 +105,7 @@ def transformers_model_fn(config: dict, source: str,
 
 def diffusers_model_fn(config: dict, source: str, dtype: torch.dtype | None) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
     class_name = config["_class_name"]
+    _report_auto_map(config, source)
     cls = _import("diffusers", class_name, source)
     dtype = dtype or torch.float32
 

@@ -7,8 +7,14 @@ included), preads exactly those bytes from the safetensors file into the shard's
 per-tensor scales. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
 If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
-by the process-group timeout the launcher sets), this rank marks the model unusable and
-raises a ``RuntimeError`` saying so: the model is never left usable after a failed load.
+by the agreement timeout, ``fsdp_fp8.load.agreement``), this rank marks the model unusable and
+raises a ``PeerLostError`` saying so: the model is never left usable after a failed load.
+
+What is read is checked in the same pass, on the rank that read it: the FP8 codes of every
+weight for the two E4M3 NaN patterns (ModelOpt saturates to +-448 and never writes them), on
+the device that holds them. Scales are not read again: the values ``open_checkpoint`` checked
+are used. After the last read every shard is checked to be the file that was validated
+(``Checkpoint.changed_files``).
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError
+from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError, raise_if_problems
 from fsdp_fp8.format import slice_reader
-from fsdp_fp8.load.agreement import merge_rank_problems
+from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.format.sharding import staging_rows
@@ -49,6 +55,7 @@ class LoadReport:
     read_seconds: float  # the reads alone: what GB/s is measured over (waiting for peers is not I/O)
     peak_rss_bytes: int
     peak_device_bytes: int | None
+    code_check_seconds: float = 0.0  # host time in the FP8 NaN-code check (on CUDA: launching it)
 
     @property
     def gb_per_s(self) -> float:
@@ -102,9 +109,38 @@ def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     raise KeyError(f"`{name}` is neither a parameter nor a buffer of the model (was it changed after planning?)")
 
 
-def _load_local(model: nn.Module, plan) -> tuple[int, int]:
-    """Every read this rank does; returns (bytes held by the targets, number of tensors)."""
-    held = 0
+def nan_code_flag(codes: torch.Tensor) -> torch.Tensor:
+    """0-d bool on ``codes``' device: does any E4M3 code have the NaN pattern S.1111.111?
+
+    0x7F is the largest int8 and 0xFF the largest uint8, so two max-reductions over the bytes,
+    with no temporary, find both patterns: a few percent of the read, on the same memory.
+    """
+    u8 = codes.reshape(-1).view(torch.uint8)
+    if u8.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=codes.device)
+    return (u8.amax() == 0xFF) | (u8.view(torch.int8).amax() == 0x7F)
+
+
+def _nan_code_problems(model: nn.Module, plan, flags: list[torch.Tensor]) -> list[str]:
+    if not flags or flags[0].is_meta or not bool(torch.stack(flags).any()):  # one sync for every tensor
+        return []  # (meta: no bytes to check; tests stand a meta model in for a device)
+    problems = []
+    for target, flag in zip(plan.fp8, flags):
+        if bool(flag):
+            codes = model.get_submodule(target.module).weight
+            local = codes._local_tensor if isinstance(codes, DTensor) else codes
+            count = int(((local.qdata.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).sum())
+            problems.append(f"`{target.entry.weight.key}` in {target.entry.weight.file} holds {count} FP8 "
+                            "codes that are NaN in E4M3 (0x7F / 0xFF); ModelOpt saturates to +-448 and never "
+                            "writes them")
+    return problems
+
+
+def _load_local(model: nn.Module, plan) -> tuple[int, int, float]:
+    """Every read this rank does; returns (bytes held by the targets, number of tensors, seconds
+    spent in the FP8 code check)."""
+    held, checked_s, flags = 0, 0.0, []
+    scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     progress = LoadProgress(plan.rank_bytes(world, rank), enabled=rank == 0)
@@ -114,53 +150,91 @@ def _load_local(model: nn.Module, plan) -> tuple[int, int]:
             weight = model.get_submodule(target.module).weight
             local, start, stop = local_rows(weight, f"{target.module}.weight")
             _read_rows_into(target.entry.weight, start, stop, local.qdata)
-            local.scale.copy_(slice_reader.read_scale(target.entry.weight_scale).reshape(1, 1))
-            local.act_quant_scale.copy_(slice_reader.read_scale(target.entry.input_scale).reshape(1, 1))
+            t0 = time.perf_counter()
+            flags.append(nan_code_flag(local.qdata))
+            checked_s += time.perf_counter() - t0
+            local.scale.fill_(scales[target.entry.weight_scale.key])
+            local.act_quant_scale.fill_(scales[target.entry.input_scale.key])
             held += local.qdata.numel() + 8
             progress.update(slice_reader.bytes_read() - read_before)
         for target in plan.tensors:
             local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
-            _read_rows_into(target.entry, start, stop, local)
+            if target.entry.key in scales:  # a KV-cache scale: its validated value
+                local.fill_(scales[target.entry.key])
+            else:
+                _read_rows_into(target.entry, start, stop, local)
             held += local.numel() * local.element_size()
             progress.update(slice_reader.bytes_read() - read_before)
     progress.close()
-    return held, len(plan.fp8) + len(plan.tensors)
+    t0 = time.perf_counter()
+    problems = _nan_code_problems(model, plan, flags)
+    checked_s += time.perf_counter() - t0
+    problems += plan.checkpoint.changed_files()
+    raise_if_problems(problems, "what this rank read")
+    return held, len(plan.fp8) + len(plan.tensors), checked_s
 
 
-def _mark_unusable(model: nn.Module, reason: str) -> None:
-    def refuse(module, args):
-        raise ModelUnusableError(f"this model did not finish loading and must not be used: {reason}")
+def mark_unusable(model: nn.Module, reason: str) -> None:
+    """No module of ``model`` may compute again, and its storage is released.
 
-    # prepend: FSDP2's root pre-forward hook (lazy init, then an all-gather) would otherwise
-    # run first, and with a dead or absent peer that collective hangs or fails in gloo
-    # instead of this clear refusal.
-    model.register_forward_pre_hook(refuse, prepend=True)
-    model.fsdp_fp8_unusable = reason
+    Every module (not only the root: a submodule called directly would compute on partly
+    filled weights) refuses both ``module(...)`` and ``module.forward(...)``; the refusal is
+    a prepended pre-hook so it runs before FSDP2's own (lazy init, then an all-gather with
+    peers that may be gone). Parameters and buffers, FP8 codes and scales included, have their
+    storage resized to zero: nothing half-loaded stays in memory.
+    """
+    message = f"this model did not finish loading and must not be used: {reason}"
+
+    def refuse_hook(module, args):
+        raise ModelUnusableError(message)
+
+    def refuse(*args, **kwargs):
+        raise ModelUnusableError(message)
+
+    for module in model.modules():
+        module.register_forward_pre_hook(refuse_hook, prepend=True)
+        module.forward = refuse
+        module.fsdp_fp8_unusable = reason
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = getattr(tensor, "_local_tensor", tensor)
+        inner = [local]
+        if hasattr(local, "__tensor_flatten__"):
+            inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+        for t in inner:
+            if not t.is_meta:
+                try:
+                    t.untyped_storage().resize_(0)
+                except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
+                    pass
 
 
-def _agree(ok: bool, message: str) -> list[tuple[int, str]]:
+def _agree(ok: bool, message: str, timeout_s: float) -> list[tuple[int, str]]:
     """Every rank's failure (rank, message); a single process just reports its own."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [] if ok else [(0, message)]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dist.get_rank(), ok, message))
+    if not distributed():
+        return [] if ok else [(dist.get_rank() if dist.is_initialized() else 0, message)]
+    gathered = exchange((dist.get_rank(), ok, message), timeout_s=timeout_s,
+                        stage="agreement on the outcome of the load", context="")
     return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
 
 
-def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
+def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | None = None) -> LoadReport:
     """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
     which names the checkpoint and every entry to read.
 
-    Collective over the default process group when one is initialized. On any rank's
-    failure every rank raises the same error and the model's forward refuses to run.
-    ``prepare``, if given, runs first inside that agreement (``load_model`` passes the swap,
-    ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank too).
+    Collective when a process group is up (on the agreement's gloo side group). On any rank's
+    failure every rank raises the same error and no module of the model computes again
+    (``mark_unusable``). ``prepare``, if given, runs first inside that agreement (``load_model``
+    passes the swap, ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank
+    too). ``timeout_s``: how long a rank waits for the slowest peer's outcome; default
+    ``outcome_timeout_s(plan, world, DEFAULT_TIMEOUT_S)``, sized from the read forecast.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
-    ok, message, held, count, read_s = True, "", 0, 0, 0.0
+    if timeout_s is None:
+        timeout_s = outcome_timeout_s(plan, world, DEFAULT_TIMEOUT_S)
+    ok, message, held, count, read_s, checked_s = True, "", 0, 0, 0.0, 0.0
     try:
         if prepare is not None:
             prepare()
@@ -169,7 +243,7 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         if on_meta:
             raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")
         t_read = time.perf_counter()
-        held, count = _load_local(model, plan)
+        held, count, checked_s = _load_local(model, plan)
         read_s = time.perf_counter() - t_read
         left = tensors_on_meta(model)
         assert not left, left
@@ -177,17 +251,16 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         ok, message = False, f"{type(exc).__name__}: {exc}"
         log.error("rank %d: load failed: %s", rank, message)
     try:
-        failures = _agree(ok, message)
-    except Exception as exc:  # a peer died, hung past the process-group timeout, or dropped out
-        reason = (f"rank {rank} could not agree on the outcome with the other ranks (a peer died, "
-                  f"failed or hung past the process-group timeout): {type(exc).__name__}: {exc}")
+        failures = _agree(ok, message, timeout_s)
+    except PeerLostError as exc:  # a peer died, failed, or was slower than the timeout
+        reason = str(exc)
         if not ok:
             reason = f"rank {rank}: {message}; {reason}"
-        _mark_unusable(model, reason)
+        mark_unusable(model, reason)
         raise PeerLostError(f"checkpoint load failed: {reason}") from exc
     if failures:
         problems = merge_rank_problems(failures, world)
-        _mark_unusable(model, "; ".join(problems))
+        mark_unusable(model, "; ".join(problems))
         raise LoadFailedError(problems, f"checkpoint load failed on {len(failures)} of {world} ranks")
     device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return LoadReport(
@@ -201,4 +274,5 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None) -> LoadReport:
         read_seconds=read_s,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         peak_device_bytes=device_peak,
+        code_check_seconds=checked_s,
     )
