@@ -61,3 +61,42 @@ def test_every_option_is_in_usage_md(command, capsys):
     usage = (ROOT / "docs" / "usage.md").read_text()
     assert options, command
     assert sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])", usage)) == []
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_snippet_assumes_cuda(path):
+    """``torch.cuda.set_device`` only under a check that CUDA is there: a CPU torch has none."""
+    for block in _python_blocks(path):
+        lines = block.splitlines()
+        for n, line in enumerate(lines):
+            if "cuda.set_device" in line:
+                assert any("cuda.is_available()" in above for above in lines[max(0, n - 3):n]), block
+
+
+def test_the_load_model_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
+    """usage.md's first snippet, in one process on this machine, with its two placeholders
+    bound: ``MyModel`` to the reference model and the path to a checkpoint of it."""
+    from fsdp_fp8.export.modelopt import export_fp8
+    from fsdp_fp8.models import PRESETS, MoTConfig, build_model, init_weights
+
+    import dataclasses
+
+    # Every FP8 linear 16-aligned, so that the same snippet loads onto CUDA where there is one.
+    config = dataclasses.replace(PRESETS["tiny"], intermediate_size=96)
+    model = init_weights(build_model(config, device="cpu"), seed=0)
+    kept = ("lm_head", "proj_in", "proj_out")  # 6 latent channels: not a multiple of 16
+    linears = [n for n, m in model.named_modules() if type(m).__name__ == "Linear" and n not in kept]
+    ckpt = export_fp8(model, tmp_path / "ckpt", config=model.config.to_config_dict(),
+                      input_scales={n: 0.01 for n in linears}, ignore=kept)
+    snippet = _python_blocks(ROOT / "docs" / "usage.md")[0]
+    assert '"/path/to/checkpoint"' in snippet and "MyModel" in snippet
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    namespace = {"MyModel": lambda config: build_model(MoTConfig.from_config_dict(config))}
+    exec(snippet.replace('"/path/to/checkpoint"', repr(str(ckpt))), namespace)
+    assert len(namespace["loaded"].fp8_linears) == len(linears)
+    assert "LoadReport(rank=0, world_size=1" in capsys.readouterr().out
