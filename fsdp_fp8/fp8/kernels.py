@@ -49,7 +49,7 @@ def quantize_activation(x2d: torch.Tensor, input_scale: torch.Tensor, *, fused: 
 
 
 def dequantize(weight: StaticFloat8Tensor, dtype: torch.dtype, *, fused: bool = False) -> torch.Tensor:
-    """``weight.float() * weight_scale`` (FORMAT.md), rounded once to ``dtype``; a temporary."""
+    """``weight.float() * weight_scale`` (docs/checkpoint-format.md), rounded once to ``dtype``; a temporary."""
     return (_fused(_dequantize) if fused else _dequantize)(weight.qdata, weight.scale, dtype)
 
 
