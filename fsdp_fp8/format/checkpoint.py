@@ -262,7 +262,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open and fully validate the checkpoint at ``path`` (a directory or diffusers pipeline root).
 
     The shards stay open until ``Checkpoint.close()`` (or ``with open_checkpoint(...)``, or
-    garbage collection); ``load_model`` closes them after its last read.
+    garbage collection); ``load_model`` closes them when the load fails.
     """
     directory = resolve_directory(path)
     context = f"checkpoint {directory}"

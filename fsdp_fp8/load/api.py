@@ -193,8 +193,11 @@ def load_model(
     try:
         report = load_checkpoint(model, plan, prepare=prepare,
                                  timeout_s=outcome_timeout_s(plan, world, agreement_timeout_s))
-    finally:
-        checkpoint.close()  # the last read is done: the descriptors go
+    except BaseException:
+        checkpoint.close()  # the model is dead: its descriptors go too
+        raise
+    # On success the descriptors stay with LoadedModel.checkpoint (save_checkpoint reads the
+    # source through them); checkpoint.close() or garbage collection releases them.
     model.eval()
     return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
                        architecture=arch, towers=planned.towers)
