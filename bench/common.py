@@ -15,10 +15,24 @@ from fsdp_fp8.models import MoTConfig
 
 # ~1 GB of BF16 weights by default; "small" (~70 MB) for a quick run.
 SIZES: dict[str, MoTConfig] = {
-    "small": MoTConfig(hidden_size=512, num_layers=4, num_heads=8, head_dim=64, intermediate_size=1408,
-                       vocab_size=8000, latent_channels=16),
-    "default": MoTConfig(hidden_size=1024, num_layers=16, num_heads=8, head_dim=128, intermediate_size=3072,
-                         vocab_size=32000, latent_channels=64),
+    "small": MoTConfig(
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        head_dim=64,
+        intermediate_size=1408,
+        vocab_size=8000,
+        latent_channels=16,
+    ),
+    "default": MoTConfig(
+        hidden_size=1024,
+        num_layers=16,
+        num_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=32000,
+        latent_channels=64,
+    ),
 }
 # A typical calibrated amax(|x|) / 448 after an RMSNorm; loading and timing do not depend on it.
 INPUT_SCALE = 5.0 / 448
@@ -31,11 +45,11 @@ def default_cache() -> Path:
 
 
 def _export(size: str, target: Path) -> None:
+    import torch
+
     from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8
     from fsdp_fp8.format.quant_config import matches_ignore
     from fsdp_fp8.models import build_model, init_weights
-
-    import torch
 
     model = init_weights(build_model(SIZES[size], device="cpu"), seed=0)
     config = model.config.to_config_dict()
@@ -86,8 +100,12 @@ def drop_page_cache(directories) -> bool:
 def _resident_pages(path: Path) -> int:
     """Bytes of ``path`` in the page cache per util-linux ``fincore``; -1 when unknown."""
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return int(out.split()[0])
     except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
         return -1

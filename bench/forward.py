@@ -26,13 +26,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
-from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.load.api import local_cuda_index  # noqa: E402
-from fsdp_fp8.load.collectives import AllGatherMeter  # noqa: E402
+from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
+from fsdp_fp8.load.api import local_cuda_index  # noqa: E402
+from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
+from fsdp_fp8.load.collectives import AllGatherMeter  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -42,8 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=3, help="repetitions, the three variants interleaved")
     p.add_argument("--latent-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (NCCL) when available, else CPU (gloo)",
+    )
     p.add_argument("--dir", help="checkpoint cache (see bench/load.py)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     return p.parse_args(argv)
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
         set_mode(model, mode)
         step_seconds(model, x, t, states[s], 1)
     for rep in range(args.reps):
-        names = list(variants)[rep % 3:] + list(variants)[: rep % 3]
+        names = list(variants)[rep % 3 :] + list(variants)[: rep % 3]
         for name in names:
             model, mode, s = variants[name]
             set_mode(model, mode)
@@ -149,16 +153,26 @@ def main(argv=None) -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         steady_fp8, steady_bf16 = gathered["fp8"][1], gathered["bf16"][1]
         record = {
-            "bench": "forward", "size": args.size, "world_size": world, "cpus": os.cpu_count(), "backend": backend,
+            "bench": "forward",
+            "size": args.size,
+            "world_size": world,
+            "cpus": os.cpu_count(),
+            "backend": backend,
             "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "latent_tokens": args.latent_tokens,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "latent_tokens": args.latent_tokens,
             "prompt_tokens": args.prompt_tokens,
-            "allgather_bytes_fp8": gathered["fp8"], "allgather_bytes_bf16": gathered["bf16"],
-            "expected_fp8_linear_bytes": q, "expected_other_bytes": other,
-            "step_seconds_median": med, "step_seconds_all": {k: [round(s, 4) for s in v] for k, v in times.items()},
+            "allgather_bytes_fp8": gathered["fp8"],
+            "allgather_bytes_bf16": gathered["bf16"],
+            "expected_fp8_linear_bytes": q,
+            "expected_other_bytes": other,
+            "step_seconds_median": med,
+            "step_seconds_all": {k: [round(s, 4) for s in v] for k, v in times.items()},
         }
-        print(f"world size {world} ({backend}, {record['device']}), size {args.size}, "
-              f"{args.latent_tokens} latent + {args.prompt_tokens} prompt tokens")
+        print(
+            f"world size {world} ({backend}, {record['device']}), size {args.size}, "
+            f"{args.latent_tokens} latent + {args.prompt_tokens} prompt tokens"
+        )
         print("all-gather bytes per forward (this rank; first forward, then steady state):")
         print(f"  FP8  model: {gathered['fp8']}")
         print(f"  BF16 model: {gathered['bf16']}")
@@ -166,9 +180,11 @@ def main(argv=None) -> int:
             rest = steady_fp8 - q  # norms and biases of the blocks: BF16 in both models
             record["fp8_over_bf16"] = steady_fp8 / steady_bf16
             record["bf16_equals_2q_plus_rest"] = steady_bf16 == 2 * q + rest
-            print(f"  FP8 / BF16 = {steady_fp8 / steady_bf16:.4f}: FP8 = {q:,} B of E4M3 codes + {rest:,} B BF16 "
-                  f"norms/biases; BF16 = 2 x {q:,} + {steady_bf16 - 2 * q:,} B; scales moved: 0 B "
-                  f"(the root's BF16 embeddings/heads stay gathered after the first forward)")
+            print(
+                f"  FP8 / BF16 = {steady_fp8 / steady_bf16:.4f}: FP8 = {q:,} B of E4M3 codes + {rest:,} B BF16 "
+                f"norms/biases; BF16 = 2 x {q:,} + {steady_bf16 - 2 * q:,} B; scales moved: 0 B "
+                f"(the root's BF16 embeddings/heads stay gathered after the first forward)"
+            )
         print(f"time per denoising step (2 forwards, median of {args.reps} x {args.steps}):")
         for k, v in med.items():
             print(f"  {k:<6} {v * 1e3:9.1f} ms   ({v / med['BF16']:.2f}x BF16)")

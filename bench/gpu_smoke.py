@@ -60,16 +60,22 @@ DRY_GEMM_IN, DRY_GEMM_OUT = 16, 32
 GEMM_REL_TOL = 1e-2
 FAST_ACCUM_REL_TOL = 2e-2
 # Lines that mean a rank was killed or a collective timed out, even when the exit code is 0.
-BAD_LINES = re.compile(r"watchdog|terminate called|Terminating process|SIGTERM|SIGABRT|"
-                       r"destroy_process_group\(\) was not called", re.IGNORECASE)
+BAD_LINES = re.compile(
+    r"watchdog|terminate called|Terminating process|SIGTERM|SIGABRT|"
+    r"destroy_process_group\(\) was not called",
+    re.IGNORECASE,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the JSON results (its directory is created)")
     p.add_argument("--dry", action="store_true", help="CPU only, scaled-down shapes; CUDA parts skipped")
-    p.add_argument("--wheels", default=str(ROOT / "bench" / "wheels"),
-                   help="directory of carried wheels, unpacked only for modules the box lacks")
+    p.add_argument(
+        "--wheels",
+        default=str(ROOT / "bench" / "wheels"),
+        help="directory of carried wheels, unpacked only for modules the box lacks",
+    )
     p.add_argument("--only", help="comma-separated sections to run (default: all)")
     p.add_argument("--demo-ranks", type=int, help="ranks for the demo (default: 2 dry, else 1)")
     p.add_argument("--step-reps", type=int, default=10, help="timed CFG steps per variant")
@@ -126,8 +132,7 @@ def _fp8_linear(weight, bias, input_scale, dtype):
     scale = weight.float().abs().max().clamp(min=1e-12) / E4M3_MAX
     codes = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     lin = Float8StaticLinear(in_f, out_f, bias is not None, dtype, device=weight.device)
-    lin.weight = nn.Parameter(make_static_fp8_weight(codes, scale.reshape(()), input_scale, dtype),
-                              requires_grad=False)
+    lin.weight = nn.Parameter(make_static_fp8_weight(codes, scale.reshape(()), input_scale, dtype), requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
     return lin
@@ -138,8 +143,10 @@ def linear_options() -> dict[str, str | None]:
     from fsdp_fp8.fp8 import linear
 
     have = {name: None for name in ("fast_accum", "fused") if hasattr(linear.Float8StaticLinear, name)}
-    return {name: have.get(name, "not in this checkout's Float8StaticLinear (fp8 layer option)")
-            for name in ("fast_accum", "fused")}
+    return {
+        name: have.get(name, "not in this checkout's Float8StaticLinear (fp8 layer option)")
+        for name in ("fast_accum", "fused")
+    }
 
 
 def _reference(x, lin, mode: str):
@@ -166,8 +173,14 @@ def section_versions(device) -> dict:
 
     from fsdp_fp8.load.collectives import all_gather_name
 
-    out = {"status": "ok", "python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "device": str(device), "all_gather": all_gather_name()}
+    out = {
+        "status": "ok",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "all_gather": all_gather_name(),
+    }
     for mod in ("torchao", "safetensors", "numpy"):
         try:
             out[mod] = importlib.import_module(mod).__version__
@@ -224,9 +237,15 @@ def section_gemm(device, dry: bool) -> dict:
                     if not err <= tol:
                         failures.append(f"{name}: relative error {err:.3e} > {tol}")
     lin.mode = "native"
-    out = {"status": "failed" if failures else "ok", "cases": len(cases), "in_features": k, "out_features": n,
-           "max_rel_err": max(c["rel_err"] for c in cases), "failures": failures,
-           "worst": sorted(cases, key=lambda c: -c["rel_err"])[:5]}
+    out = {
+        "status": "failed" if failures else "ok",
+        "cases": len(cases),
+        "in_features": k,
+        "out_features": n,
+        "max_rel_err": max(c["rel_err"] for c in cases),
+        "failures": failures,
+        "worst": sorted(cases, key=lambda c: -c["rel_err"])[:5],
+    }
     if opts["fast_accum"] is not None:
         out["fast_accum"] = skipped(opts["fast_accum"])
     return out
@@ -261,8 +280,12 @@ def section_scaled_mm(device, dry: bool) -> dict:
         problems.append("W8A8 forward did not call aten::_scaled_mm")
     if seen["a16"]["scaled_mm_op"]:
         problems.append("W8A16 forward called aten::_scaled_mm")
-    out = {"status": "failed" if problems else "ok", "problems": problems,
-           "w8a8_kernels": seen["native"]["kernels"], "w8a16_kernels": seen["a16"]["kernels"]}
+    out = {
+        "status": "failed" if problems else "ok",
+        "problems": problems,
+        "w8a8_kernels": seen["native"]["kernels"],
+        "w8a16_kernels": seen["a16"]["kernels"],
+    }
     if device.type == "cuda":
         gemms = [k for k in seen["native"]["kernels"] if re.search(r"gemm|nvjet|xmma|cutlass|sm\d\d", k, re.I)]
         out["w8a8_gemm_kernels"] = gemms
@@ -287,16 +310,17 @@ class _Mesh:
 def section_hooks(device) -> dict:
     import torch
 
-    from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
     from fsdp_fp8.format.sharding import padded_rows
+    from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
 
     gen = torch.Generator().manual_seed(2)
     checks, failures = [], []
     # rows: 4 over 3 ranks -> 2, 2, 0; 7 over 8 ranks -> 1 x 7, 0
     for world, rows in ((3, 4), (8, 7), (3, 5), (8, 17)):
         full_codes = (torch.randn(rows, 48, generator=gen) * 50).clamp(-448, 448).to(E4M3).to(device)
-        full = make_static_fp8_weight(full_codes, torch.tensor(0.01, device=device),
-                                      torch.tensor(0.02, device=device), torch.bfloat16)
+        full = make_static_fp8_weight(
+            full_codes, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), torch.bfloat16
+        )
         pad = padded_rows(rows, world)
         chunks = list(torch.chunk(full_codes, world)) if rows else []
         chunks += [full_codes[:0]] * (world - len(chunks))  # torch.chunk yields fewer pieces
@@ -315,12 +339,21 @@ def section_hooks(device) -> dict:
         local.fsdp_post_all_gather((gathered2,), meta, torch.bfloat16, out=unsharded)
         reused = torch.equal(unsharded.qdata.view(torch.uint8), full_codes.view(torch.uint8))
         zero_rank = any(c.shape[0] == 0 for c in chunks)
-        checks.append({"world": world, "rows": rows, "padded_rows": pad, "zero_row_rank": zero_rank,
-                       "bytes_equal": same, "out_reused_equal": reused})
+        checks.append(
+            {
+                "world": world,
+                "rows": rows,
+                "padded_rows": pad,
+                "zero_row_rank": zero_rank,
+                "bytes_equal": same,
+                "out_reused_equal": reused,
+            }
+        )
         if not (same and reused):
             failures.append(f"world {world}, {rows} rows: gathered codes differ from the full codes")
-    if not any(c["zero_row_rank"] for c in checks if c["world"] == 3) or \
-            not any(c["zero_row_rank"] for c in checks if c["world"] == 8):
+    if not any(c["zero_row_rank"] for c in checks if c["world"] == 3) or not any(
+        c["zero_row_rank"] for c in checks if c["world"] == 8
+    ):
         failures.append("no zero-row rank was exercised")  # internal: the cases above are wrong
     return {"status": "failed" if failures else "ok", "checks": checks, "failures": failures}
 
@@ -342,6 +375,7 @@ def section_load(device, size: int) -> dict:
         size = path.stat().st_size
         fd = os.open(path, os.O_RDONLY)
         try:
+
             def evict() -> None:
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -359,8 +393,12 @@ def section_load(device, size: int) -> dict:
                 return time.perf_counter() - t0
 
             pageable = torch.empty(chunk, dtype=torch.uint8)
-            out = {"status": "ok", "file_bytes": size, "chunk_bytes": chunk,
-                   "note": "page cache evicted (POSIX_FADV_DONTNEED) before each read"}
+            out = {
+                "status": "ok",
+                "file_bytes": size,
+                "chunk_bytes": chunk,
+                "note": "page cache evicted (POSIX_FADV_DONTNEED) before each read",
+            }
             out["raw_read_gbps"] = _gbps(size, min(read_all(pageable) for _ in range(3)))
             if device.type != "cuda":
                 out["h2d"] = skipped("no CUDA device: host-to-device copies not measured")
@@ -398,8 +436,19 @@ def _layer_config(dry: bool):
     if dry:
         return PRESETS["tiny"], 16, 8
     s = PRESETS["super"]
-    return MoTConfig(hidden_size=s.hidden_size, num_layers=1, num_heads=s.num_heads, head_dim=s.head_dim,
-                     intermediate_size=s.intermediate_size, vocab_size=16, latent_channels=16), 4096, 256
+    return (
+        MoTConfig(
+            hidden_size=s.hidden_size,
+            num_layers=1,
+            num_heads=s.num_heads,
+            head_dim=s.head_dim,
+            intermediate_size=s.intermediate_size,
+            vocab_size=16,
+            latent_channels=16,
+        ),
+        4096,
+        256,
+    )
 
 
 def _to_fp8(layer, dtype):
@@ -410,8 +459,13 @@ def _to_fp8(layer, dtype):
     for name, module in list(layer.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, _fp8_linear(child.weight.detach(), child.bias, torch.tensor(4.0 / 448),
-                                                       dtype).to(child.weight.device))
+                setattr(
+                    module,
+                    child_name,
+                    _fp8_linear(child.weight.detach(), child.bias, torch.tensor(4.0 / 448), dtype).to(
+                        child.weight.device
+                    ),
+                )
     return layer
 
 
@@ -446,14 +500,28 @@ def section_step(device, dry: bool, reps: int) -> dict:
         layer(h, rope_l, None, phase="generate")
 
     opts = linear_options()
-    variants = {"BF16": (bf16, "native", {}), "W8A8": (fp8, "native", {}),
-                "W8A8 fast accum": (fp8, "native", {"fast_accum": True}),
-                "W8A8 fused quant": (fp8, "native", {"fused": True}),
-                "W8A16": (fp8, "a16", {})}
-    times, out = {}, {"status": "ok", "shape": {"hidden": cfg.hidden_size, "heads": cfg.num_heads,
-                                                 "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size,
-                                                 "latent_tokens": latent, "prompt_tokens": prompt},
-                      "dry_shape": dry}
+    variants = {
+        "BF16": (bf16, "native", {}),
+        "W8A8": (fp8, "native", {}),
+        "W8A8 fast accum": (fp8, "native", {"fast_accum": True}),
+        "W8A8 fused quant": (fp8, "native", {"fused": True}),
+        "W8A16": (fp8, "a16", {}),
+    }
+    times, out = (
+        {},
+        {
+            "status": "ok",
+            "shape": {
+                "hidden": cfg.hidden_size,
+                "heads": cfg.num_heads,
+                "head_dim": cfg.head_dim,
+                "intermediate": cfg.intermediate_size,
+                "latent_tokens": latent,
+                "prompt_tokens": prompt,
+            },
+            "dry_shape": dry,
+        },
+    )
     for name, (layer, mode, extra) in variants.items():
         missing = [opts[k] for k in extra if opts[k] is not None]
         if missing:
@@ -479,8 +547,11 @@ def section_step(device, dry: bool, reps: int) -> dict:
                 for k in extra:
                     setattr(m, k, False)
         times[name] = statistics.median(samples)
-        out[name] = {"status": "ok", "median_ms": round(times[name] * 1e3, 3),
-                     "all_ms": [round(s * 1e3, 3) for s in samples]}
+        out[name] = {
+            "status": "ok",
+            "median_ms": round(times[name] * 1e3, 3),
+            "all_ms": [round(s * 1e3, 3) for s in samples],
+        }
     for name, t in times.items():
         out[name]["vs_bf16"] = round(t / times["BF16"], 3)
     if device.type == "cuda":
@@ -499,8 +570,17 @@ def section_demo(dry: bool, ranks: int, workdir: Path) -> dict:
     runs, problems = [], []
     for i in range(2):
         report = workdir / "reports" / f"demo-{i}.json"  # a directory the runner must create
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(ROOT / "launch" / "infer.py"), *steps, "--report", str(report)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            str(ROOT / "launch" / "infer.py"),
+            *steps,
+            "--report",
+            str(report),
+        ]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -509,8 +589,9 @@ def section_demo(dry: bool, ranks: int, workdir: Path) -> dict:
             rc, text = "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
         bad = [line for line in text.splitlines() if BAD_LINES.search(line)]
         digest = json.loads(report.read_text())["latent_sha256"] if report.exists() else None
-        runs.append({"exit": rc, "seconds": round(time.perf_counter() - t0, 2), "latent_sha256": digest,
-                     "bad_lines": bad[:10]})
+        runs.append(
+            {"exit": rc, "seconds": round(time.perf_counter() - t0, 2), "latent_sha256": digest, "bad_lines": bad[:10]}
+        )
         if rc != 0:
             problems.append(f"run {i}: exit {rc}: {text[-2000:]}")
         if bad:
@@ -566,8 +647,11 @@ def main(argv=None) -> int:
             try:
                 res = fn()
             except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
-                res = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                       "traceback": traceback.format_exc()[-4000:]}
+                res = {
+                    "status": "failed",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-4000:],
+                }
             res["seconds"] = round(time.perf_counter() - t0, 2)
             results["sections"][name] = res
             print(f"[gpu_smoke] {name:<10} {res['status']:<8} {res['seconds']:7.1f} s", flush=True)

@@ -28,8 +28,11 @@ from fsdp_fp8.fp8.tensor import E4M3, E4M3_MAX, make_static_fp8_weight
 
 def _errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
     d = (y.float() - ref).abs()
-    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(),
-            "max_rel_to_ref_max": (d.max() / ref.abs().max()).item()}
+    return {
+        "max_abs": d.max().item(),
+        "mean_abs": d.mean().item(),
+        "max_rel_to_ref_max": (d.max() / ref.abs().max()).item(),
+    }
 
 
 def _time(fn, reps: int, device: str) -> float:
@@ -48,8 +51,9 @@ def run(m: int, k: int, n: int, reps: int, device: str) -> dict:
     g = torch.Generator().manual_seed(0)
     w_hp = torch.randn(n, k, generator=g) / k**0.5
     s_w = w_hp.abs().max() / E4M3_MAX
-    w = make_static_fp8_weight((w_hp / s_w).to(E4M3).to(device), s_w.to(device), torch.tensor(1.0, device=device),
-                               torch.bfloat16)
+    w = make_static_fp8_weight(
+        (w_hp / s_w).to(E4M3).to(device), s_w.to(device), torch.tensor(1.0, device=device), torch.bfloat16
+    )
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
     s_x = (x.float().abs().max() / E4M3_MAX).reshape(1, 1)
     x_q = kernels.quantize_activation(x, s_x)
@@ -61,18 +65,22 @@ def run(m: int, k: int, n: int, reps: int, device: str) -> dict:
     out["w8a8_fast_accum"] = _errors(fast, ref)
     out["fast_accum_same_bits_as_default"] = torch.equal(fast, default)
     out["fused_quantize_same_bits"] = torch.equal(
-        kernels.quantize_activation(x, s_x, fused=True).view(torch.uint8), x_q.view(torch.uint8))
+        kernels.quantize_activation(x, s_x, fused=True).view(torch.uint8), x_q.view(torch.uint8)
+    )
     out["fused_dequantize_same_bits"] = torch.equal(
-        kernels.dequantize(w, torch.bfloat16, fused=True), kernels.dequantize(w, torch.bfloat16))
+        kernels.dequantize(w, torch.bfloat16, fused=True), kernels.dequantize(w, torch.bfloat16)
+    )
     a16 = F.linear(x, kernels.dequantize(w, torch.bfloat16))
     out["w8a16_vs_f32_of_bf16_x"] = _errors(a16, x.float() @ (w.qdata.float() * w.scale.reshape(())).T)
     seconds = {
         "bf16": lambda: F.linear(x, w_hp.to(device, torch.bfloat16)),
         "w8a8": lambda: kernels.fp8_gemm(kernels.quantize_activation(x, s_x), s_x, w, None, torch.bfloat16),
-        "w8a8_fast_accum": lambda: kernels.fp8_gemm(kernels.quantize_activation(x, s_x), s_x, w, None, torch.bfloat16,
-                                                    fast_accum=True),
-        "w8a8_fused_quantize": lambda: kernels.fp8_gemm(kernels.quantize_activation(x, s_x, fused=True), s_x, w, None,
-                                                        torch.bfloat16),
+        "w8a8_fast_accum": lambda: kernels.fp8_gemm(
+            kernels.quantize_activation(x, s_x), s_x, w, None, torch.bfloat16, fast_accum=True
+        ),
+        "w8a8_fused_quantize": lambda: kernels.fp8_gemm(
+            kernels.quantize_activation(x, s_x, fused=True), s_x, w, None, torch.bfloat16
+        ),
         "w8a16": lambda: F.linear(x, kernels.dequantize(w, torch.bfloat16)),
         "w8a16_fused": lambda: F.linear(x, kernels.dequantize(w, torch.bfloat16, fused=True)),
     }

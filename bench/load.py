@@ -49,8 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--setup", action="store_true",
-                   help="only the FP8-vs-BF16 set-up comparison at Super scale (bench/setup_cost.py; no torchrun)")
+    p.add_argument(
+        "--setup",
+        action="store_true",
+        help="only the FP8-vs-BF16 set-up comparison at Super scale (bench/setup_cost.py; no torchrun)",
+    )
     return p.parse_args(argv)
 
 
@@ -83,8 +86,13 @@ def method_a(fp8_dir, bf16_dir, cfg) -> dict:
     slice_reader.reset_bytes_read()
     arch = resolve_architecture(cfg.to_config_dict())
     loaded = load_model(arch.model_fn, fp8_dir, device=torch.device("cpu"))
-    return {"bytes_read": slice_reader.bytes_read(), "held": _local_bytes(loaded.model),
-            "read_phase_s": loaded.report.seconds, "code_check_s": loaded.report.code_check_seconds, "_keep": loaded}
+    return {
+        "bytes_read": slice_reader.bytes_read(),
+        "held": _local_bytes(loaded.model),
+        "read_phase_s": loaded.report.seconds,
+        "code_check_s": loaded.report.code_check_seconds,
+        "_keep": loaded,
+    }
 
 
 def method_b(fp8_dir, bf16_dir, cfg) -> dict:
@@ -111,8 +119,8 @@ def method_b(fp8_dir, bf16_dir, cfg) -> dict:
 def _open_and_shard(fp8_dir):
     import torch
 
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears
@@ -206,16 +214,15 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
 def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn) -> None:
     """One method on one rank, in a fresh process: imports first, then the measured block."""
     try:
+        import safetensors.torch  # noqa: F401
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
-        import safetensors.torch  # noqa: F401
 
         import fsdp_fp8  # noqa: F401
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=600))
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         cfg = common.SIZES[size]
         fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d}[method]
         dist.barrier()
@@ -246,8 +253,9 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
     store, cold = box
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_trial_child, args=(method, rank, world, store, str(fp8_dir), str(bf16_dir),
-                                                  args.size, writer))
+    proc = ctx.Process(
+        target=_trial_child, args=(method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, writer)
+    )
     proc.start()
     writer.close()
     result = reader.recv() if reader.poll(args.timeout) else {"rank": rank, "error": "timed out"}
@@ -269,8 +277,7 @@ def _forecast(fp8_dir, world) -> dict:
     entries = list(ckpt.tensors.values())
     return {
         "checkpoint_bytes": sum(e.nbytes for e in entries),
-        "local_shard_bytes": [sum(entry_rank_bytes(e, world, r, padded=True) for e in entries)
-                              for r in range(world)],
+        "local_shard_bytes": [sum(entry_rank_bytes(e, world, r, padded=True) for e in entries) for r in range(world)],
     }
 
 
@@ -282,27 +289,41 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
             rows.append({"method": m, "error": next(x["error"] for r in runs for x in r if "error" in x)})
             continue
         seconds = [max(x["seconds"] for x in r) for r in ok]
-        rows.append({
-            "method": m, "name": NAMES[m], "runs": len(ok), "seconds_median": statistics.median(seconds),
-            "seconds_all": [round(s, 3) for s in seconds],
-            "rss_growth_per_rank": [max(r[i]["rss_growth"] for r in ok) for i in range(world)],
-            "bytes_read_per_rank": [ok[0][i]["bytes_read"] for i in range(world)],
-            "bytes_read_total": sum(x["bytes_read"] for x in ok[0]),
-            "held_per_rank": [ok[0][i]["held"] for i in range(world)],
-            "cold_cache": all(x["cold"] for r in ok for x in r),
-        })
+        rows.append(
+            {
+                "method": m,
+                "name": NAMES[m],
+                "runs": len(ok),
+                "seconds_median": statistics.median(seconds),
+                "seconds_all": [round(s, 3) for s in seconds],
+                "rss_growth_per_rank": [max(r[i]["rss_growth"] for r in ok) for i in range(world)],
+                "bytes_read_per_rank": [ok[0][i]["bytes_read"] for i in range(world)],
+                "bytes_read_total": sum(x["bytes_read"] for x in ok[0]),
+                "held_per_rank": [ok[0][i]["held"] for i in range(world)],
+                "cold_cache": all(x["cold"] for r in ok for x in r),
+            }
+        )
         if m == "a":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
             rows[-1]["read_phase_s_median"] = statistics.median(max(x["read_phase_s"] for x in r) for r in ok)
             # The FP8 NaN-code check (fsdp_fp8.load.loader.nan_code_flag), timed inside the load, as a
             # share of the whole load_model on that rank: the reliability check's cost.
             rows[-1]["code_check_share_median"] = statistics.median(
-                max(x["code_check_s"] / x["seconds"] for x in r) for r in ok)
+                max(x["code_check_s"] / x["seconds"] for x in r) for r in ok
+            )
             rows[-1]["code_check_s_median"] = statistics.median(max(x["code_check_s"] for x in r) for r in ok)
     by = {r["method"]: r for r in rows if "error" not in r}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     for r in rows:
-        r.update(bench="load", size=args.size, world_size=world, time=stamp, cpus=os.cpu_count(), backend="gloo",
-                 checkpoint_bytes=forecast["checkpoint_bytes"], local_shard_bytes=forecast["local_shard_bytes"])
+        r.update(
+            bench="load",
+            size=args.size,
+            world_size=world,
+            time=stamp,
+            cpus=os.cpu_count(),
+            backend="gloo",
+            checkpoint_bytes=forecast["checkpoint_bytes"],
+            local_shard_bytes=forecast["local_shard_bytes"],
+        )
     if "a" in by:
         for other in "bcd":
             if other in by:
@@ -311,10 +332,12 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
 
 
 def format_table(rows: list[dict], world: int, forecast: dict) -> str:
-    lines = [f"world size {world}, checkpoint (FP8) {common.mib(forecast['checkpoint_bytes'])} MiB, "
-             f"local shard per rank {', '.join(common.mib(b) for b in forecast['local_shard_bytes'])} MiB",
-             f"{'method':<24} {'median s':>9} {'runs s':>24} {'read total MiB':>15} "
-             f"{'read/rank MiB':>22} {'peak RSS growth/rank MiB':>34} {'cold':>5}"]
+    lines = [
+        f"world size {world}, checkpoint (FP8) {common.mib(forecast['checkpoint_bytes'])} MiB, "
+        f"local shard per rank {', '.join(common.mib(b) for b in forecast['local_shard_bytes'])} MiB",
+        f"{'method':<24} {'median s':>9} {'runs s':>24} {'read total MiB':>15} "
+        f"{'read/rank MiB':>22} {'peak RSS growth/rank MiB':>34} {'cold':>5}",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['method']} FAILED: {r['error'].strip().splitlines()[-1]}")
@@ -323,22 +346,29 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
             f"{r['method'] + ' ' + r['name']:<24} {r['seconds_median']:>9.3f} {str(r['seconds_all']):>24} "
             f"{common.mib(r['bytes_read_total']):>15} "
             f"{'/'.join(common.mib(b) for b in r['bytes_read_per_rank']):>22} "
-            f"{'/'.join(common.mib(b) for b in r['rss_growth_per_rank']):>34} {str(r['cold_cache']):>5}")
+            f"{'/'.join(common.mib(b) for b in r['rss_growth_per_rank']):>34} {str(r['cold_cache']):>5}"
+        )
     a = next((r for r in rows if r["method"] == "a" and "error" not in r), None)
     if a:
         lines.append("ratios (wall time): " + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c") if k in a))
         d = next((r for r in rows if r["method"] == "d" and "error" not in r), None)
         if d:
             phase = a["read_phase_s_median"]
-            lines.append(f"a's load_checkpoint (reads + the agreement, which waits for the slowest rank's "
-                         f"fully_shard): {phase:.3f} s = {phase / d['seconds_median']:.2f} x d; "
-                         "bench/load_phases.py times the reads alone")
-        lines.append(f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} s = "
-                     f"{100 * a['code_check_share_median']:.2f}% of load_model (worst rank; target < 5%)")
+            lines.append(
+                f"a's load_checkpoint (reads + the agreement, which waits for the slowest rank's "
+                f"fully_shard): {phase:.3f} s = {phase / d['seconds_median']:.2f} x d; "
+                "bench/load_phases.py times the reads alone"
+            )
+        lines.append(
+            f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} s = "
+            f"{100 * a['code_check_share_median']:.2f}% of load_model (worst rank; target < 5%)"
+        )
         lines.append(f"a: bytes read / checkpoint bytes = {a['bytes_read_total'] / forecast['checkpoint_bytes']:.4f}")
         bound = [1.15 * b + (64 << 20) for b in forecast["local_shard_bytes"]]
-        lines.append("a: peak RSS growth / (1.15 x local shard + 64 MiB) = "
-                     + ", ".join(f"{g / b:.2f}" for g, b in zip(a["rss_growth_per_rank"], bound)))
+        lines.append(
+            "a: peak RSS growth / (1.15 x local shard + 64 MiB) = "
+            + ", ".join(f"{g / b:.2f}" for g, b in zip(a["rss_growth_per_rank"], bound))
+        )
     return "\n".join(lines)
 
 
@@ -363,12 +393,15 @@ def main(argv=None) -> int:
         methods = [m for m in args.methods if m in METHODS]
         trials: dict[str, list] = {m: [] for m in methods}
         for rep in range(args.reps):
-            for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # rotate the order
+            for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate the order
                 trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
                 if rank == 0:
                     r = trials[m][-1]
-                    print(f"rep {rep} {m}: " + ("error" if any("error" in x for x in r)
-                          else f"{max(x['seconds'] for x in r):.3f} s"), flush=True)
+                    print(
+                        f"rep {rep} {m}: "
+                        + ("error" if any("error" in x for x in r) else f"{max(x['seconds'] for x in r):.3f} s"),
+                        flush=True,
+                    )
         if rank == 0:
             forecast = _forecast(fp8_dir, world)
             rows = summarize(trials, args, world, forecast)

@@ -92,8 +92,12 @@ def run(args) -> dict:
     med = {k: {p: statistics.median(r[p] for r in v) for p in PHASES} for k, v in runs.items()}
     bf16, fp8 = med["bf16"], med["fp8"]
     return {
-        "bench": "setup_cost", "preset": args.preset, "world_size": args.world_size, "reps": args.reps,
-        "fp8_linears": len(plan.fp8), "torch": torch.__version__,
+        "bench": "setup_cost",
+        "preset": args.preset,
+        "world_size": args.world_size,
+        "reps": args.reps,
+        "fp8_linears": len(plan.fp8),
+        "torch": torch.__version__,
         "median_s": med,
         "ratio_swap_plus_fully_shard": (fp8["swap"] + fp8["fully_shard"]) / bf16["fully_shard"],
         "ratio_all": sum(fp8.values()) / (bf16["fully_shard"] + bf16["to_empty"]),
@@ -104,14 +108,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = run(args)
     med = out["median_s"]
-    print(f"{args.preset}, rank 0 of {args.world_size} (fake process group, meta), {out['fp8_linears']} FP8 linears, "
-          f"medians of {args.reps} interleaved runs, process CPU seconds")
+    print(
+        f"{args.preset}, rank 0 of {args.world_size} (fake process group, meta), {out['fp8_linears']} FP8 linears, "
+        f"medians of {args.reps} interleaved runs, process CPU seconds"
+    )
     print(f"{'':6} {'swap':>8} {'fully_shard':>12} {'to_empty':>9} {'total':>8}")
     for kind in ("bf16", "fp8"):
         m = med[kind]
         print(f"{kind:6} {m['swap']:8.3f} {m['fully_shard']:12.3f} {m['to_empty']:9.3f} {sum(m.values()):8.3f}")
-    print(f"FP8 swap + fully_shard / BF16 fully_shard = {out['ratio_swap_plus_fully_shard']:.2f}; "
-          f"FP8 swap + fully_shard + to_empty / BF16 fully_shard + to_empty = {out['ratio_all']:.2f}")
+    print(
+        f"FP8 swap + fully_shard / BF16 fully_shard = {out['ratio_swap_plus_fully_shard']:.2f}; "
+        f"FP8 swap + fully_shard + to_empty / BF16 fully_shard + to_empty = {out['ratio_all']:.2f}"
+    )
     with open(args.results, "a") as fh:
         fh.write(json.dumps(out, sort_keys=True) + "\n")
     return 0

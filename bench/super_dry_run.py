@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
-from fsdp_fp8.load.plan import plan_load
 
 
 def _rss_mib() -> float:
@@ -70,27 +70,43 @@ def main(argv=None) -> int:
 
         t = time.perf_counter()
         cli = subprocess.run(
-            [sys.executable, "-c", "import resource, sys; from fsdp_fp8.cli.commands import main; code = main(sys.argv[1:]);"
-             " print(f'maxrss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}'); sys.exit(code)",
-             "inspect", str(directory), "--world-size", str(args.world_size)],
-            capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                "-c",
+                "import resource, sys; from fsdp_fp8.cli.commands import main; code = main(sys.argv[1:]);"
+                " print(f'maxrss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}'); sys.exit(code)",
+                "inspect",
+                str(directory),
+                "--world-size",
+                str(args.world_size),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         out["inspect_s"] = time.perf_counter() - t
         report, _, rss = cli.stdout.rpartition("maxrss_kib ")
         out["inspect_peak_rss_mib"] = int(rss) / 1024
         print(report.rstrip())
         print()
         gb = 1e9
-        print(f"{args.preset}: {out['params'] / 1e9:.2f}B params, {out['tensors']} tensors "
-              f"({out['fp8_linears']} FP8 linears) in {len(files) - 3} shard files; "
-              f"apparent {out['apparent_bytes'] / gb:.1f} GB, on disk {out['disk_bytes'] / 2**20:.1f} MiB")
-        print(f"write {out['write_s']:.2f} s, open_checkpoint {out['open_s']:.2f} s, meta build + plan "
-              f"{out['meta_build_and_plan_s']:.2f} s (peak RSS {out['peak_rss_mib_in_process']:.0f} MiB), "
-              f"inspect --world-size {args.world_size} {out['inspect_s']:.2f} s "
-              f"(peak RSS {out['inspect_peak_rss_mib']:.0f} MiB)")
+        print(
+            f"{args.preset}: {out['params'] / 1e9:.2f}B params, {out['tensors']} tensors "
+            f"({out['fp8_linears']} FP8 linears) in {len(files) - 3} shard files; "
+            f"apparent {out['apparent_bytes'] / gb:.1f} GB, on disk {out['disk_bytes'] / 2**20:.1f} MiB"
+        )
+        print(
+            f"write {out['write_s']:.2f} s, open_checkpoint {out['open_s']:.2f} s, meta build + plan "
+            f"{out['meta_build_and_plan_s']:.2f} s (peak RSS {out['peak_rss_mib_in_process']:.0f} MiB), "
+            f"inspect --world-size {args.world_size} {out['inspect_s']:.2f} s "
+            f"(peak RSS {out['inspect_peak_rss_mib']:.0f} MiB)"
+        )
         print(f"{'rank':>4} {'FP8 GB':>10} {'high prec. GB':>14} {'held GB':>10} {'staging peak MiB':>17}")
         for f in forecasts:
-            print(f"{f.rank:>4} {f.fp8_bytes / gb:>10.3f} {f.high_precision_bytes / gb:>14.3f} "
-                  f"{f.held_bytes / gb:>10.3f} {f.staging_peak_bytes / 2**20:>17.2f}")
+            print(
+                f"{f.rank:>4} {f.fp8_bytes / gb:>10.3f} {f.high_precision_bytes / gb:>14.3f} "
+                f"{f.held_bytes / gb:>10.3f} {f.staging_peak_bytes / 2**20:>17.2f}"
+            )
         with open(args.results, "a") as fh:
             fh.write(json.dumps(out, sort_keys=True) + "\n")
     finally:

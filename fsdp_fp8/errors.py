@@ -85,8 +85,9 @@ class ModelUnusableError(RuntimeError):
     """Raised by the forward of a model whose load did not complete on every rank."""
 
 
-def raise_if_problems(problems: Iterable[str], context: str | None = None,
-                      error: type[ProblemsError] = CheckpointError) -> None:
+def raise_if_problems(
+    problems: Iterable[str], context: str | None = None, error: type[ProblemsError] = CheckpointError
+) -> None:
     """The boundary: raise ``error(problems, context)`` once if anything was found."""
     problems = list(problems)
     if problems:

@@ -14,8 +14,10 @@ SCHEME = {"num_bits": 8, "type": "float", "dynamic": False}
 
 
 def nested_config(ignore=("lm_head",), kv=None) -> dict:
-    return {"producer": dict(PRODUCER),
-            "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": kv, "exclude_modules": list(ignore)}}
+    return {
+        "producer": dict(PRODUCER),
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": kv, "exclude_modules": list(ignore)},
+    }
 
 
 def flat_config(ignore=("lm_head",)) -> dict:
@@ -23,9 +25,15 @@ def flat_config(ignore=("lm_head",)) -> dict:
 
 
 def config_json_quant(ignore=("lm_head",), kv=False, policy=None) -> dict:
-    q = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": list(ignore), "producer": dict(PRODUCER),
-         "config_groups": {"group_0": {"weights": dict(SCHEME), "input_activations": dict(SCHEME),
-                                       "targets": ["Linear"]}}}
+    q = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "ignore": list(ignore),
+        "producer": dict(PRODUCER),
+        "config_groups": {
+            "group_0": {"weights": dict(SCHEME), "input_activations": dict(SCHEME), "targets": ["Linear"]}
+        },
+    }
     if kv:
         q["kv_cache_scheme"] = dict(SCHEME)
     if policy is not None:
@@ -33,12 +41,23 @@ def config_json_quant(ignore=("lm_head",), kv=False, policy=None) -> dict:
     return q
 
 
-def fp8_linear(name: str, out_features: int, in_features: int, *, bias: bool = False,
-               weight_scale: float = 0.01, input_scale: float = 0.02, seed: int = 0) -> dict:
+def fp8_linear(
+    name: str,
+    out_features: int,
+    in_features: int,
+    *,
+    bias: bool = False,
+    weight_scale: float = 0.01,
+    input_scale: float = 0.02,
+    seed: int = 0,
+) -> dict:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=g).clamp(-400, 400).to(torch.float8_e4m3fn)
-    tensors = {f"{name}.weight": w, f"{name}.weight_scale": torch.tensor(weight_scale),
-               f"{name}.input_scale": torch.tensor(input_scale)}
+    tensors = {
+        f"{name}.weight": w,
+        f"{name}.weight_scale": torch.tensor(weight_scale),
+        f"{name}.input_scale": torch.tensor(input_scale),
+    }
     if bias:
         tensors[f"{name}.bias"] = torch.randn(out_features, generator=g).to(torch.bfloat16)
     return tensors
@@ -46,16 +65,25 @@ def fp8_linear(name: str, out_features: int, in_features: int, *, bias: bool = F
 
 def small_tensors(bias: bool = False) -> dict:
     """Two FP8 linears, a norm and an lm_head: matches ``SmallModel`` in the plan tests."""
-    tensors = {**fp8_linear("layers.0.up", 24, 16, bias=bias, seed=1),
-               **fp8_linear("layers.0.down", 16, 24, seed=2, weight_scale=0.03),
-               "norm.weight": torch.ones(16, dtype=torch.bfloat16),
-               "lm_head.weight": torch.randn(40, 16).to(torch.bfloat16)}
+    tensors = {
+        **fp8_linear("layers.0.up", 24, 16, bias=bias, seed=1),
+        **fp8_linear("layers.0.down", 16, 24, seed=2, weight_scale=0.03),
+        "norm.weight": torch.ones(16, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(40, 16).to(torch.bfloat16),
+    }
     return tensors
 
 
-def write_checkpoint(directory: Path, tensors: dict, *, quant: str | None = "nested",
-                     shards: list[list[str]] | None = None, config: dict | None = None,
-                     hf_quant: dict | None = None, stem: str = "model") -> Path:
+def write_checkpoint(
+    directory: Path,
+    tensors: dict,
+    *,
+    quant: str | None = "nested",
+    shards: list[list[str]] | None = None,
+    config: dict | None = None,
+    hf_quant: dict | None = None,
+    stem: str = "model",
+) -> Path:
     """``quant``: "nested" | "flat" | "config" | "both" (nested + config.json) | None.
 
     ``shards`` lists the keys of each shard; None writes ``<stem>.safetensors``.
@@ -87,14 +115,15 @@ def write_checkpoint(directory: Path, tensors: dict, *, quant: str | None = "nes
 
 def write_index(directory: Path, weight_map: dict, stem: str = "model") -> None:
     (Path(directory) / f"{stem}.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 def read_raw(path: Path) -> tuple[dict, bytes]:
     """The header object and the data region of a safetensors file."""
     raw = Path(path).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_raw(path: Path, header: dict | bytes, data: bytes, header_len: int | None = None) -> None:

@@ -146,7 +146,8 @@ def _collect(procs, readers, timeout: float) -> RankResults:
             stop_at = min(stop_at, last_finish + LAG_GRACE_S)
         if now >= stop_at:
             stopped = (
-                f"the run timed out after {timeout:.1f} s" if now >= deadline
+                f"the run timed out after {timeout:.1f} s"
+                if now >= deadline
                 else f"it was still running {FAIL_GRACE_S:.0f} s after another rank failed"
                 if first_failure is not None
                 else f"it was still running {LAG_GRACE_S:.0f} s after the last other rank finished"
@@ -182,9 +183,7 @@ def _collect(procs, readers, timeout: float) -> RankResults:
         elif kind is None and rank in killed:
             problems.append(f"rank {rank} returned no result and was killed: {stopped}")
         elif kind is None:
-            problems.append(
-                f"rank {rank} {_describe_exit(exited[rank])} before returning a result"
-            )
+            problems.append(f"rank {rank} {_describe_exit(exited[rank])} before returning a result")
     if problems:
         raise RanksFailed(f"{len(problems)} of {world_size} ranks failed:\n\n" + "\n\n".join(problems))
 

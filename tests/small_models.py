@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 
 import torch
+from ckpt_writer import nested_config, write_checkpoint
 from torch import nn
 from torch.nn import functional as F
-
-from ckpt_writer import nested_config, write_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-sharded"
 HIDDEN = 16
@@ -67,7 +66,11 @@ def uneven_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     for i in range(2):
         p = f"layers.{i}"
         tensors[f"{p}.norm"] = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(torch.bfloat16)
-        for name, (rows, cols, bias) in {"up": (7, HIDDEN, True), "down": (HIDDEN, 7, False), "gate": (1, HIDDEN, True)}.items():
+        for name, (rows, cols, bias) in {
+            "up": (7, HIDDEN, True),
+            "down": (HIDDEN, 7, False),
+            "gate": (1, HIDDEN, True),
+        }.items():
             codes, scale = quantize_per_tensor(torch.randn(rows, cols, generator=g) / cols**0.5)
             tensors[f"{p}.{name}.weight"] = codes
             tensors[f"{p}.{name}.weight_scale"] = scale.float()

@@ -15,8 +15,15 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-sharded"
-PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJ = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 class RMSNorm(nn.Module):
@@ -136,5 +143,8 @@ def test_fixture_plan_refuses_a_float32_model():
         plan_load(ckpt, llama_on_meta(torch.float32))
     # every high-precision tensor is refused (never cast); FP8 targets just compute in float32
     assert len(info.value.problems) == len(ckpt.high_precision)
-    assert any(p.startswith("`model.norm.weight` in model-00004-of-00005.safetensors is BF16")
-               and "model `model.norm.weight` is torch.float32" in p for p in info.value.problems)
+    assert any(
+        p.startswith("`model.norm.weight` in model-00004-of-00005.safetensors is BF16")
+        and "model `model.norm.weight` is torch.float32" in p
+        for p in info.value.problems
+    )

@@ -7,23 +7,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from ckpt_writer import small_tensors, write_checkpoint
+from safetensors import safe_open
+from test_checkpoint_fixture import FIXTURE, llama_on_meta
+
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.safetensors_header import read_header
 from fsdp_fp8.format.sharding import chunk_rows
 from fsdp_fp8.load.plan import plan_load
-from test_checkpoint_fixture import FIXTURE, llama_on_meta
 
 
 @pytest.fixture
 def written(tmp_path):
-    t = {"m3": torch.arange(5 * 3 * 2, dtype=torch.float32).reshape(5, 3, 2),
-         "v": torch.arange(7, dtype=torch.int16), "s": torch.tensor(2.5), "e": torch.zeros(0, 4, dtype=torch.bfloat16),
-         "f8": torch.linspace(-4, 4, 12).reshape(3, 4).to(torch.float8_e4m3fn)}
+    t = {
+        "m3": torch.arange(5 * 3 * 2, dtype=torch.float32).reshape(5, 3, 2),
+        "v": torch.arange(7, dtype=torch.int16),
+        "s": torch.tensor(2.5),
+        "e": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "f8": torch.linspace(-4, 4, 12).reshape(3, 4).to(torch.float8_e4m3fn),
+    }
     write_checkpoint(tmp_path, t, quant=None)
     return tmp_path, t
 
@@ -56,8 +60,11 @@ def test_read_bytes_into_out_and_its_checks(written):
     got = slice_reader.read_bytes(entry, 1, 3, out=out)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got, torch.arange(6, 18, dtype=torch.float32).reshape(2, 3, 2))
-    for bad in (torch.empty(47, dtype=torch.uint8), torch.empty(48, dtype=torch.int8),
-                torch.empty(96, dtype=torch.uint8)[::2]):
+    for bad in (
+        torch.empty(47, dtype=torch.uint8),
+        torch.empty(48, dtype=torch.int8),
+        torch.empty(96, dtype=torch.uint8)[::2],
+    ):
         with pytest.raises(ValueError, match="out must be a contiguous uint8 CPU tensor of 48 bytes"):
             slice_reader.read_bytes(entry, 1, 3, out=bad)
     with pytest.raises(ValueError, match=r"`m3` .* row range \[4, 6\)"):
@@ -108,11 +115,14 @@ def test_open_and_plan_read_only_scale_bytes(monkeypatch):
     ckpt = open_checkpoint(FIXTURE)
     plan_load(ckpt, llama_on_meta())
     assert slice_reader.bytes_read() == 4 * 2 * len(ckpt.fp8_modules)
-    assert sorted(reads) == sorted(k for m in ckpt.fp8_modules.values() for k in (m.weight_scale.key, m.input_scale.key))
+    assert sorted(reads) == sorted(
+        k for m in ckpt.fp8_modules.values() for k in (m.weight_scale.key, m.input_scale.key)
+    )
     # Each file is opened exactly once: the scales are read through the descriptors the headers
     # were checked through, never by reopening a path someone may have replaced meanwhile.
-    assert sorted(Path(p).name for p in opened) == sorted(p.name for p in FIXTURE.iterdir()
-                                                          if p.name != "generation_config.json")
+    assert sorted(Path(p).name for p in opened) == sorted(
+        p.name for p in FIXTURE.iterdir() if p.name != "generation_config.json"
+    )
 
 
 def test_plan_rank_bytes_match_reading_each_rank(tmp_path):

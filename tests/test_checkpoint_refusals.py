@@ -7,16 +7,32 @@ import os
 
 import pytest
 import torch
+from ckpt_writer import (
+    edit_header,
+    nested_config,
+    read_raw,
+    set_scalar,
+    small_tensors,
+    write_checkpoint,
+    write_index,
+    write_raw,
+)
 
-from ckpt_writer import (edit_header, nested_config, read_raw, set_scalar, small_tensors,
-                         write_checkpoint, write_index, write_raw)
-from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.safetensors_header import MAX_HEADER_BYTES
 
-SHARDS = [["layers.0.up.weight", "norm.weight"],
-          ["layers.0.up.weight_scale", "layers.0.up.input_scale", "layers.0.down.weight",
-           "layers.0.down.weight_scale", "layers.0.down.input_scale", "lm_head.weight"]]
+SHARDS = [
+    ["layers.0.up.weight", "norm.weight"],
+    [
+        "layers.0.up.weight_scale",
+        "layers.0.up.input_scale",
+        "layers.0.down.weight",
+        "layers.0.down.weight_scale",
+        "layers.0.down.input_scale",
+        "lm_head.weight",
+    ],
+]
 S1, S2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
@@ -45,6 +61,7 @@ def sharded(tmp_path):
 
 # --- safetensors headers -------------------------------------------------------------------
 
+
 def _corrupt(path, edit):
     header, data = read_raw(path / "model.safetensors")
     edit(header)
@@ -56,7 +73,10 @@ HEADER_CASES = {
     "negative dim": (lambda h: h["norm.weight"].update(shape=[-16]), ["`norm.weight`", "not a list of non-negative"]),
     "float dim": (lambda h: h["norm.weight"].update(shape=[16.0]), ["`norm.weight`", "not a list of non-negative"]),
     "shape not list": (lambda h: h["norm.weight"].update(shape="16"), ["`norm.weight`", "not a list of non-negative"]),
-    "bytes != range": (lambda h: h["norm.weight"].update(shape=[8, 2, 2]), ["`norm.weight`", "needs 64 bytes", "span 32"]),
+    "bytes != range": (
+        lambda h: h["norm.weight"].update(shape=[8, 2, 2]),
+        ["`norm.weight`", "needs 64 bytes", "span 32"],
+    ),
     "extra field": (lambda h: h["norm.weight"].update(crc=1), ["`norm.weight`", "unknown fields ['crc']"]),
     "missing field": (lambda h: h["norm.weight"].pop("shape"), ["`norm.weight`", "missing fields ['shape']"]),
     "bad offsets": (lambda h: h["norm.weight"].update(data_offsets=[5]), ["`norm.weight`", "data_offsets [5]"]),
@@ -121,15 +141,22 @@ def test_file_shorter_than_length_prefix(single):
     one(refused(single), "model.safetensors: truncated", "8-byte")
 
 
-@pytest.mark.parametrize("text, needle", [(b"{not json", "not valid JSON"), (b"[1, 2]", "not a JSON object"),
-                                          (b'{"a": 1, "a": 2}', "duplicate key `a`"),
-                                          (b"\xff\xfe{}", "not valid JSON")])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"a": 1, "a": 2}', "duplicate key `a`"),
+        (b"\xff\xfe{}", "not valid JSON"),
+    ],
+)
 def test_header_not_a_json_object(single, text, needle):
     write_raw(single / "model.safetensors", text, b"")
     one(refused(single), "model.safetensors header", needle)
 
 
 # --- directory layout and index ------------------------------------------------------------
+
 
 def _remap(path, key, value):
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
@@ -143,10 +170,15 @@ def test_index_names_missing_file(sharded):
     one(found, "model.safetensors.index.json", "'model-00003-of-00002.safetensors'", "does not exist")
 
 
-@pytest.mark.parametrize("name, needle", [("/etc/passwd.safetensors", "absolute path"),
-                                          ("../x.safetensors", "uses '..'"),
-                                          ("sub/x.safetensors", "not a plain file name"),
-                                          ("pytorch_model.bin", "not a .safetensors file")])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("/etc/passwd.safetensors", "absolute path"),
+        ("../x.safetensors", "uses '..'"),
+        ("sub/x.safetensors", "not a plain file name"),
+        ("pytorch_model.bin", "not a .safetensors file"),
+    ],
+)
 def test_index_names_unsafe_path(sharded, name, needle):
     _remap(sharded, "norm.weight", name)
     one(refused(sharded), "model.safetensors.index.json", repr(name), needle)
@@ -167,9 +199,15 @@ def test_symlink_inside_directory_is_followed(tmp_path):
     assert "norm.weight" in open_checkpoint(ckpt).high_precision
 
 
-@pytest.mark.parametrize("text, needle", [("{oops", "not valid JSON"), ('{"metadata": {}}', "`weight_map` is missing"),
-                                          ('{"weight_map": []}', "`weight_map` is missing"),
-                                          ("[]", "not a JSON object")])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{oops", "not valid JSON"),
+        ('{"metadata": {}}', "`weight_map` is missing"),
+        ('{"weight_map": []}', "`weight_map` is missing"),
+        ("[]", "not a JSON object"),
+    ],
+)
 def test_bad_index(sharded, text, needle):
     (sharded / "model.safetensors.index.json").write_text(text)
     one(refused(sharded), "model.safetensors.index.json", needle)
@@ -221,6 +259,7 @@ def test_ambiguous_single_and_index(sharded):
 
 # --- FP8 tensors and scales ----------------------------------------------------------------
 
+
 def _without(key):
     t = small_tensors()
     del t[key]
@@ -233,9 +272,14 @@ def test_fp8_weight_without_scale(tmp_path, suffix):
     one(refused(path), "`layers.0.up.weight` in model.safetensors is F8_E4M3", f"`layers.0.up.{suffix}` is missing")
 
 
-@pytest.mark.parametrize("value, needle", [(torch.tensor(0.01, dtype=torch.bfloat16), "got BF16 shape ()"),
-                                           (torch.tensor([0.01, 0.02]), "got F32 shape (2,)"),
-                                           (torch.tensor(1, dtype=torch.int32), "got I32 shape ()")])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        (torch.tensor(0.01, dtype=torch.bfloat16), "got BF16 shape ()"),
+        (torch.tensor([0.01, 0.02]), "got F32 shape (2,)"),
+        (torch.tensor(1, dtype=torch.int32), "got I32 shape ()"),
+    ],
+)
 def test_scale_wrong_dtype_or_size(tmp_path, value, needle):
     t = small_tensors()
     t["layers.0.down.input_scale"] = value
@@ -303,14 +347,20 @@ def test_foreign_modelopt_tensor(tmp_path):
 def test_kv_scales_need_kv_config_and_vice_versa(tmp_path):
     t = {**small_tensors(), "attn.k_proj.k_scale": torch.tensor(1.0), "attn.v_proj.v_scale": torch.tensor(1.0)}
     one(refused(write_checkpoint(tmp_path / "a", t)), "KV-cache scales", "kv_cache_quant_algo is null")
-    one(refused(write_checkpoint(tmp_path / "b", small_tensors(), hf_quant=nested_config(kv="FP8"))),
-        "kv_cache_quant_algo FP8", "no `*.k_scale`")
+    one(
+        refused(write_checkpoint(tmp_path / "b", small_tensors(), hf_quant=nested_config(kv="FP8"))),
+        "kv_cache_quant_algo FP8",
+        "no `*.k_scale`",
+    )
     ckpt = open_checkpoint(write_checkpoint(tmp_path / "c", t, hf_quant=nested_config(kv="FP8")))
     assert set(ckpt.kv_scales) == {"attn.k_proj.k_scale", "attn.v_proj.v_scale"}
     assert not set(ckpt.kv_scales) & set(ckpt.high_precision)
     t["attn.v_proj.v_scale"] = torch.tensor(-1.0)
-    one(refused(write_checkpoint(tmp_path / "d", t, hf_quant=nested_config(kv="FP8"))), "`attn.v_proj.v_scale`",
-        "finite and > 0")
+    one(
+        refused(write_checkpoint(tmp_path / "d", t, hf_quant=nested_config(kv="FP8"))),
+        "`attn.v_proj.v_scale`",
+        "finite and > 0",
+    )
 
 
 def test_every_problem_reported_at_once(tmp_path):
@@ -330,10 +380,12 @@ def test_every_problem_reported_at_once(tmp_path):
 
 # --- accepted layouts ----------------------------------------------------------------------
 
+
 def test_diffusers_pipeline_root_and_sharded_diffusion_names(tmp_path):
     t = small_tensors()
-    write_checkpoint(tmp_path / "transformer", t, shards=[list(t)[:4], list(t)[4:]], quant="config",
-                     stem="diffusion_pytorch_model")
+    write_checkpoint(
+        tmp_path / "transformer", t, shards=[list(t)[:4], list(t)[4:]], quant="config", stem="diffusion_pytorch_model"
+    )
     (tmp_path / "model_index.json").write_text("{}")
     ckpt = open_checkpoint(tmp_path)
     assert ckpt.directory == tmp_path / "transformer"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_models import write_uneven_checkpoint
 
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.errors import CheckpointError
-from small_models import write_uneven_checkpoint
 
 FIXTURES = sorted(p for p in (Path(__file__).parent / "fixtures").iterdir() if p.name.startswith("modelopt-"))
 NEEDS_HF = {p.name for p in FIXTURES}  # transformers / diffusers classes
@@ -25,12 +25,18 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("cli")
     model = init_weights(build_model(PRESETS["tiny"], device="cpu"), seed=0)
-    mot = export_fp8(model, root / "mot-tiny", config=model.config.to_config_dict(),
-                     input_scales={n: 0.01 for n, m in model.named_modules()
-                                   if isinstance(m, torch.nn.Linear) and n != "lm_head"},
-                     ignore=("lm_head",))
-    return {**{p.name: p for p in FIXTURES}, "mot-tiny": Path(mot),
-            "no-model-class": write_uneven_checkpoint(root / "uneven")}
+    mot = export_fp8(
+        model,
+        root / "mot-tiny",
+        config=model.config.to_config_dict(),
+        input_scales={n: 0.01 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"},
+        ignore=("lm_head",),
+    )
+    return {
+        **{p.name: p for p in FIXTURES},
+        "mot-tiny": Path(mot),
+        "no-model-class": write_uneven_checkpoint(root / "uneven"),
+    }
 
 
 def _load_verdict(path: Path, device: str) -> CheckpointError | None:
@@ -83,8 +89,10 @@ def test_the_refusals_verify_reports(checkpoints, capsys):
     pytest.importorskip("transformers")
     assert cli.main(["verify", str(checkpoints["modelopt-0.47-qwen3-moe"]), "--device", "cpu"]) == 1
     assert "fused expert parameters" in capsys.readouterr().err
-    assert cli.main(["verify", str(checkpoints["modelopt-0.47-llama-sharded"]), "--world-size", "3",
-                     "--device", "cpu"]) == 0
+    assert (
+        cli.main(["verify", str(checkpoints["modelopt-0.47-llama-sharded"]), "--world-size", "3", "--device", "cpu"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "as LlamaForCausalLM (causal_lm): 14 FP8 linears" in out
     assert out.count(" of 3: reads ") == 3
@@ -108,13 +116,16 @@ def test_run_help_is_the_launchers(capsys):
     assert "--checkpoint" in out and "--steps" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["inspect", "x", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
-    (["verify", "x", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
-    (["verify", "x", "--device", "mps"], "argument --device: invalid choice: 'mps'"),
-    (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
-    ([], "the following arguments are required: command"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "x", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+        (["verify", "x", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
+        (["verify", "x", "--device", "mps"], "argument --device: invalid choice: 'mps'"),
+        (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: command"),
+    ],
+)
 def test_bad_options_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)

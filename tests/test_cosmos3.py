@@ -55,8 +55,11 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 # --- the wiring check: which sequence each FP8 linear receives, and its precision per step ----
@@ -85,6 +88,7 @@ def wiring_mismatches(model, policy, towers) -> tuple[dict, list[str]]:
         handles.append(layer.register_forward_pre_hook(lambda _m, a: running.append((a[0].shape[0], a[1].shape[0]))))
         handles.append(layer.register_forward_hook(lambda *_: running.pop() and None))  # None: keep the output
     for name, module in fp8.items():
+
         def record(mod, args, name=name):
             rows = args[0].reshape(-1, mod.in_features).shape[0]
             if not running:
@@ -93,6 +97,7 @@ def wiring_mismatches(model, policy, towers) -> tuple[dict, list[str]]:
                 und, gen = running[-1]
                 kinds[name].add("und" if rows == und else "gen" if rows == gen else f"? {rows} rows")
             modes.setdefault((step[0], name), set()).add(mod.mode)
+
         handles.append(module.register_forward_pre_hook(record))
 
     class Step:
@@ -137,10 +142,15 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     obs["mismatches"] = None
     if rank == 0:
         files = load_files(FIXTURE)
-        obs["mismatches"] = ([f"missing {k}" for k in sorted(set(files) - set(gathered))]
-                             + [f"extra {k}" for k in sorted(set(gathered) - set(files))]
-                             + [f"bytes differ: {k}" for k in sorted(set(files) & set(gathered))
-                                if not _same_bytes(gathered[k], files[k])])
+        obs["mismatches"] = (
+            [f"missing {k}" for k in sorted(set(files) - set(gathered))]
+            + [f"extra {k}" for k in sorted(set(gathered) - set(files))]
+            + [
+                f"bytes differ: {k}"
+                for k in sorted(set(files) & set(gathered))
+                if not _same_bytes(gathered[k], files[k])
+            ]
+        )
     obs["fp8"], obs["towers"] = len(loaded.fp8_linears), loaded.towers
     with torch.no_grad():
         out = loaded.model(**seeded_inputs(loaded.model.config, torch.bfloat16, torch.Generator().manual_seed(0)))
@@ -160,8 +170,14 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     generation = pipe.transformer.fsdp_fp8_precision.generation[0]
     calls = []
     handle = generation.register_forward_pre_hook(lambda m, a: calls.append(m.mode))
-    out = pipe("a red fox", **PIPE_SIZE, num_inference_steps=STEPS, guidance_scale=3.0,
-               generator=torch.Generator().manual_seed(0), output_type="latent")
+    out = pipe(
+        "a red fox",
+        **PIPE_SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
     handle.remove()
     obs["pipe_digest"], obs["pipe_calls"] = _digest(out.video), calls
     obs["pipe_trace"] = list(pipe.transformer.fsdp_fp8_precision.trace)
@@ -223,8 +239,15 @@ def test_output_matches_a_dequantize_then_matmul_reference(observed):
     from fsdp_fp8.interop.cosmos import seeded_inputs
 
     files = load_files(FIXTURE)
-    state = {k: (v.float() * files[k.removesuffix(".weight") + ".weight_scale"] if v.dtype == torch.float8_e4m3fn
-                 else v.float()) for k, v in files.items() if not k.endswith("_scale")}
+    state = {
+        k: (
+            v.float() * files[k.removesuffix(".weight") + ".weight_scale"]
+            if v.dtype == torch.float8_e4m3fn
+            else v.float()
+        )
+        for k, v in files.items()
+        if not k.endswith("_scale")
+    }
     config = {k: v for k, v in Cosmos3OmniTransformer.load_config(FIXTURE).items() if k != "quantization_config"}
     model = Cosmos3OmniTransformer.from_config(config).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -289,9 +312,12 @@ def test_a_policy_that_needs_towers_on_a_class_with_none_is_refused(tmp_path):
         load_model(None, flux, device=torch.device("cpu"))
     assert "towers=" in str(info.value) and "FluxTransformer2DModel" in str(info.value)
     # The same checkpoint loads once the user says which linear is in which tower.
-    loaded = load_model(None, flux, device=torch.device("cpu"),
-                        towers=lambda m: {n: "generation" for n, mod in m.named_modules()
-                                          if isinstance(mod, torch.nn.Linear)})
+    loaded = load_model(
+        None,
+        flux,
+        device=torch.device("cpu"),
+        towers=lambda m: {n: "generation" for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)},
+    )
     assert set(loaded.towers.values()) == {"generation"}
 
 

@@ -10,8 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-SOURCES = sorted([*ROOT.glob("fsdp_fp8/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("bench/*.py"),
-                  *ROOT.glob("tests/**/*.py")])
+SOURCES = sorted(
+    [*ROOT.glob("fsdp_fp8/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py")]
+)
 # A format note kept outside the repository, and home or workspace directories of one machine.
 OUTSIDE = re.compile(r"FORMAT\.md|/work/|/root/|/home/\w|/Users/\w")
 
@@ -20,8 +21,11 @@ OUTSIDE = re.compile(r"FORMAT\.md|/work/|/root/|/home/\w|/Users/\w")
 def test_nothing_outside_the_repository_is_cited(path):
     if path == Path(__file__).resolve():
         return  # this file names what it looks for
-    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-            if OUTSIDE.search(line)]
+    hits = [
+        f"{path.name}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert hits == []
 
 
@@ -74,24 +78,29 @@ def test_no_snippet_assumes_cuda(path):
         lines = block.splitlines()
         for n, line in enumerate(lines):
             if "cuda.set_device" in line:
-                assert any("cuda.is_available()" in above for above in lines[max(0, n - 3):n]), block
+                assert any("cuda.is_available()" in above for above in lines[max(0, n - 3) : n]), block
 
 
 def test_the_load_model_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     """usage.md's first snippet, in one process on this machine, with its two placeholders
     bound: ``MyModel`` to the reference model and the path to a checkpoint of it."""
+    import dataclasses
+
     from fsdp_fp8.export.modelopt import export_fp8
     from fsdp_fp8.models import PRESETS, MoTConfig, build_model, init_weights
-
-    import dataclasses
 
     # Every FP8 linear 16-aligned, so that the same snippet loads onto CUDA where there is one.
     config = dataclasses.replace(PRESETS["tiny"], intermediate_size=96)
     model = init_weights(build_model(config, device="cpu"), seed=0)
     kept = ("lm_head", "proj_in", "proj_out")  # 6 latent channels: not a multiple of 16
     linears = [n for n, m in model.named_modules() if type(m).__name__ == "Linear" and n not in kept]
-    ckpt = export_fp8(model, tmp_path / "ckpt", config=model.config.to_config_dict(),
-                      input_scales={n: 0.01 for n in linears}, ignore=kept)
+    ckpt = export_fp8(
+        model,
+        tmp_path / "ckpt",
+        config=model.config.to_config_dict(),
+        input_scales={n: 0.01 for n in linears},
+        ignore=kept,
+    )
     snippet = _python_blocks(ROOT / "docs" / "usage.md")[0]
     assert '"/path/to/checkpoint"' in snippet and "MyModel" in snippet
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -16,10 +16,15 @@ def test_problems_are_sorted_deduplicated_and_counted():
     assert str(errors.ExportError(["only"])) == "cannot export: 1 problem:\n  - only"
 
 
-@pytest.mark.parametrize("cls, base", [
-    (errors.CheckpointError, ValueError), (errors.ExportError, ValueError), (errors.QuantizeError, ValueError),
-    (errors.LoadFailedError, RuntimeError),
-])
+@pytest.mark.parametrize(
+    "cls, base",
+    [
+        (errors.CheckpointError, ValueError),
+        (errors.ExportError, ValueError),
+        (errors.QuantizeError, ValueError),
+        (errors.LoadFailedError, RuntimeError),
+    ],
+)
 def test_every_problems_error_survives_pickling_with_its_parts(cls, base):
     exc = cls(["rank 1: x", "rank 0: y"], "ctx")
     back = pickle.loads(pickle.dumps(exc))  # results and errors cross process pipes between ranks

@@ -56,8 +56,7 @@ def recorded_input_amax(model, names) -> dict[str, torch.Tensor]:
         amax[name] = torch.maximum(amax.get(name, torch.tensor(0.0)), x.abs().max().float())
 
     handles = [
-        model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: record(n, args[0]))
-        for n in names
+        model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: record(n, args[0])) for n in names
     ]
     calibrate(model)
     for h in handles:
@@ -128,7 +127,10 @@ def test_json_layout_matches_modelopt(tmp_path):
     assert list(hf) == list(fhf) and list(hf["quantization"]) == list(fhf["quantization"])
     assert hf["producer"] == qc["producer"]
     assert hf["quantization"] == {
-        "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": list(DEFAULT_IGNORE)}
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": None,
+        "exclude_modules": list(DEFAULT_IGNORE),
+    }
     index = json.loads((tmp_path / f"{STEM}.safetensors.index.json").read_text())
     assert list(index) == ["metadata", "weight_map"]
     assert list(index["metadata"]) == ["total_parameters", "total_size"]
@@ -172,8 +174,7 @@ def test_scales_in_separate_shard(tmp_path, max_shard_size):
 
 def test_single_file_without_shard_size(tmp_path):
     export(tiny(), tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "config.json", f"{STEM}.safetensors", "hf_quant_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", f"{STEM}.safetensors", "hf_quant_config.json"]
 
 
 def test_exports_are_byte_identical_and_state_dict_input_agrees(tmp_path):
@@ -182,8 +183,14 @@ def test_exports_are_byte_identical_and_state_dict_input_agrees(tmp_path):
     b = export(tiny(), tmp_path / "b", max_shard_size=40_000, scales_in_separate_shard=True)
     tensors, _, _ = read_all(a)
     scales = {k[: -len(".input_scale")]: v for k, v in tensors.items() if k.endswith(".input_scale")}
-    c = export_fp8(model.state_dict(), tmp_path / "c", config=model.config.to_config_dict(),
-                   input_scales=scales, max_shard_size=40_000, scales_in_separate_shard=True)
+    c = export_fp8(
+        model.state_dict(),
+        tmp_path / "c",
+        config=model.config.to_config_dict(),
+        input_scales=scales,
+        max_shard_size=40_000,
+        scales_in_separate_shard=True,
+    )
     names = sorted(p.name for p in a.iterdir())
     assert len(names) > 3
     for other in (b, c):
@@ -210,8 +217,9 @@ def test_bad_requests_are_refused(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         export_fp8(model, tmp_path / "a", config=config)
     with pytest.raises(ValueError, match="lm_head.*no input scale"):
-        export_fp8(model, tmp_path / "b", config=config, calibrate=calibrate,
-                   ignore=["proj_*", "time_embedder*"])  # lm_head is never called by sampling
+        export_fp8(
+            model, tmp_path / "b", config=config, calibrate=calibrate, ignore=["proj_*", "time_embedder*"]
+        )  # lm_head is never called by sampling
     with pytest.raises(ValueError, match="`nope` in input_scales"):
         export_fp8(model, tmp_path / "c", config=config, input_scales={"nope": 1.0})
     with pytest.raises(ValueError, match="first_steps"):

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_writer import config_json_quant, edit_header, nested_config, read_raw, set_scalar, write_index, write_raw
 from ranks import RanksFailed, run_ranks
 from small_models import HIDDEN, UnevenModel, write_uneven_checkpoint
@@ -50,8 +49,10 @@ def _inject(rank: int, case: dict, stack) -> None:
         return
     fault = case.get("fault")
     if fault == "raise_read":
+
         def broken_read(entry, *args, **kwargs):
             raise _Injected(f"injected read failure for `{entry.key}`")
+
         stack.enter_context(_patched(slice_reader, "read_bytes", broken_read))
     elif fault == "truncate_after_agreement":
         real = api.agree_or_raise
@@ -61,10 +62,13 @@ def _inject(rank: int, case: dict, stack) -> None:
             path = Path(case["paths"][rank]) / S3  # this rank's copy: the others keep theirs
             header_len = int.from_bytes(path.read_bytes()[:8], "little")
             os.truncate(path, 8 + header_len)  # every scale it still has to read is gone
+
         stack.enter_context(_patched(api, "agree_or_raise", agree_then_truncate))
     elif fault == "die_read":
+
         def dying_read(*args, **kwargs):
             os._exit(17)
+
         stack.enter_context(_patched(slice_reader, "read_bytes", dying_read))
     elif fault == "die_open":
         stack.enter_context(_patched(api, "open_checkpoint", lambda path: os._exit(17)))
@@ -215,6 +219,7 @@ def _set_shape(path: Path) -> None:
 
     def edit(h):
         h[key]["shape"] = [d * 2 for d in h[key]["shape"]] or [2]
+
     edit_header(path, edit)
 
 
@@ -234,8 +239,9 @@ def _with_configs(directory: Path, hf_quant=None, quantization_config=None) -> N
     if hf_quant is not None:
         (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant))
     if quantization_config is not None:
-        (directory / "config.json").write_text(json.dumps({"model_type": "test",
-                                                           "quantization_config": quantization_config}))
+        (directory / "config.json").write_text(
+            json.dumps({"model_type": "test", "quantization_config": quantization_config})
+        )
 
 
 def _nested(edit):
@@ -257,46 +263,79 @@ def _group(q):
 # name -> (edit(directory), needles the error must contain)
 HOSTILE = {
     "truncated shard": (lambda d: (d / S1).write_bytes((d / S1).read_bytes()[:-3]), [S1, "truncated"]),
-    "header length > file": (lambda d: write_raw(d / S2, *read_raw(d / S2), header_len=10**7),
-                             [S2, "header length 10000000 is larger than the file"]),
+    "header length > file": (
+        lambda d: write_raw(d / S2, *read_raw(d / S2), header_len=10**7),
+        [S2, "header length 10000000 is larger than the file"],
+    ),
     "non-JSON header": (lambda d: write_raw(d / S1, b"{not json", b""), [S1, "not valid JSON"]),
     "overlapping ranges": (lambda d: _overlap(d / S1), [S1, "overlaps"]),
     "gapped ranges": (lambda d: _gap(d / S1), [S1, "4 unaccounted bytes"]),
     "overrunning range": (lambda d: _overrun(d / S2), [S2, "truncated: tensors end at byte"]),
     "dtype/shape vs byte range": (lambda d: _set_shape(d / S1), [S1, "bytes but data_offsets"]),
     "unknown dtype": (lambda d: _set_dtype(d / S1, "F4_E2M1"), [S1, "unknown dtype 'F4_E2M1'"]),
-    "NaN scale": (lambda d: set_scalar(d / S3, "layers.0.up.weight_scale", float("nan")),
-                  ["`layers.0.up.weight_scale`", "is nan", "finite and > 0"]),
-    "inf scale": (lambda d: set_scalar(d / S3, "layers.1.gate.input_scale", float("inf")),
-                  ["`layers.1.gate.input_scale`", "is inf", "finite and > 0"]),
-    "zero scale": (lambda d: set_scalar(d / S3, "layers.0.down.weight_scale", 0.0),
-                   ["`layers.0.down.weight_scale`", "is 0.0", "finite and > 0"]),
-    "negative scale": (lambda d: set_scalar(d / S3, "layers.1.up.input_scale", -1.0),
-                       ["`layers.1.up.input_scale`", "is -1.0", "finite and > 0"]),
-    "index not JSON": (lambda d: (d / "model.safetensors.index.json").write_text("{oops"),
-                       ["model.safetensors.index.json is not valid JSON"]),
-    "index without weight_map": (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
-                                 ["model.safetensors.index.json", "`weight_map` is missing"]),
+    "NaN scale": (
+        lambda d: set_scalar(d / S3, "layers.0.up.weight_scale", float("nan")),
+        ["`layers.0.up.weight_scale`", "is nan", "finite and > 0"],
+    ),
+    "inf scale": (
+        lambda d: set_scalar(d / S3, "layers.1.gate.input_scale", float("inf")),
+        ["`layers.1.gate.input_scale`", "is inf", "finite and > 0"],
+    ),
+    "zero scale": (
+        lambda d: set_scalar(d / S3, "layers.0.down.weight_scale", 0.0),
+        ["`layers.0.down.weight_scale`", "is 0.0", "finite and > 0"],
+    ),
+    "negative scale": (
+        lambda d: set_scalar(d / S3, "layers.1.up.input_scale", -1.0),
+        ["`layers.1.up.input_scale`", "is -1.0", "finite and > 0"],
+    ),
+    "index not JSON": (
+        lambda d: (d / "model.safetensors.index.json").write_text("{oops"),
+        ["model.safetensors.index.json is not valid JSON"],
+    ),
+    "index without weight_map": (
+        lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+        ["model.safetensors.index.json", "`weight_map` is missing"],
+    ),
     "index path outside dir": (lambda d: _remap(d, "shift", "../" + S1), ["'../" + S1 + "'", "uses '..'"]),
     "index absolute path": (lambda d: _remap(d, "shift", "/etc/passwd.safetensors"), ["absolute path"]),
-    "no safetensors": (lambda d: [p.unlink() for p in d.glob("*.safetensors*")],
-                       ["no safetensors checkpoint"]),
-    "pickle offered": (lambda d: ([p.unlink() for p in d.glob("*.safetensors*")],
-                                  (d / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")),
-                       ["pytorch_model.bin", "never unpickled"]),
+    "no safetensors": (lambda d: [p.unlink() for p in d.glob("*.safetensors*")], ["no safetensors checkpoint"]),
+    "pickle offered": (
+        lambda d: (
+            [p.unlink() for p in d.glob("*.safetensors*")],
+            (d / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n."),
+        ),
+        ["pytorch_model.bin", "never unpickled"],
+    ),
     # config hostility
-    "config wrong type": (lambda d: _with_configs(d, hf_quant=_nested(
-        lambda c: c["quantization"].update(exclude_modules="head"))), ["`quantization.exclude_modules` must be a list"]),
-    "config bits as string": (lambda d: _with_configs(d, quantization_config=_config(
-        lambda q: _group(q)["weights"].update(num_bits="8"))), ["group_0.weights.num_bits` is '8'"]),
-    "config NVFP4": (lambda d: _with_configs(d, hf_quant=_nested(
-        lambda c: c["quantization"].update(quant_algo="NVFP4"))), ["`quantization.quant_algo` is 'NVFP4'"]),
-    "config per-channel": (lambda d: _with_configs(d, quantization_config=_config(
-        lambda q: _group(q)["weights"].update(strategy="channel"))), ["weights.strategy` is 'channel'"]),
-    "config dynamic activations": (lambda d: _with_configs(d, quantization_config=_config(
-        lambda q: _group(q)["input_activations"].update(dynamic=True))), ["input_activations.dynamic` is True"]),
-    "config spellings disagree": (lambda d: _with_configs(d, quantization_config=_config(
-        lambda q: None, ignore=("head", "layers.1.gate"))), ["disagree on ignore/exclude_modules"]),
+    "config wrong type": (
+        lambda d: _with_configs(d, hf_quant=_nested(lambda c: c["quantization"].update(exclude_modules="head"))),
+        ["`quantization.exclude_modules` must be a list"],
+    ),
+    "config bits as string": (
+        lambda d: _with_configs(d, quantization_config=_config(lambda q: _group(q)["weights"].update(num_bits="8"))),
+        ["group_0.weights.num_bits` is '8'"],
+    ),
+    "config NVFP4": (
+        lambda d: _with_configs(d, hf_quant=_nested(lambda c: c["quantization"].update(quant_algo="NVFP4"))),
+        ["`quantization.quant_algo` is 'NVFP4'"],
+    ),
+    "config per-channel": (
+        lambda d: _with_configs(
+            d, quantization_config=_config(lambda q: _group(q)["weights"].update(strategy="channel"))
+        ),
+        ["weights.strategy` is 'channel'"],
+    ),
+    "config dynamic activations": (
+        lambda d: _with_configs(
+            d, quantization_config=_config(lambda q: _group(q)["input_activations"].update(dynamic=True))
+        ),
+        ["input_activations.dynamic` is True"],
+    ),
+    "config spellings disagree": (
+        lambda d: _with_configs(d, quantization_config=_config(lambda q: None, ignore=("head", "layers.1.gate"))),
+        ["disagree on ignore/exclude_modules"],
+    ),
 }
 
 
@@ -425,19 +464,26 @@ def test_ranks_that_see_different_files_are_refused(observed, world):
         kind, _, found = record["error"]
         assert kind == "CheckpointError"
         # The file, the key and both values: the header digest of the shard whose metadata differs.
-        assert any(p.startswith(f"ranks disagree on {S2}") and "`(header sha256)` differs: rank" in p
-                   for p in found), found
+        assert any(p.startswith(f"ranks disagree on {S2}") and "`(header sha256)` differs: rank" in p for p in found), (
+            found
+        )
         _assert_untouched(record, exchanges=2)
     assert all(r["error"][2] == records[0]["error"][2] for r in records)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("case, needles", [
-    ("rank 1 raises mid-load", ["rank 1: _Injected: injected read failure for `layers."]),
-    # The scales are not read again (their validated values load), so nothing fails to read:
-    # the check after the reads finds the shard changed.
-    ("shard truncated after agreement", ["rank 1: CheckpointError: ", S3, "was rewritten in place after it was validated (size"]),
-])
+@pytest.mark.parametrize(
+    "case, needles",
+    [
+        ("rank 1 raises mid-load", ["rank 1: _Injected: injected read failure for `layers."]),
+        # The scales are not read again (their validated values load), so nothing fails to read:
+        # the check after the reads finds the shard changed.
+        (
+            "shard truncated after agreement",
+            ["rank 1: CheckpointError: ", S3, "was rewritten in place after it was validated (size"],
+        ),
+    ],
+)
 def test_failure_during_load_fails_every_rank_and_leaves_the_model_unusable(observed, world, case, needles):
     for record in _records(observed, world, case):
         kind, text, _ = record["error"]

@@ -8,13 +8,13 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from small_models import FIXTURE, quantize_per_tensor
 
 import fsdp_fp8.fp8.linear as fp8_linear_module
-from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
-from fsdp_fp8.fp8.tensor import E4M3, as_prototype, make_static_fp8_weight
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.format.slice_reader import read_scale
-from small_models import FIXTURE, quantize_per_tensor
+from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.fp8.tensor import E4M3, as_prototype, make_static_fp8_weight
 
 
 def _linear(out_features=7, in_features=16, bias=True, seed=0, input_scale=3.0 / 448):

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from ranks import run_ranks
 from torch import nn
 from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor import PrototypeFloat8Tensor
 from torchao.quantization.granularity import PerRow
@@ -30,7 +31,6 @@ from fsdp_fp8.fp8.tensor import (
     make_static_fp8_weight,
     rebuild,
 )
-from ranks import run_ranks
 
 aten = torch.ops.aten
 IN = 16

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from ranks import run_ranks
 from torch import nn
 
 from fsdp_fp8.load.fsdp_wrap import blocks
-from ranks import run_ranks
 
 
 class _Layer(nn.Module):

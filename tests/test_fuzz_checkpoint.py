@@ -34,21 +34,38 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_models import FIXTURE, fixture_llama_fn
 
+from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
-from small_models import FIXTURE, fixture_llama_fn
 
 CASES = int(os.environ.get("FSDP_FP8_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("FSDP_FP8_FUZZ_SEED", "0"))
 CASE_LIMIT_S = 5.0
 SHARDS = sorted(p.name for p in FIXTURE.glob("*.safetensors"))
 JSONS = ["model.safetensors.index.json", "config.json", "hf_quant_config.json"]
-ODD_VALUES = [None, True, -1, 0, 1, 2**63, 1.5, float("nan"), "", "x", "F8_E4M3", "../x.safetensors", [], [-1],
-              [0, 1], {}, {"dtype": "F32"}]
+ODD_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**63,
+    1.5,
+    float("nan"),
+    "",
+    "x",
+    "F8_E4M3",
+    "../x.safetensors",
+    [],
+    [-1],
+    [0, 1],
+    {},
+    {"dtype": "F32"},
+]
 
 
 def _header_span(raw: bytes) -> int:
@@ -67,7 +84,7 @@ def _mutate_bytes(rng: random.Random, raw: bytes, lo: int, hi: int) -> tuple[byt
     if kind == "insert":
         return raw[:at] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 8))) + raw[at:], f"{kind}@{at}"
     if kind == "delete":
-        return raw[:at] + raw[at + rng.randint(1, 8):], f"{kind}@{at}"
+        return raw[:at] + raw[at + rng.randint(1, 8) :], f"{kind}@{at}"
     return raw[:at], f"{kind}@{at}"
 
 

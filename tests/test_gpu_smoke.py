@@ -31,8 +31,14 @@ def _skips(node, path=()):
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke") / "not-yet" / "smoke.json"  # its directory is created
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--dry", "--out", str(out)],
-                          cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True, text=True, timeout=840)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--dry", "--out", str(out)],
+        cwd=tmp_path_factory.mktemp("cwd"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -64,8 +70,9 @@ def test_the_dry_run_checks_what_the_gpu_run_checks(dry):
     assert s["gemm"]["max_rel_err"] > 0  # a real comparison, not an output with itself
     assert s["scaled_mm"]["problems"] == []
     worlds = {(c["world"], c["zero_row_rank"]) for c in s["hooks"]["checks"]}
-    assert {(3, True), (8, True)} <= worlds and all(c["bytes_equal"] and c["out_reused_equal"]
-                                                    for c in s["hooks"]["checks"])
+    assert {(3, True), (8, True)} <= worlds and all(
+        c["bytes_equal"] and c["out_reused_equal"] for c in s["hooks"]["checks"]
+    )
     assert s["load"]["raw_read_gbps"] > 0
     for name in ("BF16", "W8A8", "W8A16"):
         assert s["step"][name]["status"] == "ok" and s["step"][name]["median_ms"] > 0

@@ -41,16 +41,20 @@ NEW_TOKENS = 3
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _mismatches(gathered: dict, directory: Path, unused: tuple[str, ...]) -> list[str]:
     files = {k: v for k, v in load_files(directory).items() if k not in unused}
     problems = [f"missing {k}" for k in sorted(set(files) - set(gathered))]
     problems += [f"extra {k}" for k in sorted(set(gathered) - set(files))]
-    return problems + [f"bytes differ: {k}" for k in sorted(set(files) & set(gathered))
-                       if not _same_bytes(gathered[k], files[k])]
+    return problems + [
+        f"bytes differ: {k}" for k in sorted(set(files) & set(gathered)) if not _same_bytes(gathered[k], files[k])
+    ]
 
 
 LAUNCHED = ("llama-tied", "flux-transformer")
@@ -66,8 +70,12 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
     for name, path in {**CAUSAL, **DIFFUSERS}.items():
         loaded = load_model(None, path, device=torch.device("cpu"))
         model = loaded.model
-        o = {"kind": loaded.architecture.kind, "fp8": len(loaded.fp8_linears), "kv_unused": loaded.plan.kv_scales,
-             "sharded": all(isinstance(p, DTensor) for p in model.parameters()) if world > 1 else None}
+        o = {
+            "kind": loaded.architecture.kind,
+            "fp8": len(loaded.fp8_linears),
+            "kv_unused": loaded.plan.kv_scales,
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters()) if world > 1 else None,
+        }
         gathered = gather_state_dict(model)
         o["mismatches"] = _mismatches(gathered, path, loaded.plan.kv_scales) if rank == 0 else None
         with torch.no_grad():
@@ -93,8 +101,16 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
         for name in LAUNCHED:
             report = Path(report_dir, f"{name}-{world}.json")
             path = CAUSAL.get(name) or DIFFUSERS[name]
-            argv = ["--checkpoint", str(path), "--prompt-ids", ids, "--new-tokens", str(NEW_TOKENS),
-                    "--report", str(report)]
+            argv = [
+                "--checkpoint",
+                str(path),
+                "--prompt-ids",
+                ids,
+                "--new-tokens",
+                str(NEW_TOKENS),
+                "--report",
+                str(report),
+            ]
             assert main(argv) == 0
             obs[name]["launched"] = json.loads(report.read_text()) if rank == 0 else None
     finally:
@@ -212,8 +228,9 @@ def test_kv_scales_load_weights_and_are_reported_unused_with_a_warning(caplog):
 
     with caplog.at_level(logging.WARNING, logger="fsdp_fp8.load.plan"):
         loaded = load_model(None, CAUSAL["llama-fp8-kv"], device=torch.device("cpu"))
-    assert loaded.plan.kv_scales == tuple(sorted(
-        f"model.layers.{i}.self_attn.{p}_proj.{p}_scale" for i in range(2) for p in "kv"))
+    assert loaded.plan.kv_scales == tuple(
+        sorted(f"model.layers.{i}.self_attn.{p}_proj.{p}_scale" for i in range(2) for p in "kv")
+    )
     assert "present but unused" in caplog.text and "k_proj.k_scale" in caplog.text
     assert len(loaded.fp8_linears) == 14
 
@@ -275,15 +292,20 @@ def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypa
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(hf.importlib, "import_module", no_library)
-    with pytest.raises(ValueError, match=r"'FluxTransformer2DModel' comes from diffusers, which is not "
-                                         r"installed .*pip install 'fsdp_fp8\[hf\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'FluxTransformer2DModel' comes from diffusers, which is not "
+        r"installed .*pip install 'fsdp_fp8\[hf\]'",
+    ):
         resolve_architecture({"_class_name": "FluxTransformer2DModel"})
 
 
 def test_importing_fsdp_fp8_imports_neither_transformers_nor_diffusers():
-    code = ("import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.cli.runner, fsdp_fp8.load.architectures, fsdp_fp8.load.hf_build, "
-            "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('transformers', 'diffusers')))")
+    code = (
+        "import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.cli.runner, fsdp_fp8.load.architectures, fsdp_fp8.load.hf_build, "
+        "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'diffusers')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
@@ -294,7 +316,10 @@ def test_launcher_reports_the_library_digest_at_every_world_size(observed, world
     reference = observed[1][0]
     for name in LAUNCHED:
         result = observed[world][0][name]["launched"]
-        assert result["world_size"] == world and result["architecture"] in ("LlamaForCausalLM", "FluxTransformer2DModel")
+        assert result["world_size"] == world and result["architecture"] in (
+            "LlamaForCausalLM",
+            "FluxTransformer2DModel",
+        )
         if name in CAUSAL:
             assert result["prompt_ids"] == PROMPT[0]
             assert result["generated_ids"] == reference[name]["generated"]

@@ -59,14 +59,17 @@ def hub(tmp_path, monkeypatch):
     assert attempts == [], "the hub was contacted"
 
 
-@pytest.mark.parametrize("name, snapshot", [
-    ("acme/tiny-llama", "main"),
-    ("acme/tiny-llama@main", "main"),
-    ("acme/tiny-llama@v1", "v1"),
-    (f"acme/tiny-llama@{V1}", "v1"),
-    ("REPO_ROOT", "main"),
-    ("REPO_ROOT@v1", "v1"),
-])
+@pytest.mark.parametrize(
+    "name, snapshot",
+    [
+        ("acme/tiny-llama", "main"),
+        ("acme/tiny-llama@main", "main"),
+        ("acme/tiny-llama@v1", "v1"),
+        (f"acme/tiny-llama@{V1}", "v1"),
+        ("REPO_ROOT", "main"),
+        ("REPO_ROOT@v1", "v1"),
+    ],
+)
 def test_hub_names_open_the_cached_snapshot(hub, name, snapshot):
     _, repo, snapshots = hub
     name = name.replace("REPO_ROOT", str(repo))
@@ -77,11 +80,14 @@ def test_hub_names_open_the_cached_snapshot(hub, name, snapshot):
     assert [f.header_sha256 for f in ckpt.files.values()] == [f.header_sha256 for f in reference.files.values()]
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("acme/other-model", "no complete snapshot of acme/other-model"),
-    ("acme/tiny-llama@v2", "no complete snapshot of acme/tiny-llama@v2"),
-    ("REPO_ROOT@v2", "no complete snapshot of acme/tiny-llama@v2"),
-])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("acme/other-model", "no complete snapshot of acme/other-model"),
+        ("acme/tiny-llama@v2", "no complete snapshot of acme/tiny-llama@v2"),
+        ("REPO_ROOT@v2", "no complete snapshot of acme/tiny-llama@v2"),
+    ],
+)
 def test_a_missing_snapshot_is_a_clear_error_and_no_download(hub, name, needle):
     cache, repo, _ = hub
     with pytest.raises(FileNotFoundError) as err:

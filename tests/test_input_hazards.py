@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from ckpt_writer import read_raw, write_raw
+from small_models import FIXTURE, write_uneven_checkpoint
+
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from small_models import FIXTURE, write_uneven_checkpoint
 
 REFUSE_WITHIN_S = 5.0
 INDEX = "model.safetensors.index.json"
@@ -93,10 +93,19 @@ def test_pipes_and_devices_are_refused_without_blocking(tmp_path):
     os.mkfifo(d / "model.safetensors")
     cases["fifo model.safetensors"] = (d, "model.safetensors", "is a named pipe, not a regular file")
     arg = json.dumps({case: str(d) for case, (d, _, _) in cases.items()})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True, text=True, timeout=60,
-                              preexec_fn=_bounded_child, env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, arg],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=_bounded_child,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("open_checkpoint blocked on a pipe or device (killed after 60 s)")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -140,8 +149,9 @@ def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
-@pytest.mark.parametrize("depth, needle", [(100_000, "nested too deeply to parse"),
-                                           (200, "nested more than 32 levels deep")])
+@pytest.mark.parametrize(
+    "depth, needle", [(100_000, "nested too deeply to parse"), (200, "nested more than 32 levels deep")]
+)
 @pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json", INDEX])
 def test_deeply_nested_json_is_refused(tmp_path, name, depth, needle):
     d = _fixture_copy(tmp_path)
@@ -157,18 +167,24 @@ def test_a_deeply_nested_header_is_refused(tmp_path):
     text = json.dumps(header)[:-1] + f', "x": {{"dtype": "F32", "shape": {_deep(100_000)}, "data_offsets": [0, 0]}}}}'
     write_raw(d / SHARD, text.encode(), data)
     _refused(d, f"{SHARD} header", "nested too deeply to parse")
-    write_raw(d / SHARD, json.dumps({**header, "x": {"dtype": "F32", "shape": json.loads(_deep(500)),
-                                                     "data_offsets": [0, 0]}}).encode(), data)
+    write_raw(
+        d / SHARD,
+        json.dumps({**header, "x": {"dtype": "F32", "shape": json.loads(_deep(500)), "data_offsets": [0, 0]}}).encode(),
+        data,
+    )
     _refused(d, "`x` in " + SHARD, "is not a list of non-negative integers")
 
 
-@pytest.mark.parametrize("encode, needle", [
-    (lambda t: b"\xef\xbb\xbf" + t.encode(), "byte-order mark"),
-    (lambda t: t.encode("utf-16"), "not UTF-8"),
-    (lambda t: t.encode("utf-16-le"), "not valid JSON"),  # valid UTF-8 (NULs), not JSON
-    (lambda t: t.replace('"format"', '"f\\u00e9rmat"').encode().replace(b"\\u00e9", b"\xe9"), "not UTF-8"),
-    (lambda t: t.replace('"pt"', "NaN"), "non-standard constant NaN"),
-])
+@pytest.mark.parametrize(
+    "encode, needle",
+    [
+        (lambda t: b"\xef\xbb\xbf" + t.encode(), "byte-order mark"),
+        (lambda t: t.encode("utf-16"), "not UTF-8"),
+        (lambda t: t.encode("utf-16-le"), "not valid JSON"),  # valid UTF-8 (NULs), not JSON
+        (lambda t: t.replace('"format"', '"f\\u00e9rmat"').encode().replace(b"\\u00e9", b"\xe9"), "not UTF-8"),
+        (lambda t: t.replace('"pt"', "NaN"), "non-standard constant NaN"),
+    ],
+)
 def test_a_header_the_safetensors_library_refuses_is_refused(tmp_path, encode, needle):
     d = _fixture_copy(tmp_path)
     header, data = read_raw(d / SHARD)

@@ -39,8 +39,9 @@ def test_two_ranks_give_the_single_process_outputs_prompt_by_prompt(tmp_path, ca
     for nproc in (None, 2):
         out = tmp_path / f"out-{nproc}" / "image.png"
         out.parent.mkdir()
-        proc, report = _run(tmp_path, cache, "--steps", "8", "--prompts", str(prompts), "--output", str(out),
-                            nproc=nproc)
+        proc, report = _run(
+            tmp_path, cache, "--steps", "8", "--prompts", str(prompts), "--output", str(out), nproc=nproc
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs[nproc] = (proc, report, sorted(out.parent.iterdir()))
     (_, one, files_1), (double, two, files_2) = outputs[None], outputs[2]

@@ -39,6 +39,7 @@ def layer_of(relative: Path) -> str | None:
 
 def _imports(tree: ast.AST):
     """(module imported, names, line) for every import outside ``if TYPE_CHECKING:``."""
+
     def visit(node, guarded):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
@@ -50,6 +51,7 @@ def _imports(tree: ast.AST):
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 yield child.module, [a.name for a in child.names], child.lineno
             yield from visit(child, guarded)
+
     yield from visit(tree, False)
 
 
@@ -84,8 +86,11 @@ def package_modules() -> list[Path]:
 
 
 def test_every_module_is_in_a_known_layer():
-    unknown = [str(p) for p in package_modules()
-               if (len(p.parts) == 1 and p.name not in TOP_LEVEL) or (len(p.parts) > 1 and p.parts[0] not in ALLOWED)]
+    unknown = [
+        str(p)
+        for p in package_modules()
+        if (len(p.parts) == 1 and p.name not in TOP_LEVEL) or (len(p.parts) > 1 and p.parts[0] not in ALLOWED)
+    ]
     assert unknown == []
 
 

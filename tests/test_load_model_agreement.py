@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from ranks import run_ranks
 from small_models import uneven_model_fn, write_uneven_checkpoint
 
@@ -122,8 +121,10 @@ def _problems_found(rank, world):
 
 def test_a_problem_every_rank_finds_is_listed_once_naming_the_ranks():
     for problems, text in run_ranks(_problems_found, 3):
-        assert problems == ["all 3 ranks: `a.weight` in model.safetensors is broken",
-                            "rank 1: `b.weight` in model.safetensors looks different from here"]
+        assert problems == [
+            "all 3 ranks: `a.weight` in model.safetensors is broken",
+            "rank 1: `b.weight` in model.safetensors looks different from here",
+        ]
         assert text.startswith("cannot load ckpt: 2 problems:\n")
 
 

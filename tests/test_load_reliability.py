@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_writer import read_raw, set_scalar, write_index
 from ranks import run_ranks
 from small_models import HIDDEN, UnevenModel, write_uneven_checkpoint
@@ -91,10 +90,13 @@ def _fault(rank: int, case: dict, stack) -> None:
                 os.utime(mine / S3, ns=(st.st_atime_ns, st.st_mtime_ns))
             else:
                 _nan_codes_in_last_row(mine, "layers.0.up.weight")
+
         stack.enter_context(_patched(api, "agree_or_raise", agree_then_change))
     elif fault == "raise_read":
+
         def broken(entry, *args, **kwargs):
             raise OSError(f"injected read failure for `{entry.key}`")
+
         stack.enter_context(_patched(slice_reader, "read_bytes", broken))
     elif fault == "slow_open":
         real_open = api.open_checkpoint
@@ -107,6 +109,7 @@ def _fault(rank: int, case: dict, stack) -> None:
             if not slept:
                 slept.append(time.sleep(case["sleep"]))
             return real_read(*args, **kwargs)
+
         stack.enter_context(_patched(slice_reader, "read_bytes", slow))
 
 
@@ -117,6 +120,7 @@ def _model_fn(rank: int, case: dict, built: list):
             model.extra = torch.nn.Linear(HIDDEN, 3, bias=False).to(torch.bfloat16)
         built.append(model)
         return model
+
     return model_fn
 
 
@@ -139,10 +143,18 @@ def _state(model) -> dict:
     held = 0
     for t in [*model.parameters(), *model.buffers()]:
         local = getattr(t, "_local_tensor", t)
-        inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]] if hasattr(local, "__tensor_flatten__") else [local]
+        inner = (
+            [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+            if hasattr(local, "__tensor_flatten__")
+            else [local]
+        )
         held += sum(x.untyped_storage().nbytes() for x in inner if not x.is_meta)
-    return {"built": True, "computing": sorted(set(computing)), "held_bytes": held,
-            "on_meta": all(p.is_meta for p in model.parameters())}
+    return {
+        "built": True,
+        "computing": sorted(set(computing)),
+        "held_bytes": held,
+        "on_meta": all(p.is_meta for p in model.parameters()),
+    }
 
 
 def _attempt(rank: int, world: int, case: dict) -> dict:
@@ -165,8 +177,13 @@ def _attempt(rank: int, world: int, case: dict) -> dict:
         _fault(rank, case, stack)
         t0 = time.monotonic()
         try:
-            loaded = load_model(_model_fn(rank, case, built), path, device=torch.device("cpu"),
-                                strict=case.get("strict", True), **case.get("kwargs", {}))
+            loaded = load_model(
+                _model_fn(rank, case, built),
+                path,
+                device=torch.device("cpu"),
+                strict=case.get("strict", True),
+                **case.get("kwargs", {}),
+            )
         except CheckpointError as exc:
             record["error"] = ("CheckpointError", str(exc), exc.problems)
         except Exception as exc:  # noqa: BLE001 - judged by the tests
@@ -226,26 +243,52 @@ def observed(tmp_path_factory):
     cases = [
         {"name": "good", "path": str(good)},
         {"name": "shard replaced on rank 1", "paths": copies("replace1"), "fault": "replace", "other": str(other)},
-        {"name": "shard replaced on every rank", "paths": copies("replace-all"), "fault": "replace",
-         "other": str(other), "on": [0, 1]},
+        {
+            "name": "shard replaced on every rank",
+            "paths": copies("replace-all"),
+            "fault": "replace",
+            "other": str(other),
+            "on": [0, 1],
+        },
         {"name": "scale rewritten on every rank", "paths": copies("scale-all"), "fault": "rewrite_scale", "on": [0, 1]},
-        {"name": "scale rewritten on rank 1, mtime kept", "paths": copies("scale-kept"), "fault": "nan_scale_keep_mtime"},
+        {
+            "name": "scale rewritten on rank 1, mtime kept",
+            "paths": copies("scale-kept"),
+            "fault": "nan_scale_keep_mtime",
+        },
         {"name": "NaN codes in rank 1's rows", "paths": copies("codes"), "fault": "nan_codes"},
         {"name": "config.json differs on rank 1", "paths": copies("config", on_rank1(config_note))},
         {"name": "hf_quant_config.json differs on rank 1", "paths": copies("quant", on_rank1(producer))},
         {"name": "index differs on rank 1", "paths": copies("index", on_rank1(index_metadata))},
         {"name": "model differs on rank 1, strict=False", "path": str(good), "strict": False, "extra_module_on": 1},
         {"name": "rank 1 raises mid-load", "path": str(good), "fault": "raise_read"},
-        {"name": "rank 1 slow before the agreement", "path": str(good), "fault": "slow_open", "sleep": SLOW_S,
-         "kwargs": fast},
+        {
+            "name": "rank 1 slow before the agreement",
+            "path": str(good),
+            "fault": "slow_open",
+            "sleep": SLOW_S,
+            "kwargs": fast,
+        },
         # Rank 0 gave up while rank 1 still slept: the next load's agreement group waits for it.
         {"name": "good after a slow rank", "path": str(good)},
-        {"name": "rank 1 slow during the load", "path": str(good), "fault": "slow_read", "sleep": SLOW_S, "kwargs": fast},
+        {
+            "name": "rank 1 slow during the load",
+            "path": str(good),
+            "fault": "slow_read",
+            "sleep": SLOW_S,
+            "kwargs": fast,
+        },
         # The wait for the outcome is the base timeout plus the forecast bytes at the assumed rate:
         # ~500 bytes per rank at 150 B/s gives the slow rank ~3 s more than TIMEOUT_S.
         {"name": "good after another slow rank", "path": str(good)},
-        {"name": "rank 1 slow within the forecast", "path": str(good), "fault": "slow_read", "sleep": 2.5,
-         "kwargs": fast, "slow_storage": 150.0},
+        {
+            "name": "rank 1 slow within the forecast",
+            "path": str(good),
+            "fault": "slow_read",
+            "sleep": 2.5,
+            "kwargs": fast,
+            "slow_storage": 150.0,
+        },
         {"name": "good again", "path": str(good)},
     ]
     results = run_ranks(_walk, 2, cases, timeout=240, pg_timeout=60)
@@ -272,13 +315,19 @@ def test_clean_loads_use_the_gloo_side_group_and_agree(observed):
         assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.parametrize("case, ranks, needle", [
-    ("shard replaced on rank 1", [1], f"{S1} was replaced after it was validated"),
-    ("shard replaced on every rank", [0, 1], f"{S1} was replaced after it was validated"),
-    ("scale rewritten on every rank", [0, 1], f"{S3} was rewritten in place after it was validated"),
-    ("NaN codes in rank 1's rows", [1], "`layers.0.up.weight` in model-00001-of-00003.safetensors holds 16 FP8 codes "
-                                        "that are NaN in E4M3"),
-])
+@pytest.mark.parametrize(
+    "case, ranks, needle",
+    [
+        ("shard replaced on rank 1", [1], f"{S1} was replaced after it was validated"),
+        ("shard replaced on every rank", [0, 1], f"{S1} was replaced after it was validated"),
+        ("scale rewritten on every rank", [0, 1], f"{S3} was rewritten in place after it was validated"),
+        (
+            "NaN codes in rank 1's rows",
+            [1],
+            "`layers.0.up.weight` in model-00001-of-00003.safetensors holds 16 FP8 codes that are NaN in E4M3",
+        ),
+    ],
+)
 def test_what_changed_after_validation_fails_the_load_on_every_rank(observed, case, ranks, needle):
     texts = []
     for record in _records(observed, case):
@@ -302,16 +351,28 @@ def test_a_scale_rewritten_in_place_is_never_read_again(observed):
         assert record["scale"] == good[rank]["scale"] and torch.equal(record["output"], good[rank]["output"])
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("config.json differs on rank 1", 'ranks disagree on config.json: `note` differs: rank 0: (absent); rank 1: "node-b"'),
-    ("hf_quant_config.json differs on rank 1",
-     'ranks disagree on hf_quant_config.json: `producer.version` differs: rank 0: "0.47.0"; rank 1: "0.47.1"'),
-    ("index differs on rank 1",
-     "ranks disagree on model.safetensors.index.json: `metadata.total_size` differs: rank 0: (absent); rank 1: 1"),
-    ("model differs on rank 1, strict=False",
-     "ranks disagree on model structure: `parameter extra.weight` differs: rank 0: (absent); "
-     "rank 1: (3, 16) torch.bfloat16"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        (
+            "config.json differs on rank 1",
+            'ranks disagree on config.json: `note` differs: rank 0: (absent); rank 1: "node-b"',
+        ),
+        (
+            "hf_quant_config.json differs on rank 1",
+            'ranks disagree on hf_quant_config.json: `producer.version` differs: rank 0: "0.47.0"; rank 1: "0.47.1"',
+        ),
+        (
+            "index differs on rank 1",
+            "ranks disagree on model.safetensors.index.json: `metadata.total_size` differs: rank 0: (absent); rank 1: 1",
+        ),
+        (
+            "model differs on rank 1, strict=False",
+            "ranks disagree on model structure: `parameter extra.weight` differs: rank 0: (absent); "
+            "rank 1: (3, 16) torch.bfloat16",
+        ),
+    ],
+)
 def test_ranks_that_read_or_build_different_things_refuse_before_any_change(observed, case, needle):
     verdicts = []
     for record in _records(observed, case):
@@ -347,8 +408,9 @@ def test_a_rank_slower_than_the_agreement_timeout_is_named_by_every_other_rank(o
 def test_a_rank_slow_during_the_load_is_named_and_every_model_is_dead(observed):
     early, late = _records(observed, "rank 1 slow during the load")
     kind, text, _ = early["error"]
-    assert kind == "PeerLostError" and text.startswith("checkpoint load failed: rank 0 could not complete the "
-                                                        "agreement on the outcome of the load"), text
+    assert kind == "PeerLostError" and text.startswith(
+        "checkpoint load failed: rank 0 could not complete the agreement on the outcome of the load"
+    ), text
     assert "rank(s) [1] did not arrive within" in text and early["seconds"] < SLOW_S, (text, early["seconds"])
     assert late["error"][0] == "PeerLostError"
     for record in (early, late):

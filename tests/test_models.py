@@ -21,18 +21,30 @@ from fsdp_fp8.models.ops import TIME_FREQ_DIM, swiglu
 
 TINY32 = dataclasses.replace(PRESETS["tiny"], dtype="float32")
 PER_LAYER_LINEARS = {
-    "self_attn.to_q": "reasoner", "self_attn.to_k": "reasoner", "self_attn.to_v": "reasoner",
-    "self_attn.to_out": "reasoner", "mlp.gate_proj": "reasoner", "mlp.up_proj": "reasoner",
+    "self_attn.to_q": "reasoner",
+    "self_attn.to_k": "reasoner",
+    "self_attn.to_v": "reasoner",
+    "self_attn.to_out": "reasoner",
+    "mlp.gate_proj": "reasoner",
+    "mlp.up_proj": "reasoner",
     "mlp.down_proj": "reasoner",
-    "self_attn.add_q_proj": "generation", "self_attn.add_k_proj": "generation",
-    "self_attn.add_v_proj": "generation", "self_attn.to_add_out": "generation",
-    "mlp_moe_gen.gate_proj": "generation", "mlp_moe_gen.up_proj": "generation",
+    "self_attn.add_q_proj": "generation",
+    "self_attn.add_k_proj": "generation",
+    "self_attn.add_v_proj": "generation",
+    "self_attn.to_add_out": "generation",
+    "mlp_moe_gen.gate_proj": "generation",
+    "mlp_moe_gen.up_proj": "generation",
     "mlp_moe_gen.down_proj": "generation",
 }
 PER_LAYER_NORMS = (
-    "input_layernorm", "post_attention_layernorm", "input_layernorm_moe_gen",
-    "post_attention_layernorm_moe_gen", "self_attn.norm_q", "self_attn.norm_k",
-    "self_attn.norm_added_q", "self_attn.norm_added_k",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "input_layernorm_moe_gen",
+    "post_attention_layernorm_moe_gen",
+    "self_attn.norm_q",
+    "self_attn.norm_k",
+    "self_attn.norm_added_q",
+    "self_attn.norm_added_k",
 )
 OTHER = ("proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2", "lm_head")
 
@@ -68,9 +80,7 @@ def test_published_module_names_and_linear_towers():
 def _calls(model: nn.Module, names, fn) -> set[str]:
     called: set[str] = set()
     modules = dict(model.named_modules())
-    handles = [
-        modules[n].register_forward_hook(lambda _m, _a, _o, n=n: called.add(n)) for n in names
-    ]
+    handles = [modules[n].register_forward_hook(lambda _m, _a, _o, n=n: called.add(n)) for n in names]
     try:
         with torch.no_grad():
             fn()
@@ -199,8 +209,14 @@ def test_swiglu_mlp_is_the_llama_mlp():
     from fsdp_fp8.models.ops import SwiGLUMLP
 
     ours = SwiGLUMLP(8, 12)
-    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=12, num_attention_heads=2,
-                                      num_key_value_heads=2, hidden_act="silu", mlp_bias=False)
+    config = transformers.LlamaConfig(
+        hidden_size=8,
+        intermediate_size=12,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        mlp_bias=False,
+    )
     theirs = LlamaMLP(config)
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))

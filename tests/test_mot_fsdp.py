@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from ranks import run_ranks
 
 from fsdp_fp8.models import PRESETS, build_model, init_weights
 from fsdp_fp8.runtime.sampler import sample
-from ranks import run_ranks
 
 TINY32 = dataclasses.replace(PRESETS["tiny"], dtype="float32")
 

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import run_ranks
+from small_models import load_files
 
 from fsdp_fp8.export.modelopt import export_fp8
 from fsdp_fp8.models import PRESETS, build_model, init_weights
 from fsdp_fp8.runtime.sampler import sample
-from ranks import run_ranks
-from small_models import load_files
 
 # Reasoner native, generation W8A16 on the first 2 and last 1 steps: swapping the towers'
 # roles changes what each linear must run as.
 POLICY = {
-    "schema_version": 1, "type": "first_last_n", "index_space": "denoising_loop_iteration",
-    "scope": ["transformer"], "default_mode": "native",
-    "first_steps": {"count": 2, "mode": "a16"}, "last_steps": {"count": 1, "mode": "a16"},
-    "overlap": "a16", "reasoner": "native",
+    "schema_version": 1,
+    "type": "first_last_n",
+    "index_space": "denoising_loop_iteration",
+    "scope": ["transformer"],
+    "default_mode": "native",
+    "first_steps": {"count": 2, "mode": "a16"},
+    "last_steps": {"count": 1, "mode": "a16"},
+    "overlap": "a16",
+    "reasoner": "native",
 }
 STEPS = 5
 
@@ -32,8 +37,13 @@ def _calibrate(model):
 def exported(tmp_path_factory):
     model = init_weights(build_model(PRESETS["tiny"], device="cpu"), seed=0)
     return export_fp8(
-        model, tmp_path_factory.mktemp("mot") / "ckpt", config=model.config.to_config_dict(),
-        calibrate=_calibrate, step_policy=POLICY, max_shard_size=60_000, scales_in_separate_shard=True,
+        model,
+        tmp_path_factory.mktemp("mot") / "ckpt",
+        config=model.config.to_config_dict(),
+        calibrate=_calibrate,
+        step_policy=POLICY,
+        max_shard_size=60_000,
+        scales_in_separate_shard=True,
     )
 
 
@@ -55,12 +65,12 @@ def _wiring_problems(calls, towers, policy) -> list[str]:
 
 def _load_and_sample(rank, world, path):
     from fsdp_fp8 import Float8StaticLinear, gather_state_dict, load_model
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.step_policy import parse_step_policy
+    from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.models import linear_towers
     from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
-    from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
-    from fsdp_fp8.format.step_policy import parse_step_policy
 
     arch = resolve_architecture(open_checkpoint(path).config)
     loaded = load_model(arch.model_fn, path)
@@ -74,8 +84,11 @@ def _load_and_sample(rank, world, path):
         install_step_policy(model, policy, tower_map)
         calls, where = [], {"phase": "reason", "step": -1}
         hooks = [
-            m.register_forward_pre_hook(lambda mod, args, n=n: calls.append((where["phase"], where["step"], n, mod.mode)))
-            for n, m in model.named_modules() if isinstance(m, Float8StaticLinear)
+            m.register_forward_pre_hook(
+                lambda mod, args, n=n: calls.append((where["phase"], where["step"], n, mod.mode))
+            )
+            for n, m in model.named_modules()
+            if isinstance(m, Float8StaticLinear)
         ]
 
         def step_context(i, n):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from ckpt_writer import fp8_linear, small_tensors, write_checkpoint
-from fsdp_fp8.format.checkpoint import open_checkpoint
+
 from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.sharding import chunk_rows
 from fsdp_fp8.load.plan import plan_load
 
@@ -94,7 +94,8 @@ def test_fp8_target_already_quantized(ckpt):
     assert any("`layers.0.up` is already quantized" in p for p in found)
     model = meta()
     model.layers[0].up.weight = nn.Parameter(
-        torch.empty(24, 16, dtype=torch.bfloat16, device="meta").as_subclass(Float8Stub))
+        torch.empty(24, 16, dtype=torch.bfloat16, device="meta").as_subclass(Float8Stub)
+    )
     found = problems(lambda: plan_load(ckpt, model))
     assert any("`layers.0.up` is already quantized" in p and "Float8Stub" in p for p in found)
 
@@ -103,8 +104,10 @@ def test_high_precision_dtype_mismatch_is_not_cast(ckpt):
     model = meta()
     model.norm.float()
     found = problems(lambda: plan_load(ckpt, model))
-    assert found == ["`norm.weight` in model.safetensors is BF16 (torch.bfloat16) but model `norm.weight` "
-                     "is torch.float32; refusing to cast silently"]
+    assert found == [
+        "`norm.weight` in model.safetensors is BF16 (torch.bfloat16) but model `norm.weight` "
+        "is torch.float32; refusing to cast silently"
+    ]
 
 
 def test_high_precision_shape_mismatch(ckpt):
@@ -124,8 +127,11 @@ class Extra(SmallModel):
 
 
 def test_missing_and_unexpected_strict_and_not(tmp_path):
-    tensors = {**small_tensors(), "stray.weight": torch.zeros(2, dtype=torch.bfloat16),
-               **fp8_linear("ghost.proj", 8, 8)}
+    tensors = {
+        **small_tensors(),
+        "stray.weight": torch.zeros(2, dtype=torch.bfloat16),
+        **fp8_linear("ghost.proj", 8, 8),
+    }
     ckpt = open_checkpoint(write_checkpoint(tmp_path, tensors))
     found = problems(lambda: plan_load(ckpt, meta(Extra)))
     assert "model `extra.weight` is not filled by any checkpoint tensor" in found
@@ -135,8 +141,7 @@ def test_missing_and_unexpected_strict_and_not(tmp_path):
     assert any("`ghost.proj.weight`" in p for p in found)
     plan = plan_load(ckpt, meta(Extra), strict=False)
     assert plan.missing == ("extra.weight", "persist")
-    assert plan.unexpected == ("ghost.proj.input_scale", "ghost.proj.weight", "ghost.proj.weight_scale",
-                               "stray.weight")
+    assert plan.unexpected == ("ghost.proj.input_scale", "ghost.proj.weight", "ghost.proj.weight_scale", "stray.weight")
 
 
 def test_key_map_renames_and_skips(tmp_path):

@@ -7,9 +7,9 @@ import io
 
 import pytest
 import torch
+from small_models import uneven_model_fn, write_uneven_checkpoint
 
 from fsdp_fp8.load.progress import LoadProgress
-from small_models import uneven_model_fn, write_uneven_checkpoint
 
 
 class Clock:

@@ -26,20 +26,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 from torch import nn
 
-from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.export.modelopt import export_bf16, export_fp8
+from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.models import PRESETS, build_model, init_weights
 from fsdp_fp8.runtime import ptq
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
-from ranks import run_ranks
 
 # torch 2.10 / 2.11's CPU _scaled_mm takes per-tensor scales only: per_row is refused there
 # (test_per_row_on_a_cpu_kernel_without_row_scales_is_refused forces that path on any torch).
-ROW_SCALES = pytest.mark.skipif(not ptq.cpu_scaled_mm_takes_row_scales(),
-                                reason=f"torch {torch.__version__}'s CPU _scaled_mm takes no per-row scales")
+ROW_SCALES = pytest.mark.skipif(
+    not ptq.cpu_scaled_mm_takes_row_scales(),
+    reason=f"torch {torch.__version__}'s CPU _scaled_mm takes no per-row scales",
+)
 GRANULARITIES = [pytest.param("per_row", marks=ROW_SCALES), "per_tensor"]
 # Where a test is about selection, not scales: the default where this torch's CPU runs it.
 ANY_GRANULARITY = "per_row" if ptq.cpu_scaled_mm_takes_row_scales() else "per_tensor"
@@ -159,10 +161,19 @@ def test_cpu_weights_are_what_torchao_quantize_builds(monkeypatch):
 def test_include_exclude_and_compiled_names():
     model = mot()
     compiled = torch.compile(model)  # names gain `_orig_mod.`; patterns see them without it
-    names = quantize_model(compiled, "fp8", include=[r"\.self_attn\.to_(q|k)$", r"mlp\w*\.up_proj"],
-                           exclude=r"^layers\.1\.", granularity=ANY_GRANULARITY)
-    assert names == ["layers.0.mlp.up_proj", "layers.0.mlp_moe_gen.up_proj",
-                     "layers.0.self_attn.to_k", "layers.0.self_attn.to_q"]
+    names = quantize_model(
+        compiled,
+        "fp8",
+        include=[r"\.self_attn\.to_(q|k)$", r"mlp\w*\.up_proj"],
+        exclude=r"^layers\.1\.",
+        granularity=ANY_GRANULARITY,
+    )
+    assert names == [
+        "layers.0.mlp.up_proj",
+        "layers.0.mlp_moe_gen.up_proj",
+        "layers.0.self_attn.to_k",
+        "layers.0.self_attn.to_q",
+    ]
 
 
 # --- refusals: each message names what is wrong ---------------------------------------
@@ -302,8 +313,7 @@ def infer(tmp_path, *args, nproc=None):
     if nproc is not None:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     report = tmp_path / "report.json"
-    cmd += [str(ROOT / "launch" / "infer.py"), "--report", str(report), "--steps", "2",
-            "--latent-tokens", "8", *args]
+    cmd += [str(ROOT / "launch" / "infer.py"), "--report", str(report), "--steps", "2", "--latent-tokens", "8", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     return proc, (json.loads(report.read_text()) if report.exists() else None)
 

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from ranks import FAIL_GRACE_S, RanksFailed, run_ranks
 
 
@@ -175,8 +174,10 @@ def test_a_straggler_is_killed_fail_grace_after_another_rank_failed():
     with pytest.raises(RanksFailed) as info:
         run_ranks(_fail_while_rank_0_sleeps, 2, timeout=120)
     after = time.monotonic() - float(re.search(r"RuntimeError: failed at ([0-9.]+)", str(info.value)).group(1))
-    assert f"rank 0 returned no result and was killed: it was still running {FAIL_GRACE_S:.0f} s after " \
-           "another rank failed" in str(info.value)
+    assert (
+        f"rank 0 returned no result and was killed: it was still running {FAIL_GRACE_S:.0f} s after "
+        "another rank failed" in str(info.value)
+    )
     # "within a few seconds" of the failure, not at the 120 s timeout (noticing the failure,
     # then kill + join: well under 1 s on an idle machine).
     assert FAIL_GRACE_S <= after < FAIL_GRACE_S + 3, after

@@ -36,7 +36,8 @@ def _tokenizer_dir(root: Path, custom_class: bool) -> tuple[Path, Path]:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     (directory / "evil.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-        "from transformers import PreTrainedTokenizerFast\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
     return directory, marker
 
 
@@ -62,17 +63,27 @@ def test_the_safe_kwargs_never_trust_never_download_and_cannot_be_overridden():
 
 def test_auto_map_and_custom_pipeline_components_are_reported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "m.M"}}))
-    (tmp_path / "model_index.json").write_text(json.dumps({
-        "_class_name": "Cosmos3OmniPipeline", "transformer": ["diffusers", "Cosmos3OmniTransformer"],
-        "tokenizer": ["transformers", "AutoTokenizer"], "scheduler": [None, None], "extra": ["my_module", "Mine"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "Cosmos3OmniPipeline",
+                "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+                "tokenizer": ["transformers", "AutoTokenizer"],
+                "scheduler": [None, None],
+                "extra": ["my_module", "Mine"],
+            }
+        )
+    )
     (tmp_path / "text_encoder").mkdir()
     (tmp_path / "text_encoder" / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "enc.E"}}))
     (tmp_path / "vae").mkdir()
     (tmp_path / "vae" / "config.json").write_text("{broken")
     found, problems = remote_code_references(tmp_path)
-    assert found == ["config.json: `auto_map` names custom code {'AutoModel': 'm.M'}",
-                     "model_index.json: `extra` comes from module 'my_module', custom code inside the checkpoint",
-                     "text_encoder/config.json: `auto_map` names custom code {'AutoModel': 'enc.E'}"]
+    assert found == [
+        "config.json: `auto_map` names custom code {'AutoModel': 'm.M'}",
+        "model_index.json: `extra` comes from module 'my_module', custom code inside the checkpoint",
+        "text_encoder/config.json: `auto_map` names custom code {'AutoModel': 'enc.E'}",
+    ]
     assert len(problems) == 1 and problems[0].startswith("vae/config.json is not valid JSON")
 
 
@@ -104,6 +115,7 @@ def test_the_launcher_tokenizer_reports_and_ignores_an_auto_map_it_does_not_need
     with caplog.at_level("WARNING"):
         ids, source = prompt_token_ids("a red fox", None, 10, directory)
     assert ids.tolist() == [[1, 2, 3]] and source == "tokenizer"
-    assert any("`auto_map` names custom code" in r.getMessage() and "never runs it" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "`auto_map` names custom code" in r.getMessage() and "never runs it" in r.getMessage() for r in caplog.records
+    )
     assert prompts == [] and not marker.exists()

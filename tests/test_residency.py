@@ -12,11 +12,11 @@ import hashlib
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from fsdp_fp8.export.modelopt import export_fp8
 from fsdp_fp8.models import PRESETS, build_model, init_weights
 from fsdp_fp8.runtime.sampler import sample
-from ranks import run_ranks
 
 # tiny's uneven sizes (88, 6, 100 rows) over 4 blocks: enough blocks for auto to stop midway.
 CONFIG = dataclasses.replace(PRESETS["tiny"], num_layers=4)
@@ -47,8 +47,10 @@ def _forwards(model, path_policy, budget, prefetch):
     t = torch.full((1,), 0.5)
     # The reasoner's forward: when each all-gather is issued relative to each block's forward.
     events: list[str] = []
-    hooks = [block.register_forward_pre_hook(lambda m, a, i=i: events.append(f"block{i}"))
-             for i, block in enumerate(fsdp_blocks(model))]
+    hooks = [
+        block.register_forward_pre_hook(lambda m, a, i=i: events.append(f"block{i}"))
+        for i, block in enumerate(fsdp_blocks(model))
+    ]
     calls, digests = [], []
     with torch.no_grad():
         with AllGatherMeter(on_call=lambda n: events.append("gather")) as first:
@@ -60,8 +62,13 @@ def _forwards(model, path_policy, budget, prefetch):
                 y = model.denoise(x, t, state if i % 2 == 0 else None)
             calls.append(meter.sizes)
             digests.append(hashlib.sha256(y.float().numpy().tobytes()).hexdigest())
-    return {"residency": residency.as_dict(), "first": first.sizes, "calls": calls, "digests": digests,
-            "events": events}
+    return {
+        "residency": residency.as_dict(),
+        "first": first.sizes,
+        "calls": calls,
+        "digests": digests,
+        "events": events,
+    }
 
 
 def _scenarios(rank, world, path):
@@ -163,8 +170,21 @@ def _launch(tmp_path, *args):
     mot = tmp_path / "mot"
     if not mot.exists():
         write_mot_checkpoint(mot)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "launch" / "infer.py"), "--checkpoint", str(mot), "--steps", "3", "--report", str(report), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(root / "launch" / "infer.py"),
+        "--checkpoint",
+        str(mot),
+        "--steps",
+        "3",
+        "--report",
+        str(report),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(report.read_text()), proc.stdout

@@ -17,14 +17,35 @@ def _usage_error(argv, capsys) -> str:
 
 
 def test_bad_values_are_one_usage_error_listing_all_of_them(tmp_path, capsys):
-    err = _usage_error(["--latent-tokens", "-4", "--new-tokens", "0", "--steps", "0", "--timeout", "-1",
-                        "--output", str(tmp_path / "nowhere" / "x.png"), "--prompts", str(tmp_path / "none.txt"),
-                        "--prompt-ids", "3,-1"], capsys)
+    err = _usage_error(
+        [
+            "--latent-tokens",
+            "-4",
+            "--new-tokens",
+            "0",
+            "--steps",
+            "0",
+            "--timeout",
+            "-1",
+            "--output",
+            str(tmp_path / "nowhere" / "x.png"),
+            "--prompts",
+            str(tmp_path / "none.txt"),
+            "--prompt-ids",
+            "3,-1",
+        ],
+        capsys,
+    )
     line = err.strip().splitlines()[-1]
-    expected = [f"--output {tmp_path / 'nowhere' / 'x.png'}: directory {tmp_path / 'nowhere'} does not exist",
-                f"--prompts {tmp_path / 'none.txt'}: no such file", "--prompt-ids must list token ids >= 0, got [3, -1]",
-                "--latent-tokens must be >= 1, got -4", "--new-tokens must be >= 1, got 0",
-                "--steps must be >= 1, got 0", "--timeout must be > 0, got -1.0"]
+    expected = [
+        f"--output {tmp_path / 'nowhere' / 'x.png'}: directory {tmp_path / 'nowhere'} does not exist",
+        f"--prompts {tmp_path / 'none.txt'}: no such file",
+        "--prompt-ids must list token ids >= 0, got [3, -1]",
+        "--latent-tokens must be >= 1, got -4",
+        "--new-tokens must be >= 1, got 0",
+        "--steps must be >= 1, got 0",
+        "--timeout must be > 0, got -1.0",
+    ]
     problems = line.removeprefix("launch/infer.py: error: ").split("; ")
     assert sorted(problems) == sorted(expected), line
 
@@ -56,14 +77,20 @@ def test_good_values_pass(tmp_path):
     assert (args.steps, args.latent_tokens) == (2, 8)
 
 
-@pytest.mark.parametrize("kind, given, unused", [
-    ("mot", {"steps", "latent_tokens", "new_tokens", "prompt_ids", "report"}, ["--new-tokens", "--prompt-ids"]),
-    ("causal_lm", {"steps", "guidance", "new_tokens", "prompt", "step_policy"},
-     ["--guidance", "--step-policy", "--steps"]),
-    ("diffusers", {"seed", "steps", "timeout"}, ["--steps"]),
-    ("pipeline", {"frames", "latent_tokens", "steps"}, ["--latent-tokens"]),
-    ("cosmos3", {"negative_prompt", "frames"}, ["--frames"]),
-])
+@pytest.mark.parametrize(
+    "kind, given, unused",
+    [
+        ("mot", {"steps", "latent_tokens", "new_tokens", "prompt_ids", "report"}, ["--new-tokens", "--prompt-ids"]),
+        (
+            "causal_lm",
+            {"steps", "guidance", "new_tokens", "prompt", "step_policy"},
+            ["--guidance", "--step-policy", "--steps"],
+        ),
+        ("diffusers", {"seed", "steps", "timeout"}, ["--steps"]),
+        ("pipeline", {"frames", "latent_tokens", "steps"}, ["--latent-tokens"]),
+        ("cosmos3", {"negative_prompt", "frames"}, ["--frames"]),
+    ],
+)
 def test_options_a_kind_ignores_are_named(kind, given, unused):
     assert unused_options(given, kind) == unused
 
@@ -105,12 +132,28 @@ def test_options_the_model_ignores_are_named_and_the_digest_names_its_platform(b
 
     from fsdp_fp8.cli.platform import cpu_model
 
-    result = _run(["--checkpoint", str(bf16_mot), "--steps", "2", "--latent-tokens", "4", "--new-tokens", "3",
-                   "--prompt-ids", "1,2"], tmp_path, caplog)
+    result = _run(
+        [
+            "--checkpoint",
+            str(bf16_mot),
+            "--steps",
+            "2",
+            "--latent-tokens",
+            "4",
+            "--new-tokens",
+            "3",
+            "--prompt-ids",
+            "1,2",
+        ],
+        tmp_path,
+        caplog,
+    )
     assert "--new-tokens, --prompt-ids do not apply to ReferenceMoTTransformer and are ignored" in caplog.text
     assert result["torch"] == torch.__version__ and result["device_name"] == cpu_model()
     out = capsys.readouterr().out
     digest = next(line for line in out.splitlines() if line.startswith("latent "))
     platform = out.splitlines()[out.splitlines().index(digest) + 1]
-    assert platform == (f"computed with   torch {torch.__version__} on cpu, {cpu_model()}; digests compare only "
-                        "with runs on the same torch build and device model")
+    assert platform == (
+        f"computed with   torch {torch.__version__} on cpu, {cpu_model()}; digests compare only "
+        "with runs on the same torch build and device model"
+    )

@@ -63,10 +63,22 @@ def test_step_context_wraps_both_guidance_passes_and_progress_is_reported():
         yield
         events.append(("exit", i, n))
 
-    sample(model, prompt(), steps=3, seed=0, num_latent_tokens=2,
-           step_context=step_context, on_step=lambda i, n: events.append(("step", i, n)))
-    per_step = lambda i: [("enter", i, 3), ("denoise", True), ("denoise", False),  # noqa: E731
-                          ("exit", i, 3), ("step", i, 3)]
+    sample(
+        model,
+        prompt(),
+        steps=3,
+        seed=0,
+        num_latent_tokens=2,
+        step_context=step_context,
+        on_step=lambda i, n: events.append(("step", i, n)),
+    )
+    per_step = lambda i: [
+        ("enter", i, 3),
+        ("denoise", True),
+        ("denoise", False),  # noqa: E731
+        ("exit", i, 3),
+        ("step", i, 3),
+    ]
     assert events == per_step(0) + per_step(1) + per_step(2)
 
 

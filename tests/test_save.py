@@ -9,14 +9,12 @@ by 2 or 3 (one linear has fewer rows than ranks).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import run_ranks
-from small_models import load_files, uneven_model_fn, write_uneven_checkpoint
+from small_models import uneven_model_fn, write_uneven_checkpoint
 
 KV_FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-fp8-kv"
 WORLD_SIZES = (1, 2, 3)
@@ -32,8 +30,11 @@ class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor) and not a.is_meta}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and not a.is_meta
+        }
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in inputs:
                 self.bytes += t.untyped_storage().nbytes()
@@ -47,7 +48,11 @@ def _local_bytes(model) -> int:
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
         local = t._local_tensor if isinstance(t, DTensor) else t
-        inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]] if hasattr(local, "__tensor_flatten__") else [local]
+        inner = (
+            [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+            if hasattr(local, "__tensor_flatten__")
+            else [local]
+        )
         total += sum(i.untyped_storage().nbytes() for i in inner)
     return total
 
@@ -61,9 +66,13 @@ def _load_and_save(rank, world, sources: dict[str, str], out: str) -> dict:
         counter = _NewStorage()
         with counter:
             report = save_checkpoint(loaded, Path(out) / name, max_shard_size=100_000 if name == "demo" else None)
-        observed[name] = {"new_bytes": counter.bytes, "largest_new": counter.largest,
-                          "local_bytes": _local_bytes(loaded.model), "written": report.bytes_written,
-                          "path": str(report.directory)}
+        observed[name] = {
+            "new_bytes": counter.bytes,
+            "largest_new": counter.largest,
+            "local_bytes": _local_bytes(loaded.model),
+            "written": report.bytes_written,
+            "path": str(report.directory),
+        }
     return observed
 
 
@@ -73,8 +82,11 @@ def sources(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sources")
     # The demo is a diffusers pipeline: its FP8 transformer is what is loaded and saved.
-    return {"kv": str(KV_FIXTURE), "demo": str(demo_checkpoint(root / "cache") / "transformer"),
-            "uneven": str(write_uneven_checkpoint(root / "uneven"))}
+    return {
+        "kv": str(KV_FIXTURE),
+        "demo": str(demo_checkpoint(root / "cache") / "transformer"),
+        "uneven": str(write_uneven_checkpoint(root / "uneven")),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +110,10 @@ def _raw(directory) -> dict[str, tuple[str, bytes]]:
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(path, "pt") as f:
             for key in f.keys():
-                out[key] = (f.get_slice(key).get_dtype(), f.get_tensor(key).reshape(-1).view(torch.uint8).numpy().tobytes())
+                out[key] = (
+                    f.get_slice(key).get_dtype(),
+                    f.get_tensor(key).reshape(-1).view(torch.uint8).numpy().tobytes(),
+                )
     return out
 
 
@@ -125,8 +140,9 @@ def test_saved_checkpoints_keep_the_quantization_config_and_load_back(saved, sou
         assert sorted(dst.kv_scales) == sorted(src.kv_scales), name
         assert sorted(dst.fp8_modules) == sorted(src.fp8_modules), name
         assert dst.quant.producer.startswith("fsdp_fp8 "), name
-        assert {k: v for k, v in dst.config.items() if k != "quantization_config"} == \
-            {k: v for k, v in src.config.items() if k != "quantization_config"}, name
+        assert {k: v for k, v in dst.config.items() if k != "quantization_config"} == {
+            k: v for k, v in src.config.items() if k != "quantization_config"
+        }, name
     kv = open_checkpoint(out / "kv")
     assert kv.kv_scales and kv.quant.kv_cache_quant_algo == "FP8"
     assert open_checkpoint(out / "demo").quant.step_policy is not None
@@ -166,8 +182,10 @@ def _save_failing(rank, world, source: str, out: str, case: str) -> tuple[str, s
     loaded = load_model(uneven_model_fn, source, device=torch.device("cpu"))
     kwargs = {}
     if case == "write fails on rank 1" and rank == 1:
+
         def broken(self, key, offset, data):
             raise OSError(f"injected write failure for `{key}`")
+
         writer.ShardWriter.write = broken
     if case == "ranks disagree" and rank == 1:
         kwargs["max_shard_size"] = 100
@@ -179,10 +197,13 @@ def _save_failing(rank, world, source: str, out: str, case: str) -> tuple[str, s
 
 
 @pytest.mark.parametrize("world", (2, 3))
-@pytest.mark.parametrize("case, needle", [
-    ("write fails on rank 1", "rank 1: OSError: injected write failure for `"),
-    ("ranks disagree", "ranks planned different files"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("write fails on rank 1", "rank 1: OSError: injected write failure for `"),
+        ("ranks disagree", "ranks planned different files"),
+    ],
+)
 def test_a_failure_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, world, case, needle):
     source = write_uneven_checkpoint(tmp_path / "src")
     out = tmp_path / "out" / "ckpt"
@@ -242,7 +263,9 @@ def test_a_ptq_model_saves_and_loads_back_with_the_same_codes(tmp_path):
     from fsdp_fp8.export.modelopt import calibrate_input_scales
 
     loaded = _ptq_model(tmp_path)
-    names = quantize_model(loaded.model, "fp8", granularity="per_tensor", exclude=r"^(proj_in|proj_out|time_embedder|lm_head)\b")
+    names = quantize_model(
+        loaded.model, "fp8", granularity="per_tensor", exclude=r"^(proj_in|proj_out|time_embedder|lm_head)\b"
+    )
     scales = calibrate_input_scales(loaded.model, names, _calibrate)
     save_checkpoint(loaded, tmp_path / "fp8", input_scales=scales)
     back = load_model(None, tmp_path / "fp8", device=torch.device("cpu"))
@@ -316,8 +339,9 @@ def test_a_lost_peer_is_a_peer_lost_error_and_leaves_nothing(tmp_path, monkeypat
     source = write_uneven_checkpoint(tmp_path / "src")
     out = tmp_path / "out" / "ckpt"
     with pytest.raises(RanksFailed, match="rank 1 exited with code 17"):
-        run_ranks(_save_with_a_dead_peer, 2, str(source), str(out), str(tmp_path / "rank0.pkl"),
-                  timeout=120, pg_timeout=20)
+        run_ranks(
+            _save_with_a_dead_peer, 2, str(source), str(out), str(tmp_path / "rank0.pkl"), timeout=120, pg_timeout=20
+        )
     kind, text = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
     assert kind == "PeerLostError", (kind, text)
     assert "rank 0 lost its peers while planning the files" in text, text

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-
 from ranks import run_ranks
 from small_models import FIXTURE, HIDDEN, fixture_llama_fn, load_files, uneven_model_fn, write_uneven_checkpoint
+
 from fsdp_fp8.load.plan import plan_load
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -59,6 +59,7 @@ def _count_our_ops() -> dict[str, int]:
     calls: dict[str, int] = {}
     table = StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor]
     for op in FSDP_OPS:
+
         def counting(func, types, args, kwargs, _inner=table[op]):
             calls[func.__name__] = calls.get(func.__name__, 0) + 1
             return _inner(func, types, args, kwargs)
@@ -69,10 +70,10 @@ def _count_our_ops() -> dict[str, int]:
 
 def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_checkpoint, open_checkpoint, swap_fp8_linears
-    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
-    from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
     from fsdp_fp8.load.api import load_model
     from fsdp_fp8.load.collectives import AllGatherMeter
+    from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+    from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
 
     obs: dict = {}
     op_calls = _count_our_ops()
@@ -87,9 +88,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
         materialize(model, torch.device("cpu"))
         report = load_checkpoint(model, plan)
     fp8_shapes = {tuple(t.entry.weight.shape) for t in plan.fp8}
-    obs["hp_copies_of_fp8"] = sorted(
-        str(s) for s, dt in allocations.seen if s in fp8_shapes and dt.itemsize > 1
-    )
+    obs["hp_copies_of_fp8"] = sorted(str(s) for s, dt in allocations.seen if s in fp8_shapes and dt.itemsize > 1)
     obs["on_meta"] = tensors_on_meta(model)
     obs["bytes_read"] = report.bytes_read
     local = {}
@@ -215,9 +214,11 @@ def test_all_gather_moves_one_byte_per_fp8_element(observed, world):
     def block(fp8_itemsize):
         return (
             padded(HIDDEN, 1, 2)  # norm
-            + padded(7, HIDDEN, fp8_itemsize) + padded(7, 1, 2)  # up + bias
+            + padded(7, HIDDEN, fp8_itemsize)
+            + padded(7, 1, 2)  # up + bias
             + padded(HIDDEN, 7, fp8_itemsize)  # down
-            + padded(1, HIDDEN, fp8_itemsize) + padded(1, 1, 2)  # gate + bias
+            + padded(1, HIDDEN, fp8_itemsize)
+            + padded(1, 1, 2)  # gate + bias
         )
 
     root = padded(6, HIDDEN, 2)  # the BF16 head
@@ -250,7 +251,14 @@ def test_fsdp2_goes_through_our_ops(observed, world):
     """fully_shard, to_empty, lazy init and the all-gather use these ops on our tensors;
     test_fsdp_ops.py shows each fails without our registration."""
     hit = set().union(*(obs["op_calls"] for obs in observed[world]))
-    expected = {"split.Tensor", "slice.Tensor", "view.default", "as_strided.default", "new_zeros.default", "empty_like.default"}
+    expected = {
+        "split.Tensor",
+        "slice.Tensor",
+        "view.default",
+        "as_strided.default",
+        "new_zeros.default",
+        "empty_like.default",
+    }
     if world == 4:  # the 1-row linear has fewer chunks than ranks: FSDP2 pads with new_empty(0)
         expected.add("new_empty.default")
     assert expected <= hit

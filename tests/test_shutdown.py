@@ -105,4 +105,3 @@ def test_a_failing_exit_code_aborts_and_still_runs_atexit():
     assert "destroy_process_group called" not in output, output
     for rank in range(2):
         assert f"rank {rank} atexit ran" in proc.stdout, output
-

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_fp8.load import loader
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.load import loader
 from fsdp_fp8.load.meta_build import meta_init
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.load.swap import swap_fp8_linears
 from fsdp_fp8.models import MoTConfig, build_model
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
-from fsdp_fp8.load.swap import swap_fp8_linears
-from fsdp_fp8.load.plan import plan_load
 
-CONFIG = MoTConfig(hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136,
-                   vocab_size=301, latent_channels=6)
+CONFIG = MoTConfig(
+    hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136, vocab_size=301, latent_channels=6
+)
 BUDGET = 1000  # bytes: smaller than most tensors (192-byte BF16 rows, 96-byte FP8 rows), larger than a row
 
 

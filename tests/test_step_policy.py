@@ -104,9 +104,7 @@ def test_policy_is_frozen():
         policy.first_count = 0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    "step,n", [(-1, 5), (5, 5), (6, 5), (0, 0), (0, -1), (True, 5), (0, True), (1.0, 5), (0, 5.0)]
-)
+@pytest.mark.parametrize("step,n", [(-1, 5), (5, 5), (6, 5), (0, 0), (0, -1), (True, 5), (0, True), (1.0, 5), (0, 5.0)])
 def test_precision_rejects_bad_step(step, n):
     with pytest.raises(ValueError):
         parse_step_policy(PUBLISHED_POLICY).precision(step, n)

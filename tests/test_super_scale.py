@@ -6,20 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import run_ranks
+from small_models import load_files
 
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
-from fsdp_fp8.load.plan import plan_load
-from ranks import run_ranks
-from small_models import load_files
 
 MiB = 1 << 20
 # The Super's structure at toy size: rows that 4 ranks split unevenly (vocab 1001, latent 6:
 # one rank gets no row of proj_out), head_dim 20, two layers.
-SMALL = MoTConfig(hidden_size=80, num_layers=2, num_heads=4, head_dim=20, intermediate_size=200,
-                  vocab_size=1001, latent_channels=6, rope_theta=1000000.0)
+SMALL = MoTConfig(
+    hidden_size=80,
+    num_layers=2,
+    num_heads=4,
+    head_dim=20,
+    intermediate_size=200,
+    vocab_size=1001,
+    latent_channels=6,
+    rope_theta=1000000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +57,22 @@ def _hand_forecast_super(world: int) -> tuple[int, int]:
     scales = layers * 14 * 2 * 4
     bf16 = 2 * (
         2 * vocab * h  # embed_tokens, lm_head
-        + h * latent + h + latent * h + latent  # proj_in, proj_out (+ biases)
-        + h * freq + h + h * h + h  # time_embedder.linear_1 / linear_2 (+ biases)
+        + h * latent
+        + h
+        + latent * h
+        + latent  # proj_in, proj_out (+ biases)
+        + h * freq
+        + h
+        + h * h
+        + h  # time_embedder.linear_1 / linear_2 (+ biases)
         + 2 * h  # norm, norm_moe_gen
-        + layers * (3 * inner + h  # add_q/k/v_proj and to_add_out biases
-                    + 4 * head  # norm_q, norm_k, norm_added_q, norm_added_k
-                    + 4 * h)  # the four layer norms
+        + layers
+        * (
+            3 * inner
+            + h  # add_q/k/v_proj and to_add_out biases
+            + 4 * head  # norm_q, norm_k, norm_added_q, norm_added_k
+            + 4 * h
+        )  # the four layer norms
     )
     return layers * fp8_per_layer // world + scales, bf16 // world
 
@@ -88,8 +106,8 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 
 
 def _load_small(rank: int, world: int, path: str) -> dict:
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8 import gather_state_dict, load_model
+    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.load.architectures import resolve_architecture
 
     reads = []
@@ -106,10 +124,14 @@ def _load_small(rank: int, world: int, path: str) -> dict:
         slice_reader._pread_into = real
     forecast = loaded.plan.forecast(world, rank, staging_bytes=1 << 40)  # CPU: whole slices, in place
     gathered = gather_state_dict(loaded.model)
-    return {"report": loaded.report, "forecast": forecast, "max_read": max(n for _, n in reads),
-            "largest_tensor": max(e.nbytes for e in loaded.checkpoint.tensors.values()),
-            "scales": len(loaded.checkpoint.scales),
-            "gathered": gathered if rank == 0 else None}
+    return {
+        "report": loaded.report,
+        "forecast": forecast,
+        "max_read": max(n for _, n in reads),
+        "largest_tensor": max(e.nbytes for e in loaded.checkpoint.tensors.values()),
+        "scales": len(loaded.checkpoint.scales),
+        "gathered": gathered if rank == 0 else None,
+    }
 
 
 def test_small_model_of_the_same_structure_loads_on_4_ranks(tmp_path):

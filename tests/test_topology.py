@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from small_models import quantize_per_tensor
 
 from fsdp_fp8.fp8.tensor import E4M3
 from fsdp_fp8.fp8.topology import fuse_fp8_projections, requantize_onto, rerounded_count
-from small_models import quantize_per_tensor
 
 
 def _projection(rows, seed, spread):
@@ -48,6 +48,7 @@ def test_the_projection_with_the_largest_scale_keeps_its_codes():
     big = (_codes([SMALLEST_SUBNORMAL, -SMALLEST_SUBNORMAL, 256.0, -256.0] * 3), torch.tensor(4.0))
     small = (_codes(HALVING_EXACT), torch.tensor(2.0))  # halving onto 4.0: exact
     assert rerounded_count([small, big]) == (0, 20)
+
     def changed(onto: float) -> int:  # weights whose value moves, codes * scale
         again = requantize_onto(*big, torch.tensor(onto)).double() * onto
         return int((again != big[0].double() * 4.0).sum())

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +64,12 @@ def _gather_without_all_gather_single(rank, world):
 
 def test_the_all_gather_fallback_is_used_and_counted_without_all_gather_single():
     results = run_ranks(_gather_without_all_gather_single, 2, timeout=60)
-    expected = torch.cat([torch.full((3, 5), 1, dtype=torch.uint8),
-                          torch.cat([torch.full((2, 5), 2, dtype=torch.uint8), torch.zeros(1, 5, dtype=torch.uint8)])])
+    expected = torch.cat(
+        [
+            torch.full((3, 5), 1, dtype=torch.uint8),
+            torch.cat([torch.full((2, 5), 2, dtype=torch.uint8), torch.zeros(1, 5, dtype=torch.uint8)]),
+        ]
+    )
     for r in results:
         assert r["name"] == "all_gather_into_tensor"
         assert r["sizes"] == [15, 15]  # both calls counted, each once: 3 x 5 bytes sent
@@ -85,8 +88,12 @@ def _gather_native(rank, world):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_into_tensor(out, torch.full((4,), rank))
-    return {"name": collectives.all_gather_name(), "sizes": meter.sizes, "out": out,
-            "has_single": hasattr(dist, "all_gather_single")}
+    return {
+        "name": collectives.all_gather_name(),
+        "sizes": meter.sizes,
+        "out": out,
+        "has_single": hasattr(dist, "all_gather_single"),
+    }
 
 
 def test_the_meter_counts_each_collective_once_on_this_torch():

@@ -14,22 +14,25 @@ import shutil
 
 import pytest
 import torch
-
 from ckpt_writer import set_scalar
+from small_models import FIXTURE, write_uneven_checkpoint
+
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.models import MoTConfig
-from small_models import FIXTURE, write_uneven_checkpoint
 
 S3 = "model-00003-of-00003.safetensors"  # every scale of the uneven checkpoint
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("layers.0.up.weight_scale", 1e-40, "a subnormal float32"),
-    ("layers.1.gate.input_scale", 2e-45, "a subnormal float32"),
-    ("layers.0.down.weight_scale", 1e36, "448 * scale overflows float32"),
-    ("layers.1.up.input_scale", 3.0e38, "448 * scale overflows float32"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("layers.0.up.weight_scale", 1e-40, "a subnormal float32"),
+        ("layers.1.gate.input_scale", 2e-45, "a subnormal float32"),
+        ("layers.0.down.weight_scale", 1e36, "448 * scale overflows float32"),
+        ("layers.1.up.input_scale", 3.0e38, "448 * scale overflows float32"),
+    ],
+)
 def test_scales_that_make_garbage_are_refused(tmp_path, key, value, needle):
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     set_scalar(d / S3, key, value)
@@ -56,13 +59,16 @@ def _llama(tmp_path, text_edit) -> str:
     return d
 
 
-@pytest.mark.parametrize("field, spelled, shown", [
-    ("rms_norm_eps", "0", "is 0; it must be a number > 0"),
-    ("rms_norm_eps", "-1e-06", "is -1e-06; it must be a number > 0"),
-    ("rope_parameters.rope_theta", "1e999", "is inf; numbers must be finite"),
-    ("rope_parameters.rope_theta", "NaN", "is nan; numbers must be finite"),
-    ("rope_parameters.rope_theta", '"10000"', "is '10000'; it must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "field, spelled, shown",
+    [
+        ("rms_norm_eps", "0", "is 0; it must be a number > 0"),
+        ("rms_norm_eps", "-1e-06", "is -1e-06; it must be a number > 0"),
+        ("rope_parameters.rope_theta", "1e999", "is inf; numbers must be finite"),
+        ("rope_parameters.rope_theta", "NaN", "is nan; numbers must be finite"),
+        ("rope_parameters.rope_theta", '"10000"', "is '10000'; it must be a number > 0"),
+    ],
+)
 def test_config_fields_the_model_is_built_from_must_be_finite_and_positive(tmp_path, field, spelled, shown):
     def edit(text):
         obj = json.loads(text)
@@ -90,11 +96,13 @@ def test_a_non_finite_number_anywhere_in_a_config_is_named_by_its_path(tmp_path)
     assert info.value.problems == ["config.json: field `rope_scaling.factor` is -inf; numbers must be finite"]
 
 
-@pytest.mark.parametrize("field, value", [("rms_eps", float("nan")), ("rms_eps", math.inf), ("rope_theta", math.inf),
-                                          ("rope_theta", 0.0)])
+@pytest.mark.parametrize(
+    "field, value", [("rms_eps", float("nan")), ("rms_eps", math.inf), ("rope_theta", math.inf), ("rope_theta", 0.0)]
+)
 def test_reference_model_config_refuses_non_finite_and_non_positive_fields(field, value):
-    base = MoTConfig(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=88,
-                     vocab_size=100, latent_channels=6)
+    base = MoTConfig(
+        hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=88, vocab_size=100, latent_channels=6
+    )
     with pytest.raises(ValueError, match=f"`{field}` must be a finite number > 0, got {value!r}"):
         MoTConfig(**{**base.__dict__, field: value})
 
@@ -104,8 +112,9 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, cod
     """ModelOpt saturates to +-448 and never writes the NaN patterns: the loader checks the codes
     it has just read, in the same pass, and the load fails naming the tensor and the count."""
     from ckpt_writer import read_raw
-    from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
     from small_models import uneven_model_fn
+
+    from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
 
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
@@ -120,7 +129,9 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, cod
     with pytest.raises(LoadFailedError) as info:
         load_model(lambda c: built.append(uneven_model_fn(c)) or built[-1], d, device=torch.device("cpu"))
     (problem,) = info.value.problems
-    assert problem.startswith("rank 0: CheckpointError: ") and (
-        f"`layers.1.down.weight` in {shard.name} holds 3 FP8 codes that are NaN in E4M3") in problem, problem
+    assert (
+        problem.startswith("rank 0: CheckpointError: ")
+        and (f"`layers.1.down.weight` in {shard.name} holds 3 FP8 codes that are NaN in E4M3") in problem
+    ), problem
     with pytest.raises(ModelUnusableError):
         built[0].layers[1].down(torch.zeros(1, 7, dtype=torch.bfloat16))

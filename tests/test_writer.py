@@ -25,8 +25,9 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for i, dtype in enumerate(DTYPES.values()):
         shape = [(), (0, 3), (5,), (3, 7), (2, 3, 1)][i % 5]
-        raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), generator=gen,
-                            dtype=torch.uint8)
+        raw = torch.randint(
+            0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), generator=gen, dtype=torch.uint8
+        )
         value = raw[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape)
         out[f"z{i}.{dtype}".replace("torch.", "")] = value
         out[f"a{i}.w"] = value.clone()
@@ -64,7 +65,7 @@ def test_rows_written_in_any_order_by_several_writers_land_at_their_offsets(tmp_
     # Three "ranks", each its own writer, rows interleaved and backwards.
     writers = [ShardWriter(tmp_path, layout) for _ in range(3)]
     for start in (6, 3, 0):
-        writers[start // 3].write_tensor("w", tensors["w"][start: start + 3], row_start=start)
+        writers[start // 3].write_tensor("w", tensors["w"][start : start + 3], row_start=start)
     writers[2].write_tensor("e", tensors["e"][4:], row_start=4)
     writers[1].write_tensor("e", tensors["e"][:4])
     writers[0].write_tensor("s", tensors["s"])

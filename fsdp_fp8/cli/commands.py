@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_fp8.format.files import file_sha256
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.sharding import rank_forecast
 
 
@@ -44,13 +44,17 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
 
         fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
         other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
-        lines.append(f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
-                     f"staging: largest single read into an accelerator, budget {_mib(STAGING_BYTES)}):")
+        lines.append(
+            f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
+            f"staging: largest single read into an accelerator, budget {_mib(STAGING_BYTES)}):"
+        )
         for rank in range(world_size):
             f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES)
-            lines.append(f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
-                         f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
-                         f"staging peak {_mib(f.staging_peak_bytes)}")
+            lines.append(
+                f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
+                f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
+                f"staging peak {_mib(f.staging_peak_bytes)}"
+            )
     return "\n".join(lines)
 
 
@@ -90,9 +94,11 @@ def _verify(args: argparse.Namespace) -> int:
         print(CheckpointError(planned.problems, f"cannot load {args.directory} onto {device.type}"), file=sys.stderr)
         return 1
     ckpt, plan, arch = planned.checkpoint, planned.plan, planned.architecture
-    print(f"OK: {ckpt.directory} loads onto {device.type} as {arch.name} ({arch.kind}): "
-          f"{len(plan.fp8)} FP8 linears, {len(plan.tensors)} other tensors, "
-          f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} files")
+    print(
+        f"OK: {ckpt.directory} loads onto {device.type} as {arch.name} ({arch.kind}): "
+        f"{len(plan.fp8)} FP8 linears, {len(plan.tensors)} other tensors, "
+        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} files"
+    )
     if plan.kv_scales:
         print(f"note: {len(plan.kv_scales)} FP8 KV-cache scales have no place in {arch.name} and are not loaded")
     if args.world_size:
@@ -148,31 +154,52 @@ def _save(args) -> int:
 
 
 def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Load ModelOpt static-FP8 checkpoints into "
-                                     "FSDP2-sharded models (docs/usage.md).")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Load ModelOpt static-FP8 checkpoints into FSDP2-sharded models (docs/usage.md)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", add_help=False,
-                   help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run); "
-                        "'run --help' lists its options")
+    sub.add_parser(
+        "run",
+        add_help=False,
+        help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run); "
+        "'run --help' lists its options",
+    )
     inspect = sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)")
     inspect.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    inspect.add_argument("--world-size", type=_positive, default=None,
-                         help="also forecast what each of W ranks reads, holds and stages")
-    verify = sub.add_parser("verify", help="check the checkpoint as load_model does (open, build the model on "
-                            "meta, plan); exit 0 exactly when load_model would load it")
+    inspect.add_argument(
+        "--world-size", type=_positive, default=None, help="also forecast what each of W ranks reads, holds and stages"
+    )
+    verify = sub.add_parser(
+        "verify",
+        help="check the checkpoint as load_model does (open, build the model on "
+        "meta, plan); exit 0 exactly when load_model would load it",
+    )
     verify.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    verify.add_argument("--world-size", type=_positive, default=None,
-                        help="also show what each of W ranks would read and hold")
-    verify.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="the device load_model would load onto (default: cuda when torch sees a GPU, "
-                             "else cpu); cuda adds the checks made before loading onto CUDA")
+    verify.add_argument(
+        "--world-size", type=_positive, default=None, help="also show what each of W ranks would read and hold"
+    )
+    verify.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="the device load_model would load onto (default: cuda when torch sees a GPU, "
+        "else cpu); cuda adds the checks made before loading onto CUDA",
+    )
     verify.add_argument("--sha256", action="store_true", help="also hash every shard file")
-    save = sub.add_parser("save", help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
-                          "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing")
+    save = sub.add_parser(
+        "save",
+        help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
+        "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing",
+    )
     save.add_argument("source", help="checkpoint directory, diffusers pipeline root or hub repo id")
     save.add_argument("destination")
-    save.add_argument("--max-shard-size", type=_positive, default=None, metavar="BYTES",
-                      help="tensor bytes per shard file (default: one file)")
+    save.add_argument(
+        "--max-shard-size",
+        type=_positive,
+        default=None,
+        metavar="BYTES",
+        help="tensor bytes per shard file (default: one file)",
+    )
     save.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     return parser
 

@@ -26,8 +26,8 @@ import torch
 from fsdp_fp8.export.cache import build_once
 from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
 from fsdp_fp8.format.files import file_sha256
-from fsdp_fp8.format.writer import producer_version
 from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
+from fsdp_fp8.format.writer import producer_version
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TRANSFORMER_CONFIG = dict(
-    head_dim=16, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    num_hidden_layers=2, latent_channel=4, latent_patch_size=2, patch_latent_dim=16,
-    rope_axes_dim=[4, 2, 2], enable_fps_modulation=False,
+    head_dim=16,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    latent_channel=4,
+    latent_patch_size=2,
+    patch_latent_dim=16,
+    rope_axes_dim=[4, 2, 2],
+    enable_fps_modulation=False,
 )
 VAE_CONFIG = dict(
-    base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
-    latents_mean=[0.0] * 4, latents_std=[1.0] * 4, scale_factor_spatial=4, scale_factor_temporal=4,
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[True, True],
+    latents_mean=[0.0] * 4,
+    latents_std=[1.0] * 4,
+    scale_factor_spatial=4,
+    scale_factor_temporal=4,
 )
 SCHEDULER_CONFIG = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0)
 
@@ -66,8 +81,9 @@ def demo_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def demo_components() -> dict:
@@ -81,8 +97,12 @@ def demo_components() -> dict:
     transformer.time_embedder.float()  # _keep_in_fp32_modules, as diffusers keeps it
     torch.manual_seed(DEMO_SEED + 1)
     vae = AutoencoderKLWan(**VAE_CONFIG).eval()
-    return {"transformer": transformer, "vae": vae, "text_tokenizer": tokenizer,
-            "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG)}
+    return {
+        "transformer": transformer,
+        "vae": vae,
+        "text_tokenizer": tokenizer,
+        "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG),
+    }
 
 
 def _calibrate(components: dict):
@@ -92,8 +112,14 @@ def _calibrate(components: dict):
         pipe = Cosmos3OmniPipeline(**{**components, "transformer": transformer}, enable_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         for i, prompt in enumerate(DEMO_PROMPTS):
-            pipe(prompt, **DEMO_SIZE, num_inference_steps=DEMO_CALIBRATION_STEPS, guidance_scale=3.0,
-                 generator=torch.Generator().manual_seed(DEMO_SEED + i), output_type="latent")
+            pipe(
+                prompt,
+                **DEMO_SIZE,
+                num_inference_steps=DEMO_CALIBRATION_STEPS,
+                guidance_scale=3.0,
+                generator=torch.Generator().manual_seed(DEMO_SEED + i),
+                output_type="latent",
+            )
 
     return run
 
@@ -104,8 +130,15 @@ def build_demo_pipeline(directory: str | os.PathLike) -> Path:
     components = demo_components()
     transformer = components["transformer"]
     config = json.loads(transformer.to_json_string())
-    export_fp8(transformer, directory / "transformer", config=config, calibrate=_calibrate(components),
-               ignore=DEFAULT_IGNORE, step_policy=DEMO_STEP_POLICY, max_shard_size=DEMO_MAX_SHARD_SIZE)
+    export_fp8(
+        transformer,
+        directory / "transformer",
+        config=config,
+        calibrate=_calibrate(components),
+        ignore=DEFAULT_IGNORE,
+        step_policy=DEMO_STEP_POLICY,
+        max_shard_size=DEMO_MAX_SHARD_SIZE,
+    )
     components["vae"].save_pretrained(directory / "vae")
     components["scheduler"].save_pretrained(directory / "scheduler")
     components["text_tokenizer"].save_pretrained(directory / "text_tokenizer")

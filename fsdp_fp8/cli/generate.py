@@ -61,8 +61,10 @@ def check_output(output: str | None) -> None:
             import imageio  # noqa: F401
             import imageio_ffmpeg  # noqa: F401
         except ImportError:
-            raise ValueError(f"--output {output}: mp4 needs imageio and imageio-ffmpeg "
-                             "(pip install imageio imageio-ffmpeg); or write .png") from None
+            raise ValueError(
+                f"--output {output}: mp4 needs imageio and imageio-ffmpeg "
+                "(pip install imageio imageio-ffmpeg); or write .png"
+            ) from None
     if not Path(output).resolve().parent.is_dir():
         raise ValueError(f"--output {output}: directory {Path(output).resolve().parent} does not exist")
 
@@ -81,8 +83,7 @@ def save_frames(frames: list, path: Path, fps: float) -> None:
     elif len(frames) == 1:
         frames[0].save(path, format="PNG")
     else:
-        frames[0].save(path, format="PNG", save_all=True, append_images=frames[1:],
-                       duration=int(1000 / fps), loop=0)
+        frames[0].save(path, format="PNG", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
 
 
 def _digest(latents: torch.Tensor) -> str:
@@ -90,8 +91,9 @@ def _digest(latents: torch.Tensor) -> str:
 
 
 def _size_kwargs(args) -> dict:
-    return {k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width))
-            if v is not None}
+    return {
+        k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width)) if v is not None
+    }
 
 
 def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
@@ -111,8 +113,14 @@ def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
     routing = routing_of(pipe.transformer)
     loaded = pipe.fsdp_fp8
     if rank == 0:
-        log.info("loaded %s: %d FP8 linears; %d prompt(s) over %d rank(s), %d steps each",
-                 type(pipe).__name__, len(loaded.fp8_linears), len(prompts), world, args.steps)
+        log.info(
+            "loaded %s: %d FP8 linears; %d prompt(s) over %d rank(s), %d steps each",
+            type(pipe).__name__,
+            len(loaded.fp8_linears),
+            len(prompts),
+            world,
+            args.steps,
+        )
     results = []
     t1 = time.perf_counter()
     for round_ in range(math.ceil(len(prompts) / world)):
@@ -129,16 +137,26 @@ def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
 
         start = len(routing.trace)
         out = pipe(
-            prompts[index] if real else prompts[0], negative_prompt=args.negative_prompt, **_size_kwargs(args),
-            fps=args.fps, num_inference_steps=args.steps, guidance_scale=args.guidance,
-            generator=torch.Generator().manual_seed(args.seed), callback_on_step_end=on_step,
+            prompts[index] if real else prompts[0],
+            negative_prompt=args.negative_prompt,
+            **_size_kwargs(args),
+            fps=args.fps,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=torch.Generator().manual_seed(args.seed),
+            callback_on_step_end=on_step,
             output_type="pil" if real and args.output else "latent",
         )
         if not real:  # padding: it only kept this rank in step with the others' all-gathers
             continue
-        row = {"index": index, "prompt": prompts[index], "rank": rank,
-               "precision_trace": describe_trace(routing.trace[start:]),
-               "latent_shape": list(final["latents"].shape), "latent_sha256": _digest(final["latents"])}
+        row = {
+            "index": index,
+            "prompt": prompts[index],
+            "rank": rank,
+            "precision_trace": describe_trace(routing.trace[start:]),
+            "latent_shape": list(final["latents"].shape),
+            "latent_sha256": _digest(final["latents"]),
+        }
         if args.output:
             target = output_path(args.output, index, args.prompts is not None)
             save_frames(list(out.video), target, args.fps)
@@ -151,11 +169,18 @@ def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
         dist.all_gather_object(gathered, results)
     rows = sorted((r for part in gathered for r in part), key=lambda r: r["index"])
     first = rows[0]
-    report = {"checkpoint": str(path), "pipeline": type(pipe).__name__,
-              "fp8_linears": len(loaded.fp8_linears), "steps": args.steps,
-              "load_seconds": round(load_s, 3), "sample_seconds": round(sample_s, 3),
-              "residency": residency.as_dict(),
-              "step_policy": "checkpoint" if routing.policy is not None else "none",
-              "precision_trace": first["precision_trace"], "latent_shape": first["latent_shape"],
-              "latent_sha256": first["latent_sha256"], "outputs": rows}
+    report = {
+        "checkpoint": str(path),
+        "pipeline": type(pipe).__name__,
+        "fp8_linears": len(loaded.fp8_linears),
+        "steps": args.steps,
+        "load_seconds": round(load_s, 3),
+        "sample_seconds": round(sample_s, 3),
+        "residency": residency.as_dict(),
+        "step_policy": "checkpoint" if routing.policy is not None else "none",
+        "precision_trace": first["precision_trace"],
+        "latent_shape": first["latent_shape"],
+        "latent_sha256": first["latent_sha256"],
+        "outputs": rows,
+    }
     return report, loaded

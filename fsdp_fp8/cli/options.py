@@ -23,8 +23,11 @@ EVERY_KIND = {"checkpoint", "report", "timeout", "quantize", "include", "exclude
 
 def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
     """The options set to something other than their default."""
-    return {a.dest for a in parser._actions
-            if a.dest != argparse.SUPPRESS and a.dest != "help" and getattr(args, a.dest, a.default) != a.default}
+    return {
+        a.dest
+        for a in parser._actions
+        if a.dest != argparse.SUPPRESS and a.dest != "help" and getattr(args, a.dest, a.default) != a.default
+    }
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:

@@ -25,17 +25,23 @@ import torch.distributed as dist
 from fsdp_fp8.cli.generate import check_output, is_pipeline_root, read_prompts, run_pipeline
 from fsdp_fp8.cli.options import given_options, unused_options, value_problems
 from fsdp_fp8.cli.platform import platform_info
+from fsdp_fp8.errors import ProblemsError
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.format.step_policy import describe_trace, resolve_step_policy
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
 from fsdp_fp8.load.residency import POLICIES, apply_residency
-from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.errors import ProblemsError
-from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
-from fsdp_fp8.runtime.ptq import METHODS, check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
+from fsdp_fp8.runtime.ptq import (
+    METHODS,
+    check_ptq_checkpoint,
+    check_ptq_world_size,
+    linear_weight_bytes,
+    quantize_model,
+)
 from fsdp_fp8.runtime.sampler import sample
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
-from fsdp_fp8.format.step_policy import describe_trace, resolve_step_policy
 
 log = logging.getLogger("fsdp_fp8")
 
@@ -49,38 +55,71 @@ def parse_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> 
     p.add_argument("--checkpoint", help="ModelOpt static-FP8 checkpoint directory (default: the embedded demo)")
     p.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help="prompt text (a pipeline's tokenizer, else its bytes become token ids)")
-    p.add_argument("--prompts", metavar="FILE",
-                   help="pipeline: one prompt per line; each rank generates its share (docs/usage.md)")
+    p.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="prompt text (a pipeline's tokenizer, else its bytes become token ids)"
+    )
+    p.add_argument(
+        "--prompts", metavar="FILE", help="pipeline: one prompt per line; each rank generates its share (docs/usage.md)"
+    )
     p.add_argument("--negative-prompt", default=None, help="pipeline: the unconditional prompt (default empty)")
-    p.add_argument("--output", metavar="FILE",
-                   help="pipeline: save the decoded result as .png (image / animated frames) or .mp4; "
-                        "with --prompts, FILE-000.png, FILE-001.png, ...")
-    p.add_argument("--frames", type=int, help="pipeline: frames to generate (1: an image; default: the demo's, "
-                                              "else the pipeline's)")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="pipeline: save the decoded result as .png (image / animated frames) or .mp4; "
+        "with --prompts, FILE-000.png, FILE-001.png, ...",
+    )
+    p.add_argument(
+        "--frames",
+        type=int,
+        help="pipeline: frames to generate (1: an image; default: the demo's, else the pipeline's)",
+    )
     p.add_argument("--height", type=int, help="pipeline: height in pixels (default: the demo's, else the pipeline's)")
     p.add_argument("--width", type=int, help="pipeline: width in pixels (default: the demo's, else the pipeline's)")
     p.add_argument("--fps", type=float, default=24.0, help="pipeline: frames per second (prompt template, mp4)")
     p.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale")
     p.add_argument("--latent-tokens", type=int, default=DEFAULT_LATENT_TOKENS, help="latent tokens (default 64)")
-    p.add_argument("--step-policy", choices=("auto", "off"), default="auto",
-                   help="auto: the checkpoint's diffusion step policy; off: every step W8A8")
+    p.add_argument(
+        "--step-policy",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: the checkpoint's diffusion step policy; off: every step W8A8",
+    )
     p.add_argument("--prompt-ids", type=_id_list, help="causal LM prompt as token ids, e.g. 1,2,3")
     p.add_argument("--new-tokens", type=int, default=8, help="causal LM: greedy tokens to generate (default 8)")
     p.add_argument("--report", help="also write the report as JSON to this path (rank 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
-    p.add_argument("--resident", choices=POLICIES, default="none",
-                   help="FSDP2 blocks kept gathered between forwards: none (re-gather each forward), "
-                        "auto (what --resident-budget and the free device memory allow), all")
-    p.add_argument("--resident-budget", type=_byte_count, metavar="BYTES",
-                   help="with --resident auto: the most the gathered blocks may take per rank (e.g. 60e9, 48GiB)")
-    p.add_argument("--quantize", choices=METHODS,
-                   help="quantize a high-precision checkpoint's linears with TorchAO at load (one process)")
-    p.add_argument("--include", action="append", default=[], metavar="RE",
-                   help="with --quantize: only linears whose name matches RE (re.search; repeatable)")
-    p.add_argument("--exclude", action="append", default=[], metavar="RE",
-                   help="with --quantize: leave linears whose name matches RE in high precision (repeatable)")
+    p.add_argument(
+        "--resident",
+        choices=POLICIES,
+        default="none",
+        help="FSDP2 blocks kept gathered between forwards: none (re-gather each forward), "
+        "auto (what --resident-budget and the free device memory allow), all",
+    )
+    p.add_argument(
+        "--resident-budget",
+        type=_byte_count,
+        metavar="BYTES",
+        help="with --resident auto: the most the gathered blocks may take per rank (e.g. 60e9, 48GiB)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=METHODS,
+        help="quantize a high-precision checkpoint's linears with TorchAO at load (one process)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="RE",
+        help="with --quantize: only linears whose name matches RE (re.search; repeatable)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="RE",
+        help="with --quantize: leave linears whose name matches RE in high precision (repeatable)",
+    )
     args = p.parse_args(argv)
     if (args.include or args.exclude) and not args.quantize:
         p.error("--include / --exclude select linears for --quantize; pass --quantize too")
@@ -109,10 +148,20 @@ def parse_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> 
 
 
 def _byte_count(text: str) -> int:
-    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "TB": 10**12}
+    units = {
+        "": 1,
+        "B": 1,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+    }
     number = text.strip().rstrip("BbIiKkMmGgTt")
-    unit = text.strip()[len(number):].upper()
+    unit = text.strip()[len(number) :].upper()
     try:
         value = float(number) * units[unit]
     except (ValueError, KeyError):
@@ -178,8 +227,13 @@ def run(args: argparse.Namespace) -> dict:
         _warn_unused(args, "pipeline", "a diffusers pipeline")
         report, loaded = run_pipeline(args, path, device)
         _warn_no_fp8(report["fp8_linears"], path, report)
-        return {**report, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "device": str(device), "quantize": None, "ranks": _rank_rows(_all_reports(loaded.report))}
+        return {
+            **report,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "device": str(device),
+            "quantize": None,
+            "ranks": _rank_rows(_all_reports(loaded.report)),
+        }
     if args.prompts or args.output:
         raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     # The model class comes from config.json; every rank opens and plans inside load_model,
@@ -191,8 +245,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.quantize:
         before = linear_weight_bytes(model)
         names = quantize_model(model, args.quantize, include=args.include, exclude=args.exclude)
-        quantized = {"method": args.quantize, "linears": len(names),
-                     "weight_bytes_before": before, "weight_bytes_after": linear_weight_bytes(model)}
+        quantized = {
+            "method": args.quantize,
+            "linears": len(names),
+            "weight_bytes_before": before,
+            "weight_bytes_after": linear_weight_bytes(model),
+        }
     policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, args.step_policy)
     routing = install_step_policy(model, policy, loaded.towers)
     share_quantized_inputs(model)
@@ -202,17 +260,30 @@ def run(args: argparse.Namespace) -> dict:
         output = run_hf(model, arch, loaded.checkpoint.directory, args)
         if quantized is None:
             _warn_no_fp8(len(loaded.fp8_linears), path, output)
-        return {"checkpoint": str(loaded.checkpoint.directory), "architecture": arch.name,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1, "device": str(device),
-                "fp8_linears": len(loaded.fp8_linears), "kv_scales_unused": len(loaded.plan.kv_scales),
-                "quantize": quantized, "load_seconds": round(load_s, 3),
-                "run_seconds": round(time.perf_counter() - t1, 3), **output,
-                "ranks": _rank_rows(_all_reports(loaded.report))}
+        return {
+            "checkpoint": str(loaded.checkpoint.directory),
+            "architecture": arch.name,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "device": str(device),
+            "fp8_linears": len(loaded.fp8_linears),
+            "kv_scales_unused": len(loaded.plan.kv_scales),
+            "quantize": quantized,
+            "load_seconds": round(load_s, 3),
+            "run_seconds": round(time.perf_counter() - t1, 3),
+            **output,
+            "ranks": _rank_rows(_all_reports(loaded.report)),
+        }
     residency = apply_residency(model, args.resident, budget_bytes=args.resident_budget, device=device)
     if _rank() == 0:
-        log.info("loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
-                 len(loaded.fp8_linears), load_s, len(residency.resident), residency.blocks, args.resident,
-                 args.steps)
+        log.info(
+            "loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
+            len(loaded.fp8_linears),
+            load_s,
+            len(residency.resident),
+            residency.blocks,
+            args.resident,
+            args.steps,
+        )
     step_bytes: list[int] = []  # all-gather bytes this rank sent per step (step 1: with the reasoner)
 
     def progress(i: int, n: int) -> None:
@@ -223,7 +294,7 @@ def run(args: argparse.Namespace) -> dict:
     t1 = time.perf_counter()
     with AllGatherMeter() as meter:
         latent = sample(
-        model,
+            model,
             prompt_bytes(args.prompt, model.config.vocab_size),
             steps=args.steps,
             seed=args.seed,
@@ -261,8 +332,13 @@ def _warn_unused(args: argparse.Namespace, kind: str, what: str) -> None:
     """Options this kind of run ignores are named, not dropped silently."""
     unused = unused_options(getattr(args, "given", set()), kind)
     if unused and _rank() == 0:
-        log.warning("%s do%s not apply to %s and %s ignored", ", ".join(unused), "es" if len(unused) == 1 else "",
-                    what, "is" if len(unused) == 1 else "are")
+        log.warning(
+            "%s do%s not apply to %s and %s ignored",
+            ", ".join(unused),
+            "es" if len(unused) == 1 else "",
+            what,
+            "is" if len(unused) == 1 else "are",
+        )
 
 
 def _warn_no_fp8(fp8_linears: int, path, result: dict) -> None:
@@ -271,8 +347,11 @@ def _warn_no_fp8(fp8_linears: int, path, result: dict) -> None:
     if fp8_linears:
         return
     if _rank() == 0:
-        log.warning("%s has no FP8 linear: every linear runs in high precision (a plain checkpoint, "
-                    "not a ModelOpt static-FP8 one)", path)
+        log.warning(
+            "%s has no FP8 linear: every linear runs in high precision (a plain checkpoint, "
+            "not a ModelOpt static-FP8 one)",
+            path,
+        )
     for row in [result, *result.get("outputs", [])]:
         if "precision_trace" in row:
             row["precision_trace"] = None
@@ -302,40 +381,54 @@ def _quantize_lines(q: dict | None) -> list[str]:
     if q is None:
         return []
     before, after = q["weight_bytes_before"], q["weight_bytes_after"]
-    return [f"quantized       {q['linears']} linears to {q['method']} at load (TorchAO)",
-            f"linear weights  {before:,} -> {after:,} bytes ({after / before:.2f}x)"]
+    return [
+        f"quantized       {q['linears']} linears to {q['method']} at load (TorchAO)",
+        f"linear weights  {before:,} -> {after:,} bytes ({after / before:.2f}x)",
+    ]
 
 
 def _output_lines(result: dict) -> list[str]:
     if "generated_ids" in result:  # a transformers causal LM (fsdp_fp8.interop.hf_run)
-        return [f"model           {result['architecture']}, KV-cache scales unused: {result['kv_scales_unused']}",
-                f"prompt          {result['prompt_ids']} ({result['prompt_source']})",
-                f"generated       {result['generated_ids']} in {result['run_seconds']:.2f} s (greedy)",
-                f"logits          sha256 {result['logits_sha256']}"]
+        return [
+            f"model           {result['architecture']}, KV-cache scales unused: {result['kv_scales_unused']}",
+            f"prompt          {result['prompt_ids']} ({result['prompt_source']})",
+            f"generated       {result['generated_ids']} in {result['run_seconds']:.2f} s (greedy)",
+            f"logits          sha256 {result['logits_sha256']}",
+        ]
     if "pipeline" in result:  # a diffusers pipeline (fsdp_fp8.cli.generate)
-        lines = [f"pipeline        {result['pipeline']}, {len(result['outputs'])} prompt(s), {result['steps']} steps "
-                 f"in {result['sample_seconds']:.2f} s",
-                 f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
-                 f"resident        {len(result['residency']['resident'])} of {result['residency']['blocks']} "
-                 f"blocks ({result['residency']['policy']})"]
+        lines = [
+            f"pipeline        {result['pipeline']}, {len(result['outputs'])} prompt(s), {result['steps']} steps "
+            f"in {result['sample_seconds']:.2f} s",
+            f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
+            f"resident        {len(result['residency']['resident'])} of {result['residency']['blocks']} "
+            f"blocks ({result['residency']['policy']})",
+        ]
         for row in result["outputs"]:
             saved = f" -> {row['output']}" if "output" in row else ""
-            lines.append(f"latent {row['index']:>3}      {tuple(row['latent_shape'])} sha256 {row['latent_sha256']}"
-                         f" (rank {row['rank']}){saved}")
+            lines.append(
+                f"latent {row['index']:>3}      {tuple(row['latent_shape'])} sha256 {row['latent_sha256']}"
+                f" (rank {row['rank']}){saved}"
+            )
         return lines
     if "precision_trace" in result and "architecture" in result:  # a diffusers denoiser, alone
-        return [f"model           {result['architecture']}, {result['steps']} steps in {result['run_seconds']:.2f} s",
-                f"precision       {result['precision_trace']}",
-                f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
+        return [
+            f"model           {result['architecture']}, {result['steps']} steps in {result['run_seconds']:.2f} s",
+            f"precision       {result['precision_trace']}",
+            f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}",
+        ]
     if "output_sha256" in result:  # a diffusers transformer
-        return [f"model           {result['architecture']}, one forward in {result['run_seconds']:.2f} s",
-                f"output          {tuple(result['output_shape'])} sha256 {result['output_sha256']}"]
+        return [
+            f"model           {result['architecture']}, one forward in {result['run_seconds']:.2f} s",
+            f"output          {tuple(result['output_shape'])} sha256 {result['output_sha256']}",
+        ]
     res, per_step = result["residency"], result["allgather_bytes_per_step"]
-    return [f"sampling        {result['steps']} steps in {result['sample_seconds']:.2f} s",
-            f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
-            f"resident        {len(res['resident'])} of {res['blocks']} blocks ({res['policy']})",
-            f"all-gathered    {per_step[0]:,} B in step 1 (with the reasoner), {per_step[-1]:,} B per step after",
-            f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}"]
+    return [
+        f"sampling        {result['steps']} steps in {result['sample_seconds']:.2f} s",
+        f"precision       {result['precision_trace']}  (step policy: {result['step_policy']})",
+        f"resident        {len(res['resident'])} of {res['blocks']} blocks ({res['policy']})",
+        f"all-gathered    {per_step[0]:,} B in step 1 (with the reasoner), {per_step[-1]:,} B per step after",
+        f"latent          {tuple(result['latent_shape'])} sha256 {result['latent_sha256']}",
+    ]
 
 
 def _no_trace(line: str) -> str:

@@ -38,8 +38,7 @@ def abort_process_group() -> None:
     """
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None:
-        logger.warning("torch %s has no _abort_process_group; leaving the process group to the exit",
-                       torch.__version__)
+        logger.warning("torch %s has no _abort_process_group; leaving the process group to the exit", torch.__version__)
         return
     abort()
 

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def build_once(target: str | os.PathLike, build: Callable[[Path], None],
-               is_complete: Callable[[Path], bool]) -> Path:
+def build_once(target: str | os.PathLike, build: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:
     """``target``, made by ``build(empty_temporary_directory)`` unless ``is_complete(target)``."""
     target = Path(target)
     root = target.parent

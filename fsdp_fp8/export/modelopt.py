@@ -103,8 +103,11 @@ def _write(directory, tensors, config, hf_quant, max_shard_size, separate_scales
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):
         raise FileExistsError(f"{directory} is not empty; export writes into an empty directory")
-    layout = plan_checkpoint((TensorSpec.of(k, t) for k, t in tensors.items()),
-                             max_shard_size=max_shard_size, separate_scales=separate_scales)
+    layout = plan_checkpoint(
+        (TensorSpec.of(k, t) for k, t in tensors.items()),
+        max_shard_size=max_shard_size,
+        separate_scales=separate_scales,
+    )
     write_checkpoint(directory, tensors, layout, config, hf_quant)
     return directory
 

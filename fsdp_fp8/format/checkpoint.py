@@ -88,7 +88,6 @@ class Checkpoint:
         self.close()
 
 
-
 def _read_json(directory: Path, name: str, problems: list[str], json_files: dict[str, dict]) -> dict | None:
     if not present(directory / name):
         return None
@@ -100,8 +99,20 @@ def _read_json(directory: Path, name: str, problems: list[str], json_files: dict
 
 # Numeric config fields the model's arithmetic divides by or exponentiates: zero, negative or
 # non-finite values build a model that computes garbage without an error.
-POSITIVE_FIELDS = frozenset({"rms_eps", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
-                             "eps", "norm_epsilon", "rope_theta", "theta", "rope_base"})
+POSITIVE_FIELDS = frozenset(
+    {
+        "rms_eps",
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "layer_norm_epsilon",
+        "norm_eps",
+        "eps",
+        "norm_epsilon",
+        "rope_theta",
+        "theta",
+        "rope_base",
+    }
+)
 
 
 def config_number_problems(obj: object, file: str) -> list[str]:
@@ -117,8 +128,12 @@ def config_number_problems(obj: object, file: str) -> list[str]:
                 stack.append((value, path))
             elif isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{file}: field `{path}` is {value}; numbers must be finite")
-            elif isinstance(node, dict) and key in POSITIVE_FIELDS and value is not None and (
-                    isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            elif (
+                isinstance(node, dict)
+                and key in POSITIVE_FIELDS
+                and value is not None
+                and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0)
+            ):
                 problems.append(f"{file}: field `{path}` is {short_repr(value)}; it must be a number > 0")
     return problems
 
@@ -158,8 +173,9 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
     """A scale must be one normal, positive F32 with ``448 * scale`` finite; reads only its 4
     bytes (through the held descriptor) and records the value in ``values``. True when it is."""
     if entry.dtype != "F32" or entry.numel != 1:
-        problems.append(f"`{entry.key}` in {entry.file} must be F32 with exactly one element, "
-                        f"got {entry.dtype} shape {entry.shape}")
+        problems.append(
+            f"`{entry.key}` in {entry.file} must be F32 with exactly one element, got {entry.dtype} shape {entry.shape}"
+        )
         return False
     try:
         value = float(read_scale(entry))
@@ -170,19 +186,23 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
         problems.append(f"`{entry.key}` in {entry.file} is {value}; a scale must be finite and > 0")
         return False
     if value < _F32.tiny:  # dequantizes every code to ~0: a zero layer that looks loaded
-        problems.append(f"`{entry.key}` in {entry.file} is {value}, a subnormal float32 (below {_F32.tiny}); "
-                        "a scale must be a normal float32 > 0")
+        problems.append(
+            f"`{entry.key}` in {entry.file} is {value}, a subnormal float32 (below {_F32.tiny}); "
+            "a scale must be a normal float32 > 0"
+        )
         return False
     if math.isinf(float(torch.tensor(value, dtype=torch.float32) * FP8_MAX)):
-        problems.append(f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 "
-                        f"(max {_F32.max:.6g})")
+        problems.append(
+            f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 (max {_F32.max:.6g})"
+        )
         return False
     values[entry.key] = value
     return True
 
 
-def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool,
-              problems: list[str], values: dict[str, float]):
+def _classify(
+    tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool, problems: list[str], values: dict[str, float]
+):
     fp8: dict[str, Fp8ModuleEntry] = {}
     kv: dict[str, TensorEntry] = {}
     f8_weights: set[str] = set()  # modules whose weight is stored F8_E4M3, even if malformed
@@ -194,8 +214,10 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             continue
         elif not quant.is_modelopt_fp8:
             if config_ok:
-                problems.append(f"{where} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
-                                "quantization config (hf_quant_config.json or config.json quantization_config)")
+                problems.append(
+                    f"{where} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
+                    "quantization config (hf_quant_config.json or config.json quantization_config)"
+                )
         elif not key.endswith(".weight"):
             problems.append(f"{where} is F8_E4M3 but is not a linear `.weight`")
         else:
@@ -214,8 +236,9 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             else:
                 scales[suffix] = scale if _check_scale(scale, problems, values) else None
         if len(weight.shape) == 2 and all(scales.get(s) for s in _SCALE_SUFFIXES):
-            fp8[module] = Fp8ModuleEntry(module, weight, scales[".weight_scale"], scales[".input_scale"],
-                                         tensors.get(f"{module}.bias"))
+            fp8[module] = Fp8ModuleEntry(
+                module, weight, scales[".weight_scale"], scales[".input_scale"], tensors.get(f"{module}.bias")
+            )
             if quant.is_ignored(module):
                 # The ignore list is advice, the stored dtype decides (docs/checkpoint-format.md).
                 logger.warning("`%s` matches the ignore list but is stored as F8_E4M3; loading it as FP8", module)
@@ -228,19 +251,28 @@ def _classify(tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bo
             if weight is None:
                 problems.append(f"`{key}` in {e.file} is a scale without a `{module}.weight`")
             elif module not in f8_weights:
-                problems.append(f"`{key}` in {e.file} is a scale for `{module}.weight`, which is stored as "
-                                f"{weight.dtype}, not F8_E4M3")
+                problems.append(
+                    f"`{key}` in {e.file} is a scale for `{module}.weight`, which is stored as "
+                    f"{weight.dtype}, not F8_E4M3"
+                )
         elif key.endswith(KV_SCALE_SUFFIXES):
             _check_scale(e, problems, values)
             kv[key] = e
     if kv and quant.kv_cache_quant_algo is None:
-        problems.append(f"KV-cache scales {sorted(kv)[:2]}... are present but the quantization config "
-                        "says kv_cache_quant_algo is null")
+        problems.append(
+            f"KV-cache scales {sorted(kv)[:2]}... are present but the quantization config "
+            "says kv_cache_quant_algo is null"
+        )
     if not kv and quant.kv_cache_quant_algo == "FP8":
-        problems.append("the quantization config says kv_cache_quant_algo FP8 but there is no "
-                        "`*.k_scale` / `*.v_scale` tensor")
-    claimed = {m.weight.key for m in fp8.values()} | {m.weight_scale.key for m in fp8.values()} \
-        | {m.input_scale.key for m in fp8.values()} | set(kv)
+        problems.append(
+            "the quantization config says kv_cache_quant_algo FP8 but there is no `*.k_scale` / `*.v_scale` tensor"
+        )
+    claimed = (
+        {m.weight.key for m in fp8.values()}
+        | {m.weight_scale.key for m in fp8.values()}
+        | {m.input_scale.key for m in fp8.values()}
+        | set(kv)
+    )
     high = {k: e for k, e in tensors.items() if k not in claimed}
     return fp8, high, kv
 
@@ -254,8 +286,10 @@ def _descriptor_problem(count: int) -> str | None:
     if hard == resource.RLIM_INFINITY or need <= hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
         return None
-    return (f"the checkpoint has {count} shard files, and one descriptor is held per shard, but this "
-            f"process may open at most {hard} files (ulimit -n)")
+    return (
+        f"the checkpoint has {count} shard files, and one descriptor is held per shard, but this "
+        f"process may open at most {hard} files (ulimit -n)"
+    )
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -302,5 +336,17 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             handle.close()
         raise_if_problems(problems, context)
     files = {n: ShardFile(n, h.path, h.size, h.header_sha256) for n, h in sorted(headers.items())}
-    return Checkpoint(directory, config, quant, files, dict(sorted(tensors.items())), fp8, high, kv,
-                      layout.index_file, values, json_files, handles)
+    return Checkpoint(
+        directory,
+        config,
+        quant,
+        files,
+        dict(sorted(tensors.items())),
+        fp8,
+        high,
+        kv,
+        layout.index_file,
+        values,
+        json_files,
+        handles,
+    )

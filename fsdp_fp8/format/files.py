@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.handles import open_regular, present, read_json_file, short_repr
+from fsdp_fp8.format.hub import resolve_hub_path
 
 WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -80,7 +80,10 @@ def shard_path(directory: Path, name: object, what: str) -> tuple[Path | None, s
     if not isinstance(name, str) or not name:
         return None, f"{what} names {short_repr(name)}, which is not a file name"
     if os.path.isabs(name) or name.startswith(("/", "\\")):
-        return None, f"{what} names the absolute path {short_repr(name)}; only file names inside {directory} are allowed"
+        return (
+            None,
+            f"{what} names the absolute path {short_repr(name)}; only file names inside {directory} are allowed",
+        )
     parts = name.replace("\\", "/").split("/")
     if ".." in parts:
         return None, f"{what} names {short_repr(name)}, which uses '..'; only file names inside {directory} are allowed"
@@ -118,8 +121,10 @@ def find_layout(directory: Path, problems: list[str]) -> Layout | None:
     indexes = sorted(p.name for p in directory.glob("*.safetensors.index.json"))
     singles = [f"{s}.safetensors" for s in WEIGHT_STEMS if present(directory / f"{s}.safetensors")]
     if len(indexes) + len(singles) > 1:
-        problems.append(f"{directory}: ambiguous checkpoint, found {indexes + singles}; expected one "
-                        "index or one single-file checkpoint")
+        problems.append(
+            f"{directory}: ambiguous checkpoint, found {indexes + singles}; expected one "
+            "index or one single-file checkpoint"
+        )
         return None
     if indexes:
         weight_map, index = _read_index(directory, indexes[0], problems)
@@ -145,15 +150,20 @@ def find_layout(directory: Path, problems: list[str]) -> Layout | None:
             problems.append(problem)
             return None
         return Layout(directory, None, (singles[0],), None)
-    pickles = sorted(p.name for p in directory.iterdir()
-                     if p.name.endswith(PICKLE_SUFFIXES) or p.name.endswith(".bin.index.json"))
+    pickles = sorted(
+        p.name for p in directory.iterdir() if p.name.endswith(PICKLE_SUFFIXES) or p.name.endswith(".bin.index.json")
+    )
     others = sorted(p.name for p in directory.glob("*.safetensors"))
     if pickles:
-        problems.append(f"{directory}: only pickle checkpoint files {pickles}; they are never unpickled "
-                        "(arbitrary code), convert them to safetensors")
+        problems.append(
+            f"{directory}: only pickle checkpoint files {pickles}; they are never unpickled "
+            "(arbitrary code), convert them to safetensors"
+        )
     elif others:
-        problems.append(f"{directory}: safetensors files {others} but no model.safetensors, "
-                        "diffusion_pytorch_model.safetensors or *.safetensors.index.json")
+        problems.append(
+            f"{directory}: safetensors files {others} but no model.safetensors, "
+            "diffusion_pytorch_model.safetensors or *.safetensors.index.json"
+        )
     else:
         problems.append(f"{directory}: no safetensors checkpoint (no *.safetensors or *.safetensors.index.json)")
     return None

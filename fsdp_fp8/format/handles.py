@@ -55,13 +55,21 @@ class FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def differences(self, other: FileIdentity) -> list[str]:
-        return [f"{field} {getattr(self, field)} -> {getattr(other, field)}"
-                for field in ("device", "inode", "size", "mtime_ns") if getattr(self, field) != getattr(other, field)]
+        return [
+            f"{field} {getattr(self, field)} -> {getattr(other, field)}"
+            for field in ("device", "inode", "size", "mtime_ns")
+            if getattr(self, field) != getattr(other, field)
+        ]
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -108,8 +116,10 @@ class OpenFile:
         except (OSError, ValueError) as exc:
             return [f"{self.name}: cannot check it is unchanged: {exc}"]
         if diff := self.identity.differences(now):
-            problems.append(f"{self.name} was rewritten in place after it was validated ({', '.join(diff)}); "
-                            "refusing what was read from it")
+            problems.append(
+                f"{self.name} was rewritten in place after it was validated ({', '.join(diff)}); "
+                "refusing what was read from it"
+            )
         try:
             at_path = FileIdentity.of(os.stat(self.path))
         except OSError as exc:
@@ -117,8 +127,10 @@ class OpenFile:
         else:
             gone = ", ".join(self.identity.differences(at_path))
         if gone:
-            problems.append(f"{self.name} was replaced after it was validated ({gone}): its path now names "
-                            "other bytes than the ones this rank loaded")
+            problems.append(
+                f"{self.name} was replaced after it was validated ({gone}): its path now names "
+                "other bytes than the ones this rank loaded"
+            )
         return problems
 
     def close(self) -> None:
@@ -186,8 +198,9 @@ def _no_constant(name: str):
     raise ValueError(f"non-standard constant {name} (JSON has no NaN or Infinity)")
 
 
-def load_json_object(text: bytes | str, what: str, problems: list[str], max_depth: int | None = MAX_JSON_DEPTH,
-                     constants: bool = True) -> dict | None:
+def load_json_object(
+    text: bytes | str, what: str, problems: list[str], max_depth: int | None = MAX_JSON_DEPTH, constants: bool = True
+) -> dict | None:
     """Decode a JSON object; None (and a problem) when it is not one. UTF-8 without a BOM, no
     duplicate keys, nested at most ``max_depth`` levels (``None``: the parser's own bound only).
     ``constants=False`` refuses ``NaN`` / ``Infinity`` outright (as the safetensors library does
@@ -203,8 +216,9 @@ def load_json_object(text: bytes | str, what: str, problems: list[str], max_dept
             problems.append(f"{what} is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})")
             return None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicate_keys,
-                           **({} if constants else {"parse_constant": _no_constant}))
+        value = json.loads(
+            text, object_pairs_hook=_no_duplicate_keys, **({} if constants else {"parse_constant": _no_constant})
+        )
     except RecursionError:
         problems.append(f"{what} is not valid JSON here: nested too deeply to parse")
         return None

@@ -40,7 +40,7 @@ def resolve_hub_path(path: str | os.PathLike) -> Path:
     candidate = Path(text)
     root, revision = _split_revision(candidate)
     if is_repo_root(root) and (root == candidate or not candidate.exists()):
-        repo = root.name[len(_ROOT_PREFIX):].replace("--", "/", 1)
+        repo = root.name[len(_ROOT_PREFIX) :].replace("--", "/", 1)
         return _snapshot(repo, revision, str(root.parent), f"hub cache repo {root}")
     if candidate.exists():
         return candidate

@@ -103,7 +103,9 @@ def _producer(obj: dict, file: str, prefix: str, problems: list[str]) -> str | N
     if raw is None:
         return None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("name", "version")):
-        problems.append(f"{_where(file, prefix + 'producer')} must be {{'name': str, 'version': str}}, got {short_repr(raw)}")
+        problems.append(
+            f"{_where(file, prefix + 'producer')} must be {{'name': str, 'version': str}}, got {short_repr(raw)}"
+        )
         return None
     if raw["name"] not in PRODUCERS:
         problems.append(
@@ -178,8 +180,12 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
     _unknown(obj, _CONFIG, file, pre, problems)
     _expect(obj, "quant_method", "modelopt", file, pre, problems)
     _expect(obj, "quant_algo", "FP8", file, pre, problems)
-    parsed = _Parsed(CONFIG_JSON, producer=_producer(obj, file, pre, problems),
-                     ignore=_patterns(obj, "ignore", file, pre, problems), kv=None)
+    parsed = _Parsed(
+        CONFIG_JSON,
+        producer=_producer(obj, file, pre, problems),
+        ignore=_patterns(obj, "ignore", file, pre, problems),
+        kv=None,
+    )
     groups = obj.get("config_groups", {})
     if not isinstance(groups, dict):
         problems.append(f"{_where(file, pre + 'config_groups')} must be an object, got {short_repr(groups)}")
@@ -206,7 +212,9 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
             _unknown(runtime, {"diffusion_step_policy"}, file, pre + "runtime.", problems)
             policy = runtime.get("diffusion_step_policy")
             if policy is not None and not isinstance(policy, dict):
-                problems.append(f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {short_repr(policy)}")
+                problems.append(
+                    f"{_where(file, pre + 'runtime.diffusion_step_policy')} must be an object, got {short_repr(policy)}"
+                )
             elif policy is not None:
                 found: list[str] = []  # validated here, with the rest of the config: before any model is built
                 check_step_policy(policy, found)
@@ -217,15 +225,19 @@ def _parse_config_json(obj: dict, problems: list[str]) -> _Parsed:
 
 def _agree(parsed: list[_Parsed], problems: list[str]) -> None:
     for a, b in zip(parsed, parsed[1:]):
-        for field, va, vb in (("ignore/exclude_modules", a.ignore, b.ignore),
-                              ("kv cache algorithm", a.kv, b.kv),
-                              ("producer", a.producer, b.producer)):
+        for field, va, vb in (
+            ("ignore/exclude_modules", a.ignore, b.ignore),
+            ("kv cache algorithm", a.kv, b.kv),
+            ("producer", a.producer, b.producer),
+        ):
             unspecified = (None, ...) if field != "kv cache algorithm" else (...,)
             if va in unspecified or vb in unspecified:
                 continue
             same = set(va) == set(vb) if field.startswith("ignore") else va == vb
             if not same:
-                problems.append(f"{a.spelling} and {b.spelling} disagree on {field}: {short_repr(va)} vs {short_repr(vb)}")
+                problems.append(
+                    f"{a.spelling} and {b.spelling} disagree on {field}: {short_repr(va)} vs {short_repr(vb)}"
+                )
 
 
 def read_quant_config(directory: Path, config: dict, problems: list[str]) -> QuantConfig:
@@ -250,8 +262,10 @@ def parse_quant_config(obj: dict | None, config: dict, problems: list[str]) -> Q
         elif "quant_method" in obj or "quant_algo" in obj:
             parsed.append(_parse_flat(obj, problems))
         else:
-            problems.append("hf_quant_config.json: has neither `quantization` (nested) nor "
-                            "`quant_method`/`quant_algo` (flat); cannot tell what it describes")
+            problems.append(
+                "hf_quant_config.json: has neither `quantization` (nested) nor "
+                "`quant_method`/`quant_algo` (flat); cannot tell what it describes"
+            )
     if "quantization_config" in config:
         raw = config["quantization_config"]
         if isinstance(raw, dict):

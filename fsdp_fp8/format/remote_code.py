@@ -22,16 +22,24 @@ SAFE_PRETRAINED_KWARGS = {"trust_remote_code": False, "local_files_only": True}
 
 # Files whose ``auto_map`` names custom classes (transformers), and a pipeline's model_index.json
 # whose components may name a module other than a library's (diffusers).
-AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
-                  "image_processor_config.json", "feature_extractor_config.json", "video_preprocessor_config.json")
+AUTO_MAP_FILES = (
+    "config.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "image_processor_config.json",
+    "feature_extractor_config.json",
+    "video_preprocessor_config.json",
+)
 KNOWN_LIBRARIES = frozenset({"diffusers", "transformers"})
 
 
 def safe_pretrained_kwargs(**extra) -> dict:
     """``SAFE_PRETRAINED_KWARGS`` plus ``extra``; an ``extra`` that would trust remote code is refused."""
     if extra.get("trust_remote_code") or extra.get("custom_pipeline") is not None:
-        raise ValueError("fsdp_fp8 never runs code from a checkpoint: trust_remote_code / custom_pipeline "
-                         "cannot be set")
+        raise ValueError(
+            "fsdp_fp8 never runs code from a checkpoint: trust_remote_code / custom_pipeline cannot be set"
+        )
     return {**extra, **SAFE_PRETRAINED_KWARGS}
 
 
@@ -58,10 +66,16 @@ def remote_code_references(directory: str | Path, subfolders: bool = True) -> tu
                 found.append(f"{prefix}{name}: `auto_map` names custom code {short_repr(obj['auto_map'])}")
         index = _read(place / "model_index.json", prefix + "model_index.json", problems)
         for key, value in sorted((index or {}).items()):
-            if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
-                    and value[0] not in KNOWN_LIBRARIES):
-                found.append(f"{prefix}model_index.json: `{key}` comes from module {value[0]!r}, "
-                             "custom code inside the checkpoint")
+            if (
+                isinstance(value, list)
+                and len(value) == 2
+                and isinstance(value[0], str)
+                and value[0] not in KNOWN_LIBRARIES
+            ):
+                found.append(
+                    f"{prefix}model_index.json: `{key}` comes from module {value[0]!r}, "
+                    "custom code inside the checkpoint"
+                )
     return found, problems
 
 

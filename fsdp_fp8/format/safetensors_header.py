@@ -85,8 +85,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_entry(key: str, raw: object, name: str, handle: OpenFile, data_start: int,
-                 problems: list[str]) -> TensorEntry | None:
+def _parse_entry(
+    key: str, raw: object, name: str, handle: OpenFile, data_start: int, problems: list[str]
+) -> TensorEntry | None:
     where = f"`{key}` in {name}"
     if not isinstance(raw, dict):
         problems.append(f"{where}: header entry is not an object")
@@ -104,8 +105,12 @@ def _parse_entry(key: str, raw: object, name: str, handle: OpenFile, data_start:
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         problems.append(f"{where}: shape {short_repr(shape)} is not a list of non-negative integers")
         ok = False
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
         problems.append(f"{where}: data_offsets {short_repr(offsets)} is not [begin, end] with 0 <= begin <= end")
         ok = False
     if not ok:
@@ -114,27 +119,26 @@ def _parse_entry(key: str, raw: object, name: str, handle: OpenFile, data_start:
     if offsets[1] - offsets[0] != expected:
         problems.append(
             f"{where}: dtype {dtype} x shape {tuple(shape)} needs {expected} bytes "
-            f"but data_offsets {offsets} span {offsets[1] - offsets[0]}")
+            f"but data_offsets {offsets} span {offsets[1] - offsets[0]}"
+        )
         return None
-    return TensorEntry(key, name, handle.path, dtype, tuple(shape),
-                       data_start + offsets[0], data_start + offsets[1], handle)
+    return TensorEntry(
+        key, name, handle.path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], handle
+    )
 
 
-def _check_coverage(entries: list[TensorEntry], name: str, data_start: int, size: int,
-                    problems: list[str]) -> None:
+def _check_coverage(entries: list[TensorEntry], name: str, data_start: int, size: int, problems: list[str]) -> None:
     """The data region must be tiled exactly: no gap, no overlap, nothing past the end."""
     cursor, previous = data_start, None
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
         if entry.begin < cursor:
             problems.append(f"`{entry.key}` in {name}: byte range overlaps `{previous}`")
         elif entry.begin > cursor:
-            problems.append(
-                f"`{entry.key}` in {name}: {entry.begin - cursor} unaccounted bytes before it")
+            problems.append(f"`{entry.key}` in {name}: {entry.begin - cursor} unaccounted bytes before it")
         if entry.end > cursor:
             cursor, previous = entry.end, entry.key
     if cursor > size:
-        problems.append(
-            f"{name}: truncated: tensors end at byte {cursor} but the file has {size} bytes")
+        problems.append(f"{name}: truncated: tensors end at byte {cursor} but the file has {size} bytes")
     elif cursor < size:
         problems.append(f"{name}: {size - cursor} trailing bytes after the last tensor")
 
@@ -183,7 +187,8 @@ def read_header(source: Path | OpenFile, problems: list[str], name: str | None =
         return None
     metadata = obj.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         problems.append(f"{name}: __metadata__ must be an object of strings, got {short_repr(metadata)}")
     data_start = 8 + header_len
     tensors: dict[str, TensorEntry] = {}

@@ -69,8 +69,13 @@ class RankForecast:
         return self.fp8_bytes + self.high_precision_bytes
 
 
-def rank_forecast(fp8_entries: Iterable[TensorEntry], other_entries: Iterable[TensorEntry],
-                  world_size: int, rank: int, staging_bytes: int) -> RankForecast:
+def rank_forecast(
+    fp8_entries: Iterable[TensorEntry],
+    other_entries: Iterable[TensorEntry],
+    world_size: int,
+    rank: int,
+    staging_bytes: int,
+) -> RankForecast:
     """Bytes ``rank`` reads (split FP8 / high precision), holds and stages at most in one read.
 
     The staging peak follows the loader: a rank's rows of one tensor are read in chunks of

@@ -46,13 +46,15 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
     if not (entry.begin <= offset and offset + len(buf) <= entry.end):
         raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
     if entry.handle is None:  # every entry read_header makes holds one; a hand-made one does not
-        raise ValueError(f"`{entry.key}` in {entry.file} has no open file; read it through "
-                         "open_checkpoint or read_header")
+        raise ValueError(
+            f"`{entry.key}` in {entry.file} has no open file; read it through open_checkpoint or read_header"
+        )
     done = entry.handle.pread_into(buf, offset)
     if done < len(buf):
         raise ValueError(
             f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
-            f"bytes at offset {offset} (truncated since the header was checked?)")
+            f"bytes at offset {offset} (truncated since the header was checked?)"
+        )
     with _lock:
         _bytes_read += done
 
@@ -77,8 +79,7 @@ def row_nbytes(entry: TensorEntry) -> int:
     return entry.torch_dtype.itemsize * math.prod(entry.shape[1:])
 
 
-def read_bytes(entry: TensorEntry, start_row: int, stop_row: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[start_row, stop_row)`` of ``entry`` as a CPU tensor of its dtype.
 
     The result has shape ``(stop_row - start_row, *entry.shape[1:])`` and shares memory
@@ -86,15 +87,18 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int,
     """
     rows = _rows(entry)
     if not 0 <= start_row <= stop_row <= rows:
-        raise ValueError(f"`{entry.key}` in {entry.file}: row range [{start_row}, {stop_row}) "
-                         f"is outside its {rows} rows (shape {entry.shape})")
+        raise ValueError(
+            f"`{entry.key}` in {entry.file}: row range [{start_row}, {stop_row}) "
+            f"is outside its {rows} rows (shape {entry.shape})"
+        )
     nbytes = (stop_row - start_row) * row_nbytes(entry)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
-    elif (out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous()
-          or out.numel() != nbytes):
-        raise ValueError(f"`{entry.key}`: out must be a contiguous uint8 CPU tensor of {nbytes} "
-                         f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != nbytes:
+        raise ValueError(
+            f"`{entry.key}`: out must be a contiguous uint8 CPU tensor of {nbytes} "
+            f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     flat = out.view(-1)
     if nbytes:
         _pread_into(entry, entry.begin + start_row * row_nbytes(entry), _writable(flat))
@@ -104,8 +108,10 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int,
 def read_scale(entry: TensorEntry) -> torch.Tensor:
     """A one-element F32 tensor (any shape) as a 0-d float32 tensor."""
     if entry.dtype != "F32" or entry.numel != 1:
-        raise ValueError(f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
-                         f"got {entry.dtype} shape {entry.shape}")
+        raise ValueError(
+            f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
+            f"got {entry.dtype} shape {entry.shape}"
+        )
     flat = torch.empty(4, dtype=torch.uint8)
     _pread_into(entry, entry.begin, _writable(flat))
     return flat.view(torch.float32).reshape(())

@@ -170,8 +170,7 @@ def resolve_step_policy(
     if override == "off":
         if published is not None:
             logger.warning(
-                "the checkpoint's diffusion step policy (%s) is disabled by override 'off'; "
-                "every step runs W8A8",
+                "the checkpoint's diffusion step policy (%s) is disabled by override 'off'; every step runs W8A8",
                 _summary(published),
             )
         return None

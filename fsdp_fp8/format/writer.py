@@ -105,21 +105,27 @@ def dtype_problems(specs: Iterable[TensorSpec], problems: list[str]) -> None:
             problems.append(f"`{spec.key}` is {spec.dtype}, which safetensors cannot store")
 
 
-def plan_file(name: str, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
-              ) -> tuple[PlannedFile, dict[str, Placement]]:
+def plan_file(
+    name: str, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
+) -> tuple[PlannedFile, dict[str, Placement]]:
     """One safetensors file's header and tensor placements (what ``safetensors.torch.save`` writes)."""
     ordered = sorted(specs, key=lambda s: (-_DTYPE_ORDER.index(safetensors_dtype(s.dtype)), s.key))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for spec in ordered:
-        header[spec.key] = {"dtype": safetensors_dtype(spec.dtype), "shape": list(spec.shape),
-                            "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.key] = {
+            "dtype": safetensors_dtype(spec.dtype),
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     start = 8 + len(raw)
-    placements = {s.key: Placement(s, name, start + header[s.key]["data_offsets"][0],
-                                   start + header[s.key]["data_offsets"][1]) for s in ordered}
+    placements = {
+        s.key: Placement(s, name, start + header[s.key]["data_offsets"][0], start + header[s.key]["data_offsets"][1])
+        for s in ordered
+    }
     return PlannedFile(name, struct.pack("<Q", len(raw)) + raw, start + offset), placements
 
 
@@ -149,8 +155,9 @@ def _split(specs: dict[str, TensorSpec], max_shard_size: int | None, separate_sc
     return shards
 
 
-def plan_checkpoint(specs: Iterable[TensorSpec], *, stem: str = STEM, max_shard_size: int | None = None,
-                    separate_scales: bool = False) -> CheckpointLayout:
+def plan_checkpoint(
+    specs: Iterable[TensorSpec], *, stem: str = STEM, max_shard_size: int | None = None, separate_scales: bool = False
+) -> CheckpointLayout:
     """Split ``specs`` into shard files of at most ``max_shard_size`` bytes (one file when None).
 
     Keys are packed in sorted order; a tensor larger than the limit gets a file of its own.
@@ -169,8 +176,9 @@ def plan_checkpoint(specs: Iterable[TensorSpec], *, stem: str = STEM, max_shard_
         index_name = f"{stem}.safetensors.index.json"
         index = {
             "metadata": {
-                "total_parameters": sum(math.prod(s.shape) for k, s in by_key.items()
-                                        if not k.endswith(SCALE_SUFFIXES)),
+                "total_parameters": sum(
+                    math.prod(s.shape) for k, s in by_key.items() if not k.endswith(SCALE_SUFFIXES)
+                ),
                 "total_size": sum(s.nbytes for s in by_key.values()),
             },
             "weight_map": {k: tensors[k].file for k in sorted(tensors)},
@@ -250,16 +258,15 @@ def producer() -> dict[str, str]:
     return {"name": "fsdp_fp8", "version": producer_version()}
 
 
-def quantization_configs(ignore: list[str], *, step_policy: dict | None = None, kv_cache: bool = False,
-                         producer_info: dict | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def quantization_configs(
+    ignore: list[str], *, step_policy: dict | None = None, kv_cache: bool = False, producer_info: dict | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``config.json["quantization_config"]`` and ``hf_quant_config.json`` of a static-FP8 checkpoint,
     with the keys in the order ModelOpt 0.47 writes them."""
     fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
     made_by = dict(producer_info or producer())
     qc: dict[str, Any] = {
-        "config_groups": {
-            "group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}
-        },
+        "config_groups": {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}},
         "ignore": list(ignore),
         "quant_algo": "FP8",
     }
@@ -271,14 +278,18 @@ def quantization_configs(ignore: list[str], *, step_policy: dict | None = None, 
         qc["runtime"] = {"diffusion_step_policy": step_policy}
     hf_quant = {
         "producer": dict(made_by),
-        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_cache else None,
-                         "exclude_modules": list(ignore)},
+        "quantization": {
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8" if kv_cache else None,
+            "exclude_modules": list(ignore),
+        },
     }
     return qc, hf_quant
 
 
-def write_index_and_configs(directory: Path, layout: CheckpointLayout, config: dict | None,
-                            hf_quant: dict | None) -> None:
+def write_index_and_configs(
+    directory: Path, layout: CheckpointLayout, config: dict | None, hf_quant: dict | None
+) -> None:
     """The index (sharded layouts only), ``config.json`` and, when given, ``hf_quant_config.json``."""
     if layout.index is not None:
         (directory / layout.index_name).write_text(json.dumps(layout.index, indent=2) + "\n")
@@ -289,8 +300,13 @@ def write_index_and_configs(directory: Path, layout: CheckpointLayout, config: d
         (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4))
 
 
-def write_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor], layout: CheckpointLayout,
-                     config: dict | None, hf_quant: dict | None) -> None:
+def write_checkpoint(
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    layout: CheckpointLayout,
+    config: dict | None,
+    hf_quant: dict | None,
+) -> None:
     """The single-process path: every tensor of ``layout`` from ``tensors`` (CPU), then the JSON files."""
     create_files(directory, layout)
     with ShardWriter(directory, layout) as writer:

@@ -51,8 +51,16 @@ ACT_QUANT_KWARGS = QuantizeTensorToFloat8Kwargs(
 # if TorchAO adds, drops or renames a field, importing this module fails rather than
 # letting FSDP2's reshaping silently lose it.
 FIELDS = (
-    "qdata", "scale", "act_quant_scale", "output_act_quant_scale", "block_size", "mm_config",
-    "act_quant_kwargs", "kernel_preference", "dtype", "output_act_quant_kwargs",
+    "qdata",
+    "scale",
+    "act_quant_scale",
+    "output_act_quant_scale",
+    "block_size",
+    "mm_config",
+    "act_quant_kwargs",
+    "kernel_preference",
+    "dtype",
+    "output_act_quant_kwargs",
 )
 _TORCHAO_FIELDS = tuple(inspect.signature(PrototypeFloat8Tensor.__init__).parameters)[1:]
 if _TORCHAO_FIELDS != FIELDS:
@@ -105,7 +113,9 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
             raise ValueError("not a static per-tensor FP8 weight: " + "; ".join(problems))
         # The fields TorchAO's __init__ sets, set here directly: its __init__ also logs API
         # usage per instance, and FSDP2 builds ~20 of these per parameter while it shards.
-        _set_fields(self, qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs, kernel_preference, None)
+        _set_fields(
+            self, qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs, kernel_preference, None
+        )
 
     # --- FSDP2 all-gather extension (docs/design.md draws the flow) ----------------------
 
@@ -213,8 +223,18 @@ def is_static_fp8(t: Any) -> bool:
     )
 
 
-def _set_fields(out, qdata, scale, act_quant_scale, output_act_quant_scale, block_size, mm_config,
-                act_quant_kwargs, kernel_preference, output_act_quant_kwargs) -> None:
+def _set_fields(
+    out,
+    qdata,
+    scale,
+    act_quant_scale,
+    output_act_quant_scale,
+    block_size,
+    mm_config,
+    act_quant_kwargs,
+    kernel_preference,
+    output_act_quant_kwargs,
+) -> None:
     """Every field of ``FIELDS`` but ``dtype`` (the wrapper's own), as TorchAO's __init__ sets them."""
     out.qdata = qdata
     out.scale = scale
@@ -244,13 +264,23 @@ def rebuild(
     one of these per rank for every parameter.
     """
     out = _wrapper(
-        StaticFloat8Tensor, qdata.shape, dtype=t.dtype if dtype is None else dtype, device=qdata.device,
+        StaticFloat8Tensor,
+        qdata.shape,
+        dtype=t.dtype if dtype is None else dtype,
+        device=qdata.device,
         requires_grad=False,
     )
     _set_fields(
-        out, qdata, t.scale if scale is None else scale,
-        t.act_quant_scale if act_quant_scale is None else act_quant_scale, t.output_act_quant_scale,
-        list(qdata.shape), t.mm_config, t.act_quant_kwargs, t.kernel_preference, t.output_act_quant_kwargs,
+        out,
+        qdata,
+        t.scale if scale is None else scale,
+        t.act_quant_scale if act_quant_scale is None else act_quant_scale,
+        t.output_act_quant_scale,
+        list(qdata.shape),
+        t.mm_config,
+        t.act_quant_kwargs,
+        t.kernel_preference,
+        t.output_act_quant_kwargs,
     )
     return out
 

@@ -34,7 +34,10 @@ def pack_inputs(config, input_ids: torch.Tensor, latent: torch.Tensor, timestep:
     num_vision = frames * ph * pw
     text_pos, offset = get_3d_mrope_ids_text_tokens(und_len, 0, use_float_positions=config.enable_fps_modulation)
     vision_pos, _ = get_3d_mrope_ids_vae_tokens(
-        frames, ph, pw, offset + config.unified_3d_mrope_temporal_modality_margin,
+        frames,
+        ph,
+        pw,
+        offset + config.unified_3d_mrope_temporal_modality_margin,
         reset_spatial_indices=config.unified_3d_mrope_reset_spatial_ids,
     )
     device = input_ids.device

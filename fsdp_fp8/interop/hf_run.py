@@ -80,8 +80,10 @@ def diffusers_inputs(model: nn.Module, seed: int = 0, dtype: torch.dtype | None 
     # By MRO: fully_shard swaps the class for a generated FSDP<name> subclass.
     name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in INPUT_RECIPES), None)
     if name is None:
-        raise ValueError(f"no seeded-input recipe for diffusers class {type(model).__name__!r}; the launcher "
-                         f"runs {sorted(INPUT_RECIPES)} (load any class from Python with fsdp_fp8.load_model)")
+        raise ValueError(
+            f"no seeded-input recipe for diffusers class {type(model).__name__!r}; the launcher "
+            f"runs {sorted(INPUT_RECIPES)} (load any class from Python with fsdp_fp8.load_model)"
+        )
     dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     return INPUT_RECIPES[name](model.config, dtype, torch.Generator().manual_seed(seed))
 
@@ -90,7 +92,9 @@ def diffusers_inputs(model: nn.Module, seed: int = 0, dtype: torch.dtype | None 
 def diffusers_forward(model: nn.Module, seed: int, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], str]:
     """One forward on seeded inputs; returns (output shape, SHA-256 of the output)."""
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in diffusers_inputs(model, seed, dtype).items()}
+    inputs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in diffusers_inputs(model, seed, dtype).items()
+    }
     out = model(**inputs)[0]
     return tuple(out.shape), hashlib.sha256(_bytes(out)).hexdigest()
 
@@ -128,9 +132,14 @@ def _tokenizer(directory):
     except ValueError as exc:
         if not references:
             raise
-        raise CheckpointError([f"{r}, and the tokenizer cannot be loaded without it; pass --prompt-ids instead "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0]})" for r in references],
-                              f"tokenizer in {directory}") from exc
+        raise CheckpointError(
+            [
+                f"{r}, and the tokenizer cannot be loaded without it; pass --prompt-ids instead "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+                for r in references
+            ],
+            f"tokenizer in {directory}",
+        ) from exc
 
 
 def prompt_bytes(text: str, vocab_size: int) -> torch.Tensor:
@@ -145,15 +154,21 @@ def run_hf(model: nn.Module, arch, directory, args) -> dict:
     if kind == "causal_lm":
         prompt, source = prompt_token_ids(args.prompt, args.prompt_ids, model.config.vocab_size, directory)
         generated, digest = greedy_generate(model, prompt, args.new_tokens)
-        return {"prompt_ids": prompt[0].tolist(), "prompt_source": source,
-                "generated_ids": generated, "logits_sha256": digest}
+        return {
+            "prompt_ids": prompt[0].tolist(),
+            "prompt_source": source,
+            "generated_ids": generated,
+            "logits_sha256": digest,
+        }
     if kind == "diffusers" and arch.name in DENOISERS:
         return cosmos3_loop(model, directory, args)
     if kind == "diffusers":
         shape, digest = diffusers_forward(model, args.seed, arch.dtype)
         return {"output_shape": list(shape), "output_sha256": digest}
-    raise ValueError(f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
-                     "(load it from Python with fsdp_fp8.load_model)")
+    raise ValueError(
+        f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
+        "(load it from Python with fsdp_fp8.load_model)"
+    )
 
 
 def cosmos3_loop(model: nn.Module, directory, args) -> dict:
@@ -168,8 +183,20 @@ def cosmos3_loop(model: nn.Module, directory, args) -> dict:
     uncond, _ = prompt_token_ids(getattr(args, "negative_prompt", None) or "", None, vocab, directory)
     routing = routing_of(model)
     start = len(routing.trace)
-    latent = denoise(model, cond[0], uncond[0], steps=args.steps, seed=args.seed, guidance=args.guidance,
-                     shape=latent_shape(model.config), step_context=lambda i, n: denoising_step(model, i, n))
-    return {"prompt_source": source, "steps": args.steps,
-            "precision_trace": describe_trace(routing.trace[start:]),
-            "latent_shape": list(latent.shape), "latent_sha256": hashlib.sha256(_bytes(latent)).hexdigest()}
+    latent = denoise(
+        model,
+        cond[0],
+        uncond[0],
+        steps=args.steps,
+        seed=args.seed,
+        guidance=args.guidance,
+        shape=latent_shape(model.config),
+        step_context=lambda i, n: denoising_step(model, i, n),
+    )
+    return {
+        "prompt_source": source,
+        "steps": args.steps,
+        "precision_trace": describe_trace(routing.trace[start:]),
+        "latent_shape": list(latent.shape),
+        "latent_sha256": hashlib.sha256(_bytes(latent)).hexdigest(),
+    }

@@ -31,12 +31,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.load.api import LoadedModel, default_device, load_model
-from fsdp_fp8.load.towers import TowerSpec
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 from fsdp_fp8.format.step_policy import resolve_step_policy
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.load.api import LoadedModel, default_device, load_model
+from fsdp_fp8.load.towers import TowerSpec
 from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision
 
 MODEL_INDEX = "model_index.json"
@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 def _read_index(root: Path) -> dict:
     index_path = root / MODEL_INDEX
     if not index_path.is_file():
-        raise FileNotFoundError(f"{root} has no {MODEL_INDEX}: not a diffusers pipeline root "
-                                "(load a transformer directory alone with fsdp_fp8.load_model)")
+        raise FileNotFoundError(
+            f"{root} has no {MODEL_INDEX}: not a diffusers pipeline root "
+            "(load a transformer directory alone with fsdp_fp8.load_model)"
+        )
     try:
         index = json.loads(index_path.read_text())
     except ValueError as exc:
@@ -78,8 +80,7 @@ def _pipeline_class(name: str, source: Path):
 
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise ValueError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers "
-                         f"{diffusers.__version__}")
+        raise ValueError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers {diffusers.__version__}")
     return cls
 
 
@@ -100,7 +101,8 @@ class StepHook:
             raise RuntimeError(
                 f"the pipeline entered transformer.cache_context({name!r}) without `step_index` and "
                 "`num_inference_steps`; fsdp_fp8 cannot tell which denoising step runs, so it cannot apply "
-                "the checkpoint's step policy (load with step_policy='off' to run every step W8A8)")
+                "the checkpoint's step policy (load with step_policy='off' to run every step W8A8)"
+            )
         # A new step begins at a new (i, n), or when a pass name repeats (the next request).
         new_step = (step, steps) != self._step or name in self._passes
         if new_step:
@@ -113,7 +115,8 @@ class StepHook:
         if self.routing.active == 0:
             raise RuntimeError(
                 "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
-                "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)")
+                "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)"
+            )
 
 
 def load_pipeline(
@@ -146,8 +149,9 @@ def load_pipeline(
     device = device or default_device()
     loaded: LoadedModel = load_model(None, root / TRANSFORMER, mesh, device=device, towers=towers)
     model = loaded.model
-    policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, step_policy,
-                                 str(root / TRANSFORMER / "config.json"))
+    policy = resolve_step_policy(
+        loaded.checkpoint.quant.step_policy, step_policy, str(root / TRANSFORMER / "config.json")
+    )
     routing = install_step_policy(model, policy, loaded.towers)
     share_quantized_inputs(model)
     pipe = cls.from_pretrained(str(root), transformer=model, **kwargs)

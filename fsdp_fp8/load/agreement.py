@@ -95,9 +95,11 @@ def side_group(timeout_s: float, context: str = ""):
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         except Exception as exc:
             context = f"{context}: " if context else ""
-            raise PeerLostError(f"{context}rank {dist.get_rank()} could not set up the agreement group with the "
-                                f"other ranks within {timeout_s:g} s (the agreement timeout; a peer is late, "
-                                f"died or failed); nothing was changed: {type(exc).__name__}: {exc}") from exc
+            raise PeerLostError(
+                f"{context}rank {dist.get_rank()} could not set up the agreement group with the "
+                f"other ranks within {timeout_s:g} s (the agreement timeout; a peer is late, "
+                f"died or failed); nothing was changed: {type(exc).__name__}: {exc}"
+            ) from exc
         _created[0] += 1
         _side.update(group=group, world=world, sequence=itertools.count(), created=_created[0])
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -132,8 +134,10 @@ def exchange(obj, *, timeout_s: float, stage: str, context: str, before_changes:
     gave_up = [r for r in range(world) if r != rank and store is not None and _check(store, f"{prefix}/gave_up/{r}")]
     if gave_up:
         _side.clear()
-        raise PeerLostError(f"{context}rank {rank} arrived at the {stage} after rank(s) {gave_up} had given up "
-                             f"waiting for it (agreement timeout {timeout_s:g} s); {nothing}stopping here")
+        raise PeerLostError(
+            f"{context}rank {rank} arrived at the {stage} after rank(s) {gave_up} had given up "
+            f"waiting for it (agreement timeout {timeout_s:g} s); {nothing}stopping here"
+        )
     out: list = [None] * world
     t0 = time.monotonic()
     try:
@@ -151,8 +155,10 @@ def exchange(obj, *, timeout_s: float, stage: str, context: str, before_changes:
             who = f"rank(s) {missing} left before arriving (died or failed) after {waited:.1f} s"
         else:
             who = f"a peer died or failed during it after {waited:.1f} s (agreement timeout {timeout_s:g} s)"
-        raise PeerLostError(f"{context}rank {rank} could not complete the {stage} with the other ranks: {who}; "
-                             f"{nothing}{type(exc).__name__}: {exc}") from exc
+        raise PeerLostError(
+            f"{context}rank {rank} could not complete the {stage} with the other ranks: {who}; "
+            f"{nothing}{type(exc).__name__}: {exc}"
+        ) from exc
     return out
 
 
@@ -197,8 +203,10 @@ def checkpoint_facts(checkpoint) -> dict[str, dict[str, str]]:
 
 
 def plan_facts(plan) -> dict[str, str]:
-    facts = {f"fp8 {t.module}": f"{t.entry.weight.key} ({t.out_features}, {t.in_features}) {t.compute_dtype}"
-             for t in plan.fp8}
+    facts = {
+        f"fp8 {t.module}": f"{t.entry.weight.key} ({t.out_features}, {t.in_features}) {t.compute_dtype}"
+        for t in plan.fp8
+    }
     facts.update({f"tensor {t.name}": t.entry.key for t in plan.tensors})
     for what in ("missing", "unexpected", "skipped", "kv_scales"):
         facts.update({f"{what} {key}": "yes" for key in getattr(plan, what)})
@@ -228,8 +236,10 @@ def _differences(component: str, by_rank: list[dict[str, str] | None], world: in
         groups: dict = {}
         for rank, value in enumerate(values):
             groups.setdefault(value, []).append(rank)
-        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
-                         f"{'(absent)' if v is None else v}" for v, r in groups.items())
+        said = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {'(absent)' if v is None else v}"
+            for v, r in groups.items()
+        )
         found.append(f"`{key}` differs: {said}")
     shown = found[:MAX_NAMED_DIFFERENCES]
     more = f" (and {len(found) - len(shown)} more)" if len(found) > len(shown) else ""
@@ -238,8 +248,9 @@ def _differences(component: str, by_rank: list[dict[str, str] | None], world: in
     return [f"ranks disagree on {component}{more}: {d}" for d in shown]
 
 
-def agree_or_raise(problems: list[str], facts: dict[str, dict[str, str]] | None, context: str,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def agree_or_raise(
+    problems: list[str], facts: dict[str, dict[str, str]] | None, context: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     """Collective when a process group is up; raises the union of all ranks' problems and every
     disagreement between the ranks' facts, the same ``CheckpointError`` on every rank."""
     if not distributed():
@@ -248,17 +259,27 @@ def agree_or_raise(problems: list[str], facts: dict[str, dict[str, str]] | None,
         return
     world = dist.get_world_size()
     digests = None if facts is None else {c: _digest(items) for c, items in facts.items()}
-    verdicts = exchange((dist.get_rank(), sorted(problems), digests), timeout_s=timeout_s,
-                        stage="agreement before loading", context=context, before_changes=True)
+    verdicts = exchange(
+        (dist.get_rank(), sorted(problems), digests),
+        timeout_s=timeout_s,
+        stage="agreement before loading",
+        context=context,
+        before_changes=True,
+    )
     merged = merge_rank_problems([(rank, p) for rank, rank_problems, _ in verdicts for p in rank_problems], world)
     compared = [d for _, _, d in verdicts if d is not None]
     components = sorted(set().union(*compared)) if compared else []
-    differ = [c for c in components if len({d.get(c) for _, _, d in verdicts if d is not None}) > 1
-              or any(d is not None and c not in d for _, _, d in verdicts)]
+    differ = [
+        c
+        for c in components
+        if len({d.get(c) for _, _, d in verdicts if d is not None}) > 1
+        or any(d is not None and c not in d for _, _, d in verdicts)
+    ]
     if differ:  # every rank computed the same list, so every rank takes part
         mine = None if facts is None else {c: facts.get(c) for c in differ}
-        details = exchange(mine, timeout_s=timeout_s, stage="comparison of what the ranks read",
-                           context=context, before_changes=True)
+        details = exchange(
+            mine, timeout_s=timeout_s, stage="comparison of what the ranks read", context=context, before_changes=True
+        )
         for c in differ:
             merged += _differences(c, [None if d is None else d.get(c) for d in details], world)
     if merged:

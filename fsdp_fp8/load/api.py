@@ -1,7 +1,7 @@
 """``load_model``: the one-call path from a checkpoint directory to a loaded, sharded model.
 
-    open -> build on meta -> plan -> ranks agree -> swap FP8 linears -> fully_shard
-    (blocks, then root) -> to_empty (non-persistent buffers kept) -> rank-slice load
+open -> build on meta -> plan -> ranks agree -> swap FP8 linears -> fully_shard
+(blocks, then root) -> to_empty (non-persistent buffers kept) -> rank-slice load
 """
 
 from __future__ import annotations
@@ -16,20 +16,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.load.agreement import (DEFAULT_TIMEOUT_S, agree_or_raise, checkpoint_facts, distributed as _many_ranks,
-                                     model_facts, outcome_timeout_s, plan_facts, side_group)
-from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.format.step_policy import parse_step_policy
 from fsdp_fp8.fp8.linear import cuda_shape_problems
+from fsdp_fp8.load.agreement import (
+    DEFAULT_TIMEOUT_S,
+    agree_or_raise,
+    checkpoint_facts,
+    model_facts,
+    outcome_timeout_s,
+    plan_facts,
+    side_group,
+)
+from fsdp_fp8.load.agreement import distributed as _many_ranks
+from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
 from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
 from fsdp_fp8.load.loader import LoadReport, load_checkpoint, mark_unusable
-from fsdp_fp8.load.plan import LoadPlan
 from fsdp_fp8.load.meta_build import materialize, meta_init
+from fsdp_fp8.load.plan import LoadPlan, plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears
-from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.load.towers import TOWERS_HINT, TowerSpec, needs_towers, resolve_towers, tower_problems
-from fsdp_fp8.format.step_policy import parse_step_policy
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +128,8 @@ def _tower_map(spec: TowerSpec | None, arch, model, checkpoint, plan) -> tuple[d
             return None, [
                 f"{source}: the step policy's `reasoner` ({raw.get('reasoner')!r}) differs from its steps, but "
                 f"{arch.name if arch else type(model).__name__} has no known tower map, so fsdp_fp8 cannot tell "
-                f"the reasoner's linears from the generation tower's; {TOWERS_HINT}"]
+                f"the reasoner's linears from the generation tower's; {TOWERS_HINT}"
+            ]
         return None, []
     return towers, tower_problems(towers, [t.module for t in plan.fp8], "the tower map")
 
@@ -164,8 +172,9 @@ def load_model(
     if _many_ranks():
         side_group(agreement_timeout_s, f"cannot load {path}")  # collective: before any rank can fail or die
     problems = _setup_problems(device, mesh, distributed)
-    planned = plan_model_load(model_fn, path, key_map, device=device, strict=strict,
-                              strict_kv_scales=strict_kv_scales, towers=towers)
+    planned = plan_model_load(
+        model_fn, path, key_map, device=device, strict=strict, strict_kv_scales=strict_kv_scales, towers=towers
+    )
     checkpoint, model, plan, arch = planned.checkpoint, planned.model, planned.plan, planned.architecture
     problems += planned.problems
     facts = None
@@ -191,16 +200,24 @@ def load_model(
 
     world = dist.get_world_size() if distributed else 1
     try:
-        report = load_checkpoint(model, plan, prepare=prepare,
-                                 timeout_s=outcome_timeout_s(plan, world, agreement_timeout_s))
+        report = load_checkpoint(
+            model, plan, prepare=prepare, timeout_s=outcome_timeout_s(plan, world, agreement_timeout_s)
+        )
     except BaseException:
         checkpoint.close()  # the model is dead: its descriptors go too
         raise
     # On success the descriptors stay with LoadedModel.checkpoint (save_checkpoint reads the
     # source through them); checkpoint.close() or garbage collection releases them.
     model.eval()
-    return LoadedModel(model=model, checkpoint=checkpoint, plan=plan, report=report, fp8_linears=swapped,
-                       architecture=arch, towers=planned.towers)
+    return LoadedModel(
+        model=model,
+        checkpoint=checkpoint,
+        plan=plan,
+        report=report,
+        fp8_linears=swapped,
+        architecture=arch,
+        towers=planned.towers,
+    )
 
 
 def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:
@@ -222,8 +239,14 @@ def _warn_not_strict(plan) -> None:
     """With strict=False, what stays unfilled (uninitialized memory) or unused is said aloud."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0 and plan.missing:
-        log.warning("strict=False: %d model tensors are in no checkpoint file and stay uninitialized: %s",
-                    len(plan.missing), ", ".join(plan.missing[:20]))
+        log.warning(
+            "strict=False: %d model tensors are in no checkpoint file and stay uninitialized: %s",
+            len(plan.missing),
+            ", ".join(plan.missing[:20]),
+        )
     if rank0 and plan.unexpected:
-        log.warning("strict=False: %d checkpoint tensors have no place in the model and are not loaded: %s",
-                    len(plan.unexpected), ", ".join(plan.unexpected[:20]))
+        log.warning(
+            "strict=False: %d checkpoint tensors have no place in the model and are not loaded: %s",
+            len(plan.unexpected),
+            ", ".join(plan.unexpected[:20]),
+        )

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
 from fsdp_fp8.format.sharding import padded_rows
+from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
 
 
 def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
@@ -45,7 +45,9 @@ def _gather_rows(param: DTensor, local: torch.Tensor, dtype: torch.dtype) -> tor
 
 def _entries(model: nn.Module):
     persistent = {
-        f"{m}.{b}" if m else b for m, module in model.named_modules() for b in module._buffers
+        f"{m}.{b}" if m else b
+        for m, module in model.named_modules()
+        for b in module._buffers
         if b not in module._non_persistent_buffers_set
     }
     yield from model.named_parameters()

@@ -70,12 +70,16 @@ def stored_dtype(checkpoint) -> torch.dtype | None:
 def _report_auto_map(config: dict, source: str) -> None:
     # The class always comes from the library itself (by name), never from the checkpoint.
     if config.get("auto_map"):
-        log.warning("%s: `auto_map` names custom code %s; fsdp_fp8 never runs it (ignored)",
-                    source, short_repr(config["auto_map"]))
+        log.warning(
+            "%s: `auto_map` names custom code %s; fsdp_fp8 never runs it (ignored)",
+            source,
+            short_repr(config["auto_map"]),
+        )
 
 
-def transformers_model_fn(config: dict, source: str,
-                          stored: torch.dtype | None = None) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
+def transformers_model_fn(
+    config: dict, source: str, stored: torch.dtype | None = None
+) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
     """(class name, model_fn, dtype) for a transformers ``config.json`` with ``architectures``;
     ``stored`` (the checkpoint's dtype) serves when the config records none."""
     names = config.get("architectures")
@@ -103,7 +107,9 @@ def transformers_model_fn(config: dict, source: str,
     return class_name, build, dtype
 
 
-def diffusers_model_fn(config: dict, source: str, dtype: torch.dtype | None) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
+def diffusers_model_fn(
+    config: dict, source: str, dtype: torch.dtype | None
+) -> tuple[str, Callable[[dict], nn.Module], torch.dtype]:
     class_name = config["_class_name"]
     _report_auto_map(config, source)
     cls = _import("diffusers", class_name, source)

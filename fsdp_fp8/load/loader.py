@@ -32,13 +32,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError, raise_if_problems
 from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.sharding import staging_rows
 from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
-from fsdp_fp8.format.sharding import staging_rows
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -130,9 +129,11 @@ def _nan_code_problems(model: nn.Module, plan, flags: list[torch.Tensor]) -> lis
             codes = model.get_submodule(target.module).weight
             local = codes._local_tensor if isinstance(codes, DTensor) else codes
             count = int(((local.qdata.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).sum())
-            problems.append(f"`{target.entry.weight.key}` in {target.entry.weight.file} holds {count} FP8 "
-                            "codes that are NaN in E4M3 (0x7F / 0xFF); ModelOpt saturates to +-448 and never "
-                            "writes them")
+            problems.append(
+                f"`{target.entry.weight.key}` in {target.entry.weight.file} holds {count} FP8 "
+                "codes that are NaN in E4M3 (0x7F / 0xFF); ModelOpt saturates to +-448 and never "
+                "writes them"
+            )
     return problems
 
 
@@ -212,8 +213,9 @@ def _agree(ok: bool, message: str, timeout_s: float) -> list[tuple[int, str]]:
     """Every rank's failure (rank, message); a single process just reports its own."""
     if not distributed():
         return [] if ok else [(dist.get_rank() if dist.is_initialized() else 0, message)]
-    gathered = exchange((dist.get_rank(), ok, message), timeout_s=timeout_s,
-                        stage="agreement on the outcome of the load", context="")
+    gathered = exchange(
+        (dist.get_rank(), ok, message), timeout_s=timeout_s, stage="agreement on the outcome of the load", context=""
+    )
     return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
 
 
@@ -262,7 +264,9 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | 
         problems = merge_rank_problems(failures, world)
         mark_unusable(model, "; ".join(problems))
         raise LoadFailedError(problems, f"checkpoint load failed on {len(failures)} of {world} ranks")
-    device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    device_peak = (
+        torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     return LoadReport(
         rank=rank,
         world_size=world,

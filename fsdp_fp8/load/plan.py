@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.format.safetensors_header import TensorEntry
 from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast
 
@@ -94,9 +94,13 @@ def _fused_experts(target: str, modules: dict[str, nn.Module]) -> str | None:
     return match["experts"] if any(p.ndim == 3 for p in holder.parameters(recurse=False)) else None
 
 
-def plan_load(checkpoint: Checkpoint, model: nn.Module,
-              key_map: Callable[[str], str | None] | None = None, strict: bool = True,
-              strict_kv_scales: bool = False) -> LoadPlan:
+def plan_load(
+    checkpoint: Checkpoint,
+    model: nn.Module,
+    key_map: Callable[[str], str | None] | None = None,
+    strict: bool = True,
+    strict_kv_scales: bool = False,
+) -> LoadPlan:
     """The load plan, or one ``CheckpointError`` listing every problem.
 
     ``strict``: refuse model tensors nothing fills and checkpoint tensors with no place.
@@ -146,20 +150,25 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
             continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and _quantized(weight):
-            problems.append(f"{where}: model module `{target}` is already quantized "
-                            f"(weight is {type(weight).__name__} {weight.dtype})")
+            problems.append(
+                f"{where}: model module `{target}` is already quantized "
+                f"(weight is {type(weight).__name__} {weight.dtype})"
+            )
             continue
         if not isinstance(module, nn.Linear):
             problems.append(f"{where}: model module `{target}` is a {type(module).__name__}, not an nn.Linear")
             continue
         expected = (module.out_features, module.in_features)
         if m.weight.shape != expected or tuple(module.weight.shape) != expected:
-            problems.append(f"{where} has shape {m.weight.shape} but the model expects {expected} "
-                            f"for `{target}.weight`")
+            problems.append(
+                f"{where} has shape {m.weight.shape} but the model expects {expected} for `{target}.weight`"
+            )
         if (m.bias is None) != (module.bias is None):
             has = "has" if m.bias is not None else "has no"
-            problems.append(f"{where}: the checkpoint {has} `{name}.bias` but model `{target}` "
-                            f"{'has no' if module.bias is None else 'has a'} bias")
+            problems.append(
+                f"{where}: the checkpoint {has} `{name}.bias` but model `{target}` "
+                f"{'has no' if module.bias is None else 'has a'} bias"
+            )
         if claim(mapped, m.weight.key):
             fp8.append(Fp8Target(target, m, module.out_features, module.in_features, module.weight.dtype))
 
@@ -176,8 +185,10 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
         if entry.shape != tuple(have.shape):
             problems.append(f"{where} has shape {entry.shape} but the model expects {tuple(have.shape)} for `{mapped}`")
         if entry.torch_dtype != have.dtype:
-            problems.append(f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
-                            f"{have.dtype}; refusing to cast silently")
+            problems.append(
+                f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
+                f"{have.dtype}; refusing to cast silently"
+            )
         if claim(mapped, key):
             tensors.append(TensorTarget(mapped, entry))
 
@@ -191,8 +202,10 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
             "refusing rather than loading the model without its experts"
         )
     if kv_unused:
-        what = (f"{len(kv_unused)} FP8 KV-cache scales (`{kv_unused[0]}`, ...) are in the checkpoint but the "
-                "model has no tensor for them (its attention does not quantize the KV cache)")
+        what = (
+            f"{len(kv_unused)} FP8 KV-cache scales (`{kv_unused[0]}`, ...) are in the checkpoint but the "
+            "model has no tensor for them (its attention does not quantize the KV cache)"
+        )
         if strict_kv_scales:
             problems.append(f"{what}; refusing under strict_kv_scales")
         else:
@@ -201,8 +214,16 @@ def plan_load(checkpoint: Checkpoint, model: nn.Module,
     missing = sorted(k for k, v in state.items() if id(v) not in covered)
     if strict:
         problems += [f"model `{k}` is not filled by any checkpoint tensor" for k in missing]
-        problems += [f"checkpoint tensor `{k}` in {checkpoint.tensors[k].file} has no place in the model"
-                     for k in unexpected]
+        problems += [
+            f"checkpoint tensor `{k}` in {checkpoint.tensors[k].file} has no place in the model" for k in unexpected
+        ]
     raise_if_problems(problems, f"load plan for {checkpoint.directory}")
-    return LoadPlan(checkpoint, tuple(fp8), tuple(tensors), tuple(missing), tuple(sorted(unexpected)),
-                    tuple(sorted(skipped)), tuple(sorted(kv_unused)))
+    return LoadPlan(
+        checkpoint,
+        tuple(fp8),
+        tuple(tensors),
+        tuple(missing),
+        tuple(sorted(unexpected)),
+        tuple(sorted(skipped)),
+        tuple(sorted(kv_unused)),
+    )

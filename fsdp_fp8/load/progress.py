@@ -31,9 +31,17 @@ def _unit(total: int) -> tuple[float, str]:
 
 
 class LoadProgress:
-    def __init__(self, total_bytes: int, *, enabled: bool = True, stream: TextIO | None = None,
-                 after_s: float = 2.0, every_s: float = 10.0, redraw_s: float = 0.1,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        total_bytes: int,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        after_s: float = 2.0,
+        every_s: float = 10.0,
+        redraw_s: float = 0.1,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         setting = os.environ.get("FSDP_FP8_PROGRESS", "")
         self.enabled = enabled and setting != "0" and total_bytes > 0
         self.after_s = 0.0 if setting == "1" else after_s
@@ -63,8 +71,10 @@ class LoadProgress:
         fraction = min(1.0, self.done / self.total)
         rate = self.done / elapsed if elapsed > 0 else 0.0
         left = f"{(self.total - self.done) / rate:.0f} s left" if rate > 0 else "time left unknown"
-        numbers = (f"{_size(self.done, unit)}/{_size(self.total, unit)} {name}  {100 * fraction:.0f}%  "
-                   f"{rate / 1e9:.2f} GB/s  {left}")
+        numbers = (
+            f"{_size(self.done, unit)}/{_size(self.total, unit)} {name}  {100 * fraction:.0f}%  "
+            f"{rate / 1e9:.2f} GB/s  {left}"
+        )
         if self.tty:
             filled = round(BAR_WIDTH * fraction)
             self.stream.write(f"\rloading [{'#' * filled}{'.' * (BAR_WIDTH - filled)}]  {numbers}\x1b[K")

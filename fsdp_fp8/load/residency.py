@@ -101,7 +101,7 @@ def choose_resident(unsharded: list[int], budget: int, prefetch: bool) -> tuple[
     chosen: list[int] = []
     used = 0
     for i, size in enumerate(unsharded):
-        rest = unsharded[i + 1:]
+        rest = unsharded[i + 1 :]
         reserve = 2 * in_flight * max(rest) if rest else 0
         if used + size + reserve > budget:
             break
@@ -143,8 +143,14 @@ def _agree_min(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def apply_residency(model: nn.Module, policy: str, *, budget_bytes: int | None = None,
-                    prefetch: bool = True, device: torch.device | None = None) -> Residency:
+def apply_residency(
+    model: nn.Module,
+    policy: str,
+    *,
+    budget_bytes: int | None = None,
+    prefetch: bool = True,
+    device: torch.device | None = None,
+) -> Residency:
     """Set ``reshard_after_forward`` per block and forward prefetch; collective under auto.
 
     Call it on every rank after ``load_model`` and before the first forward.
@@ -168,8 +174,10 @@ def apply_residency(model: nn.Module, policy: str, *, budget_bytes: int | None =
         if budget_bytes is not None:
             local = budget_bytes if local is None else min(local, budget_bytes)
         if local is None:
-            raise ValueError(f"--resident auto needs a budget on {device} (nothing reports its free "
-                             "memory): state one with --resident-budget")
+            raise ValueError(
+                f"--resident auto needs a budget on {device} (nothing reports its free "
+                "memory): state one with --resident-budget"
+            )
         budget = _agree_min(local, device)
         resident = choose_resident(unsharded, budget, prefetch)
     keep = set(resident)
@@ -182,9 +190,13 @@ def apply_residency(model: nn.Module, policy: str, *, budget_bytes: int | None =
             this.set_modules_to_forward_prefetch([nxt])
     rest = [u for i, u in enumerate(unsharded) if i not in keep]
     return Residency(
-        policy=policy, blocks=len(blocks), resident=resident, budget_bytes=budget,
+        policy=policy,
+        blocks=len(blocks),
+        resident=resident,
+        budget_bytes=budget,
         resident_bytes=sum(unsharded[i] for i in resident),
         reserve_bytes=2 * (2 if prefetch else 1) * max(rest) if rest else 0,
         gather_bytes_per_forward=sum(b for i, b in enumerate(per_block) if i not in keep),
-        first_forward_gather_bytes=root + sum(per_block), prefetch=prefetch and bool(blocks),
+        first_forward_gather_bytes=root + sum(per_block),
+        prefetch=prefetch and bool(blocks),
     )

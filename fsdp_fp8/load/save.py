@@ -103,7 +103,8 @@ def _exchange(value: object, doing: str) -> list:
     except Exception as exc:  # a peer died, dropped out or hung past the process-group timeout
         raise PeerLostError(
             f"saving a checkpoint: rank {rank} lost its peers while {doing} (a peer died, failed or "
-            f"hung past the process-group timeout): {type(exc).__name__}: {exc}") from exc
+            f"hung past the process-group timeout): {type(exc).__name__}: {exc}"
+        ) from exc
     return out
 
 
@@ -119,14 +120,18 @@ def _ptq_weight(key: str, local: torch.Tensor, input_scales, problems: list[str]
     module = key.removesuffix(".weight")
     scale = local.scale
     if scale.numel() != 1:
-        problems.append(f"`{key}` is a TorchAO {type(local).__name__} with {scale.numel()} scales "
-                        f"(shape {tuple(scale.shape)}); a ModelOpt static-FP8 weight has one: quantize "
-                        "with granularity='per_tensor'")
+        problems.append(
+            f"`{key}` is a TorchAO {type(local).__name__} with {scale.numel()} scales "
+            f"(shape {tuple(scale.shape)}); a ModelOpt static-FP8 weight has one: quantize "
+            "with granularity='per_tensor'"
+        )
         return None
     given = (input_scales or {}).get(module)
     if given is None:
-        problems.append(f"`{module}` quantizes its input dynamically; pass its static input scale in "
-                        "`input_scales` (amax(|x|) / 448, e.g. from calibrate_input_scales)")
+        problems.append(
+            f"`{module}` quantizes its input dynamically; pass its static input scale in "
+            "`input_scales` (amax(|x|) / 448, e.g. from calibrate_input_scales)"
+        )
         return None
     given = torch.as_tensor(given, dtype=torch.float32).detach().cpu().reshape(-1)
     if given.numel() != 1 or not (given.item() > 0 and given.isfinite().item()):
@@ -155,14 +160,17 @@ def _collect(model: nn.Module, names: Mapping[str, str], input_scales, problems:
             stem = key.removesuffix(".weight")
             shape = tuple(tensor.shape)
             rows = codes[: stop - start] if isinstance(tensor, DTensor) else None
-            items.append(_Item(TensorSpec(key, E4M3, shape), rows=rows, start=start,
-                               value=None if rows is not None else codes))
+            items.append(
+                _Item(TensorSpec(key, E4M3, shape), rows=rows, start=start, value=None if rows is not None else codes)
+            )
             items.append(_Item(TensorSpec(f"{stem}.weight_scale", torch.float32, ()), value=w_scale))
             items.append(_Item(TensorSpec(f"{stem}.input_scale", torch.float32, ()), value=i_scale))
             continue
         if type(local) not in (torch.Tensor, nn.Parameter):
-            problems.append(f"`{name}` is a {type(local).__name__}; only plain tensors and static-FP8 "
-                            "weights (Float8StaticLinear, TorchAO per-tensor Float8Tensor) can be saved")
+            problems.append(
+                f"`{name}` is a {type(local).__name__}; only plain tensors and static-FP8 "
+                "weights (Float8StaticLinear, TorchAO per-tensor Float8Tensor) can be saved"
+            )
             continue
         if local.is_meta:
             problems.append(f"`{name}` is on the meta device; load or materialize the model before saving")
@@ -196,12 +204,22 @@ def _configs(items, checkpoint, config, step_policy, problems) -> tuple[dict, di
         problems += [f"step policy: {p}" for p in found]
     if not fp8:
         if step_policy is not None or kv:
-            problems.append("the model has no static-FP8 linear, so the checkpoint would have no quantization "
-                            "config to carry the step policy / KV-cache scales")
+            problems.append(
+                "the model has no static-FP8 linear, so the checkpoint would have no quantization "
+                "config to carry the step policy / KV-cache scales"
+            )
         return {k: base[k] for k in sorted(base)}, None
-    ignore = list(quant.ignore) if quant is not None and quant.is_modelopt_fp8 else sorted(
-        {i.spec.key.removesuffix(".weight") for i in items if i.spec.key.endswith(".weight") and i.spec.dtype != E4M3
-         and len(i.spec.shape) == 2})
+    ignore = (
+        list(quant.ignore)
+        if quant is not None and quant.is_modelopt_fp8
+        else sorted(
+            {
+                i.spec.key.removesuffix(".weight")
+                for i in items
+                if i.spec.key.endswith(".weight") and i.spec.dtype != E4M3 and len(i.spec.shape) == 2
+            }
+        )
+    )
     qc, hf_quant = quantization_configs(ignore, step_policy=step_policy, kv_cache=kv)
     full = {k: base[k] for k in sorted(base)}
     full["quantization_config"] = qc
@@ -217,8 +235,9 @@ def _digest(layout: CheckpointLayout, config: dict, hf_quant: dict | None) -> st
     return h.hexdigest()
 
 
-def _write_items(tmp: Path, layout: CheckpointLayout, items: list[_Item], rank: int,
-                 staging_bytes: int) -> tuple[int, int]:
+def _write_items(
+    tmp: Path, layout: CheckpointLayout, items: list[_Item], rank: int, staging_bytes: int
+) -> tuple[int, int]:
     """This rank's part of the data: (bytes written, largest single staging copy; 0 on CPU)."""
     staged = 0
     with ShardWriter(tmp, layout) as writer:
@@ -238,7 +257,7 @@ def _write_items(tmp: Path, layout: CheckpointLayout, items: list[_Item], rank: 
             row_bytes = layout.tensors[key].row_bytes
             step = rows.shape[0] if rows.device.type == "cpu" else staging_rows(row_bytes, staging_bytes)
             for lo in range(0, rows.shape[0], step):
-                chunk = rows[lo: lo + step]
+                chunk = rows[lo : lo + step]
                 if chunk.device.type != "cpu":
                     chunk = chunk.to("cpu")
                     staged = max(staged, chunk.numel() * chunk.element_size())
@@ -255,8 +274,17 @@ class _Prepared:
     digest: str | None
 
 
-def _prepare(model: nn.Module, directory: Path, checkpoint: Checkpoint | None, plan: LoadPlan | None,
-             config, input_scales, step_policy, max_shard_size, problems: list[str]) -> _Prepared:
+def _prepare(
+    model: nn.Module,
+    directory: Path,
+    checkpoint: Checkpoint | None,
+    plan: LoadPlan | None,
+    config,
+    input_scales,
+    step_policy,
+    max_shard_size,
+    problems: list[str],
+) -> _Prepared:
     """Everything one rank decides alone, before any collective: what to write, where, and problems."""
     if checkpoint is None and config is None:
         problems.append("pass `config` (the model's config dict) or the `source` it was loaded from")
@@ -270,12 +298,14 @@ def _prepare(model: nn.Module, directory: Path, checkpoint: Checkpoint | None, p
     held = {i.spec.key for i in items}
     # KV-cache scales of the source the model has no tensor for (a transformers Llama keeps its
     # KV cache in the model dtype): copied from the source files.
-    for key in (plan.kv_scales if plan is not None else checkpoint.kv_scales if checkpoint is not None else ()):
+    for key in plan.kv_scales if plan is not None else checkpoint.kv_scales if checkpoint is not None else ():
         entry = checkpoint.kv_scales[key]
         if key not in held:
             items.append(_Item(TensorSpec(key, entry.torch_dtype, entry.shape), source=entry))
     counts = Counter(i.spec.key for i in items)
-    problems += [f"`{k}` would be written {n} times (several model tensors map to it)" for k, n in counts.items() if n > 1]
+    problems += [
+        f"`{k}` would be written {n} times (several model tensors map to it)" for k, n in counts.items() if n > 1
+    ]
     dtype_problems((i.spec for i in items), problems)
     full_config, hf_quant = _configs(items, checkpoint, config, step_policy, problems)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -327,8 +357,7 @@ def save_checkpoint(
         if isinstance(module, FSDPModule):
             module.reshard()  # FSDP2 keeps the root unsharded after a forward: save the shards
     problems: list[str] = []
-    prepared = _prepare(model, directory, checkpoint, plan, config, input_scales, step_policy, max_shard_size,
-                        problems)
+    prepared = _prepare(model, directory, checkpoint, plan, config, input_scales, step_policy, max_shard_size, problems)
     layout, tmp = prepared.layout, None
     if rank == 0 and not problems:
         try:
@@ -370,5 +399,6 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
     if rank == 0:
         log.info("saved %s: %d tensors in %d files", directory, len(layout.tensors), len(layout.files))
-    return SaveReport(directory, rank, world, len(layout.tensors), len(layout.files), written, staged,
-                      time.perf_counter() - t0)
+    return SaveReport(
+        directory, rank, world, len(layout.tensors), len(layout.files), written, staged, time.perf_counter() - t0
+    )

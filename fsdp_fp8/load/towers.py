@@ -34,8 +34,14 @@ TOWERS_HINT = (
 # add_v_proj read the generation sequence and to_add_out projects its output. The decoder
 # layer runs `mlp` on the understanding sequence and `mlp_moe_gen` on the generation one.
 _COSMOS3_ATTENTION = {
-    "to_q": REASONER, "to_k": REASONER, "to_v": REASONER, "to_out": REASONER,
-    "add_q_proj": GENERATION, "add_k_proj": GENERATION, "add_v_proj": GENERATION, "to_add_out": GENERATION,
+    "to_q": REASONER,
+    "to_k": REASONER,
+    "to_v": REASONER,
+    "to_out": REASONER,
+    "add_q_proj": GENERATION,
+    "add_k_proj": GENERATION,
+    "add_v_proj": GENERATION,
+    "to_add_out": GENERATION,
 }
 _COSMOS3_MLP = {"mlp": REASONER, "mlp_moe_gen": GENERATION}
 
@@ -75,8 +81,11 @@ def cosmos3_towers(model: nn.Module) -> dict[str, str]:
                 if _is_linear(module):
                     towers[f"{prefix}.{attr}.{name}"] = tower
                     placed.add(id(module))
-        strays += [f"{prefix}.{name}" for name, module in layer.named_modules()
-                   if _is_linear(module) and id(module) not in placed]
+        strays += [
+            f"{prefix}.{name}"
+            for name, module in layer.named_modules()
+            if _is_linear(module) and id(module) not in placed
+        ]
     if strays:
         raise ValueError(f"linears inside Cosmos 3 decoder layers with no known tower: {sorted(strays)}")
     for name, module in model.named_modules():
@@ -109,8 +118,13 @@ def resolve_towers(spec: TowerSpec | None, model: nn.Module) -> dict[str, str] |
 
 def tower_problems(towers: Mapping[str, str], fp8_linears: list[str], source: str = "towers") -> list[str]:
     """What is wrong with ``towers`` for a model whose FP8 linears are ``fp8_linears``."""
-    problems = [f"`{name}` in {source} is {tower!r}, not one of {list(TOWERS)}"
-                for name, tower in sorted(towers.items()) if tower not in TOWERS]
-    problems += [f"FP8 linear `{name}` is in no tower of {source}; map it to one of {list(TOWERS)}"
-                 for name in sorted(set(fp8_linears) - set(towers))]
+    problems = [
+        f"`{name}` in {source} is {tower!r}, not one of {list(TOWERS)}"
+        for name, tower in sorted(towers.items())
+        if tower not in TOWERS
+    ]
+    problems += [
+        f"FP8 linear `{name}` is in no tower of {source}; map it to one of {list(TOWERS)}"
+        for name in sorted(set(fp8_linears) - set(towers))
+    ]
     return problems

@@ -82,8 +82,13 @@ class MoTAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.to_out(out.transpose(1, 2).flatten(2)), (k, v)
         q, k, v = self._qkv(
-            x, rope, self.add_q_proj, self.add_k_proj, self.add_v_proj,
-            self.norm_added_q, self.norm_added_k,
+            x,
+            rope,
+            self.add_q_proj,
+            self.add_k_proj,
+            self.add_v_proj,
+            self.norm_added_q,
+            self.norm_added_k,
         )
         if kv is not None:
             k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
@@ -139,9 +144,7 @@ class ReferenceMoTTransformer(nn.Module):
     def reason(self, prompt_ids: torch.Tensor) -> ReasonerState:
         return self(prompt_ids, phase="reason")
 
-    def denoise(
-        self, latents: torch.Tensor, timestep: torch.Tensor, state: ReasonerState | None
-    ) -> torch.Tensor:
+    def denoise(self, latents: torch.Tensor, timestep: torch.Tensor, state: ReasonerState | None) -> torch.Tensor:
         return self(latents, timestep, state, phase="denoise")
 
     def logits(self, state: ReasonerState) -> torch.Tensor:
@@ -186,9 +189,7 @@ _REASONER = re.compile(r"layers\.\d+\.(self_attn\.(to_q|to_k|to_v|to_out)|mlp\.\
 _GENERATION = re.compile(
     r"layers\.\d+\.(self_attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)|mlp_moe_gen\.\w+_proj)"
 )
-_OTHER = frozenset(
-    ("proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2", "lm_head")
-)
+_OTHER = frozenset(("proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2", "lm_head"))
 
 
 def linear_towers(model: nn.Module) -> dict[str, str]:

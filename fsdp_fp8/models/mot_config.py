@@ -58,8 +58,7 @@ class MoTConfig:
         class_name = d.get("_class_name")
         if class_name != CLASS_NAME:
             raise ValueError(
-                f"config.json `_class_name` is {class_name!r}; this reference model reads only "
-                f"{CLASS_NAME!r}"
+                f"config.json `_class_name` is {class_name!r}; this reference model reads only {CLASS_NAME!r}"
             )
         # `_`-prefixed bookkeeping and the quantization block belong to other readers.
         body = {k: v for k, v in d.items() if not k.startswith("_") and k != "quantization_config"}
@@ -75,22 +74,44 @@ class MoTConfig:
 PRESETS: dict[str, MoTConfig] = {
     # Tests: sizes that divide by neither 3 nor 4 (88, 6, 100 rows) exercise uneven sharding.
     "tiny": MoTConfig(
-        hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=88,
-        vocab_size=100, latent_channels=6,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+        intermediate_size=88,
+        vocab_size=100,
+        latent_channels=6,
     ),
     # ~7.0M parameters (14 MB in BF16): a 4-rank CPU run loads it and samples in seconds.
     "demo": MoTConfig(
-        hidden_size=256, num_layers=4, num_heads=4, head_dim=64, intermediate_size=688,
-        vocab_size=1000, latent_channels=16,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        head_dim=64,
+        intermediate_size=688,
+        vocab_size=1000,
+        latent_channels=16,
     ),
     # Realistic shapes, for meta-device planning only (~3.7B parameters).
     "nano": MoTConfig(
-        hidden_size=2048, num_layers=28, num_heads=16, head_dim=128, intermediate_size=6144,
-        vocab_size=151936, latent_channels=64, rope_theta=1000000.0,
+        hidden_size=2048,
+        num_layers=28,
+        num_heads=16,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        latent_channels=64,
+        rope_theta=1000000.0,
     ),
     # ~63B parameters: two 64-layer towers of ~31B each.
     "super": MoTConfig(
-        hidden_size=5120, num_layers=64, num_heads=64, head_dim=128, intermediate_size=20480,
-        vocab_size=151936, latent_channels=64, rope_theta=1000000.0,
+        hidden_size=5120,
+        num_layers=64,
+        num_heads=64,
+        head_dim=128,
+        intermediate_size=20480,
+        vocab_size=151936,
+        latent_channels=64,
+        rope_theta=1000000.0,
     ),
 }

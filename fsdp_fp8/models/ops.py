@@ -60,9 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def timestep_features(timestep: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
     """Sinusoidal features of flow-matching time ``t`` in [0, 1] (scaled to [0, 1000])."""
     half = dim // 2
-    freqs = torch.exp(
-        -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    )
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
     args = timestep.to(torch.float32)[:, None] * 1000.0 * freqs[None, :]
     return torch.cat([args.cos(), args.sin()], dim=-1)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.format.step_policy import StepPolicy
+from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
 
 
@@ -46,7 +46,8 @@ def install_step_policy(
     if towers is None and needs_towers(policy):
         raise ValueError(
             f"the step policy runs the reasoner {policy.reasoner} but its steps differ, and "
-            f"{type(model).__name__} has no known tower map: {TOWERS_HINT}")
+            f"{type(model).__name__} has no known tower map: {TOWERS_HINT}"
+        )
     if towers is not None:
         problems = tower_problems(towers, list(fp8))
         if problems:

@@ -167,31 +167,38 @@ def _sharded_problems(model: nn.Module) -> list[str]:
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
     if not sharded:
         return []
-    return [f"the model's parameters are FSDP shards (DTensor), e.g. `{sharded[0]}` "
-            f"({len(sharded)} in all); runtime quantization is for a plain, replicated model: "
-            "load it without a process group"]
+    return [
+        f"the model's parameters are FSDP shards (DTensor), e.g. `{sharded[0]}` "
+        f"({len(sharded)} in all); runtime quantization is for a plain, replicated model: "
+        "load it without a process group"
+    ]
 
 
 def _module_problems(name: str, module: nn.Module, method: str, granularity: str) -> list[str]:
     weight = module.weight
     # A Float8StaticLinear's weight is a TorchAO PrototypeFloat8Tensor: a subclass too.
     if is_traceable_wrapper_subclass(weight) or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return [f"`{name}` is already quantized ({type(module).__name__}, weight "
-                f"{type(weight).__name__} {weight.dtype}); exclude it"]
+        return [
+            f"`{name}` is already quantized ({type(module).__name__}, weight "
+            f"{type(weight).__name__} {weight.dtype}); exclude it"
+        ]
     if weight.device.type == "meta":
         return [f"`{name}` is on the meta device; load the weights before quantizing"]
     problems = []
     out_mult, in_mult = _SHAPE_RULES.get(method, (1, 1))
     out_f, in_f = weight.shape
     if out_f % out_mult or in_f % in_mult:
-        problems.append(f"`{name}` has weight shape ({out_f}, {in_f}); {method} needs out_features a "
-                        f"multiple of {out_mult} and in_features a multiple of {in_mult}; exclude it")
+        problems.append(
+            f"`{name}` has weight shape ({out_f}, {in_f}); {method} needs out_features a "
+            f"multiple of {out_mult} and in_features a multiple of {in_mult}; exclude it"
+        )
     needs_bf16 = method != "fp8" or granularity == "per_row"
     allowed = (torch.bfloat16,) if needs_bf16 else (torch.bfloat16, torch.float16, torch.float32)
     if weight.dtype not in allowed:
         what = f"{method} {granularity}" if method == "fp8" else method
-        problems.append(f"`{name}` has weight dtype {weight.dtype}; TorchAO's {what} takes "
-                        f"{' / '.join(str(d) for d in allowed)}")
+        problems.append(
+            f"`{name}` has weight dtype {weight.dtype}; TorchAO's {what} takes {' / '.join(str(d) for d in allowed)}"
+        )
     return problems
 
 
@@ -204,8 +211,13 @@ def cpu_scaled_mm_takes_row_scales() -> bool:
     """
     codes = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
     try:
-        torch._scaled_mm(codes, torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(), scale_a=torch.ones(2, 1),
-                         scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        torch._scaled_mm(
+            codes,
+            torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
+            scale_a=torch.ones(2, 1),
+            scale_b=torch.ones(1, 16),
+            out_dtype=torch.bfloat16,
+        )
     except RuntimeError:
         return False
     return True
@@ -221,16 +233,22 @@ def _hardware_problems(method: str, selected: dict[str, nn.Module], granularity:
             cap = torch.cuda.get_device_capability(device)
             need = _FP8_CAPABILITY if method == "fp8" else _MX_CAPABILITY
             if cap < need:
-                problems.append(f"{method} needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}; "
-                                f"{device} ({torch.cuda.get_device_name(device)}) has {cap[0]}.{cap[1]}")
+                problems.append(
+                    f"{method} needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}; "
+                    f"{device} ({torch.cuda.get_device_name(device)}) has {cap[0]}.{cap[1]}"
+                )
         elif method != "fp8":
-            problems.append(f"{method} needs a CUDA GPU with compute capability >= "
-                            f"{_MX_CAPABILITY[0]}.{_MX_CAPABILITY[1]} (Blackwell); the model is on {device}")
+            problems.append(
+                f"{method} needs a CUDA GPU with compute capability >= "
+                f"{_MX_CAPABILITY[0]}.{_MX_CAPABILITY[1]} (Blackwell); the model is on {device}"
+            )
         elif device.type != "cpu":
             problems.append(f"fp8 runs on CPU or on CUDA with compute capability >= 8.9; the model is on {device}")
         elif granularity == "per_row" and not cpu_scaled_mm_takes_row_scales():
-            problems.append(f"fp8 per_row on CPU needs a torch whose CPU _scaled_mm takes per-row scales "
-                            f"(2.13 does; this is {torch.__version__}): use granularity per_tensor, or CUDA")
+            problems.append(
+                f"fp8 per_row on CPU needs a torch whose CPU _scaled_mm takes per-row scales "
+                f"(2.13 does; this is {torch.__version__}): use granularity per_tensor, or CUDA"
+            )
     return problems
 
 
@@ -287,4 +305,3 @@ def _quantize_mx(model: nn.Module, selected: dict[str, nn.Module], method: str) 
     config = MXDynamicActivationMXWeightConfig() if method == "mxfp8" else NVFP4DynamicActivationNVFP4WeightConfig()
     chosen = {id(m) for m in selected.values()}
     quantize_(model, config, filter_fn=lambda m, _fqn: id(m) in chosen)
-

@@ -43,5 +43,11 @@ def write_mot_checkpoint(directory: str | os.PathLike) -> Path:
     def calibrate(m: ReferenceMoTTransformer) -> None:
         sample(m, mot_prompt_ids(), steps=MOT_CALIBRATION_STEPS, seed=MOT_SEED, num_latent_tokens=MOT_LATENT_TOKENS)
 
-    return export_fp8(model, Path(directory), config=model.config.to_config_dict(), calibrate=calibrate,
-                      step_policy=PUBLISHED_POLICY, max_shard_size=MOT_MAX_SHARD_SIZE)
+    return export_fp8(
+        model,
+        Path(directory),
+        config=model.config.to_config_dict(),
+        calibrate=calibrate,
+        step_policy=PUBLISHED_POLICY,
+        max_shard_size=MOT_MAX_SHARD_SIZE,
+    )

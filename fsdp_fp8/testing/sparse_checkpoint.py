@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from fsdp_fp8.export.modelopt import DEFAULT_IGNORE
-from fsdp_fp8.format.quant_config import matches_ignore
 from fsdp_fp8.format.checkpoint import SCALE_SUFFIXES
+from fsdp_fp8.format.quant_config import matches_ignore
 from fsdp_fp8.format.writer import (
     ShardWriter,
     TensorSpec,

@@ -43,11 +43,12 @@ def _forward(model, device, mode):
 @pytest.fixture(scope="module")
 def cpu_reference(demo):
     from fsdp_fp8 import load_model
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
 
-    model = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo,
-                       device=torch.device("cpu")).model
+    model = load_model(
+        resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=torch.device("cpu")
+    ).model
     return {mode: _forward(model, torch.device("cpu"), mode) for mode in ("native", "a16")}
 
 
@@ -66,8 +67,8 @@ def test_nccl_world_1_load_forward_matches_cpu_and_uses_scaled_mm(demo, cpu_refe
     from safetensors.torch import load_file
 
     from fsdp_fp8 import gather_state_dict, load_model
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.load.architectures import resolve_architecture
 
     device = torch.device("cuda", 0)
     loaded = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=device)
@@ -122,13 +123,15 @@ def test_uint8_all_gather_through_nccl_rebuilds_the_codes(nccl_world_1, world, r
 
     device = torch.device("cuda", 0)
     codes = (torch.randn(rows, 32, generator=torch.Generator().manual_seed(world)) * 40).to(E4M3).to(device)
-    full = make_static_fp8_weight(codes, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device),
-                                  torch.bfloat16)
+    full = make_static_fp8_weight(
+        codes, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), torch.bfloat16
+    )
     chunks = list(torch.chunk(codes, world)) + [codes[:0]] * world
     gathered = []
     for chunk in chunks[:world]:
-        (payload,), meta = rebuild(full, chunk.contiguous()).fsdp_pre_all_gather(_mesh(world), full.shape,
-                                                                                 full.stride(), None, None)
+        (payload,), meta = rebuild(full, chunk.contiguous()).fsdp_pre_all_gather(
+            _mesh(world), full.shape, full.stride(), None, None
+        )
         assert payload.dtype == torch.uint8 and payload.is_cuda
         out = torch.empty_like(payload)
         all_gather_into(out, payload, group=dist.group.WORLD)
@@ -149,8 +152,18 @@ def test_the_demo_on_every_gpu_equals_one_gpu(tmp_path):
     digests = []
     for n in (1, min(torch.cuda.device_count(), 3)):
         report = tmp_path / f"r{n}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               str(root / "launch" / "infer.py"), "--steps", "4", "--report", str(report)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            str(root / "launch" / "infer.py"),
+            "--steps",
+            "4",
+            "--report",
+            str(report),
+        ]
         proc = subprocess.run(cmd, cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         digests.append(json.loads(report.read_text())["latent_sha256"])
