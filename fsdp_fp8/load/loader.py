@@ -144,7 +144,7 @@ def _load_local(model: nn.Module, plan) -> tuple[int, int, float]:
     scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    progress = LoadProgress(plan.rank_bytes(world, rank), enabled=rank == 0)
+    progress = LoadProgress(plan.load_bytes(world, rank), enabled=rank == 0)
     read_before = slice_reader.bytes_read()
     with torch.no_grad():
         for target in plan.fp8:

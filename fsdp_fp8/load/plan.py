@@ -67,6 +67,12 @@ class LoadPlan:
         """Bytes ``rank`` reads if every tensor is Shard(0)-split; 0-d scales count on every rank."""
         return sum(entry_rank_bytes(e, world_size, rank) for e in self._entries())
 
+    def load_bytes(self, world_size: int, rank: int) -> int:
+        """Bytes the rank-slice load itself reads: ``rank_bytes`` less the FP8 scales, which were
+        read (and checked) when the checkpoint was opened and load from memory."""
+        entries = [t.entry.weight for t in self.fp8] + [t.entry for t in self.tensors]
+        return sum(entry_rank_bytes(e, world_size, rank) for e in entries)
+
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages at most in one read
         into an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""

@@ -3,7 +3,7 @@
     loading [##########..............]  2.10/5.03 GB  42%  1.05 GB/s  3 s left
 
 Bytes are what this rank has read against what it will read (its forecast,
-``LoadPlan.rank_bytes``), so the bar reaches 100 % exactly when the rank's reads are done.
+``LoadPlan.load_bytes``), so the bar reaches 100 % exactly when the rank's reads are done.
 On a terminal the line is redrawn in place (at most ``redraw_s`` apart); when stderr is not a
 terminal (a log file, a CI job) a plain line is written every ``every_s`` seconds instead.
 Nothing is shown for the first ``after_s`` seconds, so short loads stay silent. It writes to
