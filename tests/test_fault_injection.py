@@ -19,6 +19,7 @@ import pickle
 import shutil
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def _inject(rank: int, case: dict, stack) -> None:
         def broken_read(entry, *args, **kwargs):
             raise _Injected(f"injected read failure for `{entry.key}`")
 
-        stack.enter_context(_patched(slice_reader, "read_bytes", broken_read))
+        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", broken_read))
     elif fault == "truncate_after_agreement":
         real = api.agree_or_raise
 
@@ -63,29 +64,17 @@ def _inject(rank: int, case: dict, stack) -> None:
             header_len = int.from_bytes(path.read_bytes()[:8], "little")
             os.truncate(path, 8 + header_len)  # every scale it still has to read is gone
 
-        stack.enter_context(_patched(api, "agree_or_raise", agree_then_truncate))
+        stack.enter_context(mock.patch.object(api, "agree_or_raise", agree_then_truncate))
     elif fault == "die_read":
 
         def dying_read(*args, **kwargs):
             os._exit(17)
 
-        stack.enter_context(_patched(slice_reader, "read_bytes", dying_read))
+        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", dying_read))
     elif fault == "die_open":
-        stack.enter_context(_patched(api, "open_checkpoint", lambda path: os._exit(17)))
+        stack.enter_context(mock.patch.object(api, "open_checkpoint", lambda path: os._exit(17)))
     elif fault is not None:
         raise AssertionError(fault)
-
-
-class _patched:
-    def __init__(self, owner, name, value):
-        self.owner, self.name, self.value = owner, name, value
-
-    def __enter__(self):
-        self.saved = getattr(self.owner, self.name)
-        setattr(self.owner, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.saved)
 
 
 def _key_map(rank: int, case: dict):
@@ -161,7 +150,7 @@ def _attempt(rank: int, world: int, case: dict) -> dict:
 
     record: dict = {"error": None}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(dist, "all_gather_object", counting_gather))
+        stack.enter_context(mock.patch.object(dist, "all_gather_object", counting_gather))
         _inject(rank, case, stack)
         t0 = time.monotonic()
         try:
