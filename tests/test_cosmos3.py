@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -184,19 +185,11 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
 
     from fsdp_fp8.cli.runner import main
 
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    try:
+    # the launcher reads RANK / WORLD_SIZE; patch.dict restores the environment whatever happens
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}):
         report = Path(report_dir, f"transformer-{world}.json")
         assert main(["--checkpoint", policy_dir, "--steps", str(STEPS), "--report", str(report)]) == 0
         obs["launched"] = json.loads(report.read_text()) if rank == 0 else None
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return obs
 
 

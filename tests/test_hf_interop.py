@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -93,10 +94,8 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
     # As torchrun would: main() prints and writes the report on RANK 0 only (the group is
     # already up, so main does not init one). World size 1 runs in the pytest process without
     # a group and leaves the environment as it found it.
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    try:
+    # the launcher reads RANK / WORLD_SIZE; patch.dict restores the environment whatever happens
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}):
         ids = ",".join(str(i) for i in PROMPT[0])
         for name in LAUNCHED:
             report = Path(report_dir, f"{name}-{world}.json")
@@ -113,12 +112,6 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
             ]
             assert main(argv) == 0
             obs[name]["launched"] = json.loads(report.read_text()) if rank == 0 else None
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return obs
 
 

@@ -9,20 +9,16 @@ from ranks import run_ranks
 from small_models import load_files
 
 from fsdp_fp8.export.modelopt import export_fp8
+from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
 from fsdp_fp8.models import PRESETS, build_model, init_weights
 from fsdp_fp8.runtime.sampler import sample
 
 # Reasoner native, generation W8A16 on the first 2 and last 1 steps: swapping the towers'
 # roles changes what each linear must run as.
 POLICY = {
-    "schema_version": 1,
-    "type": "first_last_n",
-    "index_space": "denoising_loop_iteration",
-    "scope": ["transformer"],
-    "default_mode": "native",
+    **PUBLISHED_POLICY,
     "first_steps": {"count": 2, "mode": "a16"},
     "last_steps": {"count": 1, "mode": "a16"},
-    "overlap": "a16",
     "reasoner": "native",
 }
 STEPS = 5
