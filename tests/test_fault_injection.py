@@ -519,7 +519,14 @@ def test_rank_killed_mid_load(world, checkpoints, tmp_path, monkeypatch):
         kind, text, _ = record["error"]
         assert kind == "PeerLostError", record["error"]
         assert text.startswith("checkpoint load failed: "), text
-        assert "could not complete the agreement on the outcome of the load with the other ranks" in text, text
+        # either it saw the dead peer in the agreement, or it arrived after a survivor had given up on it
+        assert any(
+            reason in text
+            for reason in (
+                "could not complete the agreement on the outcome of the load with the other ranks",
+                "arrived at the agreement on the outcome of the load after rank(s)",
+            )
+        ), text
         print(f"world {world}: survivor raised {record['seconds']:.3f} s after calling load_model")
         assert record["seconds"] < FAIL_WITHIN_S, record["seconds"]  # gloo sees the dead peer: not the pg timeout
         _assert_unusable(record)
