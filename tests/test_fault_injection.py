@@ -44,17 +44,17 @@ class _Injected(OSError):
 def _inject(rank: int, case: dict, stack) -> None:
     """Arrange this rank's fault for ``case`` (undone by ``stack`` when the case ends)."""
     import fsdp_fp8.load.api as api
-    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.format import read_schedule
 
     if rank != case.get("fault_rank", 1):
         return
     fault = case.get("fault")
     if fault == "raise_read":
 
-        def broken_read(entry, *args, **kwargs):
-            raise _Injected(f"injected read failure for `{entry.key}`")
+        def broken_read(request, buffers):
+            raise _Injected(f"injected read failure for `{request.pieces[0].entry.key}`")
 
-        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", broken_read))
+        stack.enter_context(mock.patch.object(read_schedule, "read_request", broken_read))
     elif fault == "truncate_after_agreement":
         real = api.agree_or_raise
 
@@ -70,7 +70,7 @@ def _inject(rank: int, case: dict, stack) -> None:
         def dying_read(*args, **kwargs):
             os._exit(17)
 
-        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", dying_read))
+        stack.enter_context(mock.patch.object(read_schedule, "read_request", dying_read))
     elif fault == "die_open":
         stack.enter_context(mock.patch.object(api, "open_checkpoint", lambda path: os._exit(17)))
     elif fault is not None:
@@ -464,7 +464,11 @@ def test_ranks_that_see_different_files_are_refused(observed, world):
 @pytest.mark.parametrize(
     "case, needles",
     [
-        ("rank 1 raises mid-load", ["rank 1: _Injected: injected read failure for `layers."]),
+        # An OSError in a read worker is a problem naming the key, the file and the offset.
+        (
+            "rank 1 raises mid-load",
+            ["rank 1: CheckpointError: ", "failed: _Injected: injected read failure for `layers."],
+        ),
         # The scales are not read again (their validated values load), so nothing fails to read:
         # the check after the reads finds the shard changed.
         (

@@ -54,7 +54,7 @@ def _nan_codes_in_last_row(directory: Path, key: str) -> None:
 
 def _fault(rank: int, case: dict, stack) -> None:
     import fsdp_fp8.load.api as api
-    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.format import read_schedule
     from fsdp_fp8.load import agreement
 
     if case.get("slow_storage"):  # every rank: the forecast assumes storage this slow
@@ -83,17 +83,17 @@ def _fault(rank: int, case: dict, stack) -> None:
         stack.enter_context(mock.patch.object(api, "agree_or_raise", agree_then_change))
     elif fault == "raise_read":
 
-        def broken(entry, *args, **kwargs):
-            raise OSError(f"injected read failure for `{entry.key}`")
+        def broken(request, buffers):
+            raise OSError(f"injected read failure for `{request.pieces[0].entry.key}`")
 
-        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", broken))
+        stack.enter_context(mock.patch.object(read_schedule, "read_request", broken))
     elif fault == "slow_open":
         real_open = api.open_checkpoint
         stack.enter_context(
             mock.patch.object(api, "open_checkpoint", lambda p: (time.sleep(case["sleep"]), real_open(p))[1])
         )
     elif fault == "slow_read":
-        real_read = slice_reader.read_bytes
+        real_read = read_schedule.read_request
         slept = []
 
         def slow(*args, **kwargs):
@@ -101,7 +101,7 @@ def _fault(rank: int, case: dict, stack) -> None:
                 slept.append(time.sleep(case["sleep"]))
             return real_read(*args, **kwargs)
 
-        stack.enter_context(mock.patch.object(slice_reader, "read_bytes", slow))
+        stack.enter_context(mock.patch.object(read_schedule, "read_request", slow))
 
 
 def _model_fn(rank: int, case: dict, built: list):

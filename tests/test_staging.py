@@ -1,14 +1,22 @@
-"""The loader's transient memory is bounded: into an accelerator it stages at most
-``STAGING_BYTES`` (or one row, if a row is larger) per read, never a whole tensor or file;
-into CPU storage it reads in place, with no staging buffer at all."""
+"""The loader's transient memory is bounded: into an accelerator every read goes through one
+ring of host buffers allocated once (``STAGING_BYTES`` in all), never a buffer per tensor or
+file; into CPU storage it reads in place, with no staging buffer at all. Without a GPU the ring
+runs into CPU destinations (``stage_cpu``) and into the meta device (a stand-in accelerator:
+copying into meta checks shapes and moves nothing)."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
-from fsdp_fp8.format import slice_reader
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.load import loader
+from fsdp_fp8.format.safetensors_header import TensorEntry
+from fsdp_fp8.format.sharding import STAGING_SLOTS
+from fsdp_fp8.load import loader, staging
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears
@@ -18,7 +26,7 @@ from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 CONFIG = MoTConfig(
     hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136, vocab_size=301, latent_channels=6
 )
-BUDGET = 1000  # bytes: smaller than most tensors (192-byte BF16 rows, 96-byte FP8 rows), larger than a row
+BUDGET = 1000  # bytes: smaller than most tensors (192-byte BF16 rows, 96-byte FP8 rows): 4 slots of 250
 
 
 @pytest.fixture(scope="module")
@@ -37,57 +45,106 @@ def _swapped_model(checkpoint_dir, device):
     return model, plan
 
 
-def _spy_reads(monkeypatch) -> list[tuple[str, int, bool]]:
-    """Every ``read_bytes`` call: (key, bytes, whether it read in place into ``out``)."""
+def _spy_requests(monkeypatch) -> list[read_schedule.Request]:
     calls = []
-    real = slice_reader.read_bytes
+    real = read_schedule.read_request
 
-    def spy(entry, start, stop, out=None):
-        calls.append((entry.key, (stop - start) * slice_reader.row_nbytes(entry), out is not None))
-        return real(entry, start, stop, out=out)
+    def spy(request, buffers):
+        calls.append(request)
+        return real(request, buffers)
 
-    monkeypatch.setattr(slice_reader, "read_bytes", spy)
+    monkeypatch.setattr(read_schedule, "read_request", spy)
     return calls
 
 
-def test_accelerator_destination_is_staged_in_bounded_reads(checkpoint_dir, monkeypatch):
-    # A meta model stands in for accelerator memory: its tensors are not on the CPU, so the
-    # loader must stage; copying into meta checks shapes and moves nothing.
+def _spy_rings(monkeypatch) -> list[staging.StagingRing]:
+    rings = []
+
+    class Recorded(staging.StagingRing):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.most_bound = 0
+            rings.append(self)
+
+        def bind(self, request):
+            views = super().bind(request)
+            self.most_bound = max(self.most_bound, len(self.bound))
+            return views
+
+    monkeypatch.setattr(loader, "StagingRing", Recorded)
+    return rings
+
+
+def _entries(plan):
+    return {**{t.entry.weight.key: t.entry.weight for t in plan.fp8}, **{t.entry.key: t.entry for t in plan.tensors}}
+
+
+def test_accelerator_destination_is_staged_through_one_ring_within_the_budget(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "meta")
     monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)
-    calls = _spy_reads(monkeypatch)
+    calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
     loader._load_local(model, plan)
-    assert calls and not any(in_place for _, _, in_place in calls)
+    assert len(rings) == 1  # allocated once for the whole load
+    ring = rings[0]
+    assert ring.nbytes <= BUDGET and len(ring.buffers) == STAGING_SLOTS
+    assert ring.nbytes == plan.forecast(1, 0, staging_bytes=BUDGET).staging_peak_bytes
+    assert calls and all(r.staged and r.nbytes <= ring.slot_bytes for r in calls)
     per_key: dict[str, int] = {}
-    for key, n, _ in calls:
-        per_key[key] = per_key.get(key, 0) + n
-    entries = {**{t.entry.weight.key: t.entry.weight for t in plan.fp8}, **{t.entry.key: t.entry for t in plan.tensors}}
+    for request in calls:
+        for p in request.pieces:
+            per_key[p.entry.key] = per_key.get(p.entry.key, 0) + p.nbytes
+    entries = _entries(plan)
     assert per_key == {k: e.nbytes for k, e in entries.items() if e.nbytes}  # every byte, once
-    for key, n, _ in calls:
-        assert n <= max(BUDGET, slice_reader.row_nbytes(entries[key])), key
-    largest = max(n for _, n, _ in calls)
-    assert largest <= BUDGET < max(e.nbytes for e in entries.values())  # never a whole big tensor
-    assert largest == plan.forecast(1, 0, staging_bytes=BUDGET).staging_peak_bytes
+    assert max(e.nbytes for e in entries.values()) > ring.nbytes  # big tensors went through in parts
+    assert ring.copies > len(ring.buffers)  # the slots were reused, not added to
+    assert 1 < ring.most_bound <= len(ring.buffers)  # several reads in flight, never more than the slots
 
 
-def test_a_row_larger_than_the_budget_is_staged_one_row_at_a_time(checkpoint_dir, monkeypatch):
-    model, plan = _swapped_model(checkpoint_dir, "meta")
-    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 50)  # below every 2-D row, above 1-D rows (2 bytes)
-    calls = _spy_reads(monkeypatch)
-    loader._load_local(model, plan)
-    rows = {t.entry.key: slice_reader.row_nbytes(t.entry) for t in plan.tensors}
-    rows.update({t.entry.weight.key: slice_reader.row_nbytes(t.entry.weight) for t in plan.fp8})
-    assert any(rows[key] > 50 for key, _, _ in calls)
-    assert all(n == rows[key] if rows[key] > 50 else n <= 50 for key, n, _ in calls)
-    assert max(n for _, n, _ in calls) == plan.forecast(1, 0, staging_bytes=50).staging_peak_bytes
+def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeypatch):
+    """The ring's whole path (bind, read, copy out, reuse) with real destinations."""
+    # 4 slots of 37 bytes: below every row (96-byte FP8, 192-byte BF16), so rows go in parts, and
+    # not dividing them, so a slot also holds the end of one tensor and the start of the next.
+    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 150)
+    rings, calls = _spy_rings(monkeypatch), _spy_requests(monkeypatch)
+    model, plan = _swapped_model(checkpoint_dir, "cpu")
+    loader._load_local(model, plan, stage_cpu=True)
+    assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
+    assert any(len(r.pieces) > 1 for r in calls)
+    files = {}
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        files.update(load_file(path))
+    for t in plan.fp8:
+        got = model.get_submodule(t.module).weight.qdata
+        assert torch.equal(got.view(torch.uint8), files[t.entry.weight.key].view(torch.uint8)), t.module
+    state = model.state_dict()
+    for t in plan.tensors:
+        assert torch.equal(state[t.name], files[t.entry.key]), t.name
 
 
-def test_cpu_destination_is_read_in_place_once_per_tensor(checkpoint_dir, monkeypatch):
+def test_cpu_destination_is_read_in_place_with_no_ring(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "cpu")
     monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)  # irrelevant on CPU: no staging
-    calls = _spy_reads(monkeypatch)
+    calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
     loader._load_local(model, plan)
-    assert calls and all(in_place for _, _, in_place in calls)
-    keys = [key for key, _, _ in calls]
-    assert len(keys) == len(set(keys))
-    assert plan.forecast(1, 0, staging_bytes=1 << 40).staging_peak_bytes == max(n for _, n, _ in calls)
+    assert calls and not rings and not any(r.staged for r in calls)
+    keys = [p.entry.key for r in calls for p in r.pieces]
+    assert len(keys) == len(set(keys)) == len([e for e in _entries(plan).values() if e.nbytes])
+    assert len(calls) < len(keys)  # file-adjacent tensors were coalesced into shared preadv calls
+
+
+def test_a_slot_is_reused_only_after_its_copy(monkeypatch):
+    """The event of a slot's last copy is waited on before a read overwrites the slot."""
+    ring = staging.StagingRing(8, 1, torch.device("cpu"))
+    waited = []
+
+    class Event:
+        def synchronize(self):
+            waited.append(threading.get_ident())
+
+    ring.events[0] = Event()
+    entry = TensorEntry("k", "f", None, "U8", (8,), 0, 8)
+    request = read_schedule.Request((read_schedule.Piece(entry, 0, 8, torch.empty(8, dtype=torch.uint8), staged=True),))
+    ring.bind(request)
+    assert waited and ring.events[0] is None and not ring.ready()
+    ring.finish(request, ok=False)
+    assert ring.ready() and ring.copies == 0  # a failed read copies nothing out

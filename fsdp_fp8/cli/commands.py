@@ -46,14 +46,15 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
         lines.append(
             f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
-            f"staging: largest single read into an accelerator, budget {_mib(STAGING_BYTES)}):"
+            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}):"
         )
         for rank in range(world_size):
-            f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES)
+            read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
+            f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES, staged_entries=read)
             lines.append(
                 f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
                 f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
-                f"staging peak {_mib(f.staging_peak_bytes)}"
+                f"staging ring {_mib(f.staging_peak_bytes)}"
             )
     return "\n".join(lines)
 

@@ -54,6 +54,21 @@ def staging_rows(row_bytes: int, budget: int) -> int:
     return max(1, budget // max(row_bytes, 1))
 
 
+STAGING_SLOTS = 4  # ring slots: one being copied to the device while the next ones are read
+
+
+def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> tuple[int, int]:
+    """(bytes per slot, slots) of the host staging ring for ``staged_bytes`` of reads into an
+    accelerator: ``slots`` slots of ``budget // slots`` bytes (at least one byte), fewer and
+    smaller when there is less to stage, so the ring never exceeds ``budget`` (or ``slots``
+    bytes for a budget below that) nor what is staged. A piece larger than a slot is read in
+    slot-sized parts: the copy out is byte-exact, so no row needs to fit whole."""
+    if staged_bytes <= 0:
+        return 0, 0
+    slot = min(max(1, budget // max(slots, 1)), staged_bytes)
+    return slot, min(max(slots, 1), -(-staged_bytes // slot))
+
+
 @dataclass(frozen=True)
 class RankForecast:
     """What one rank will read, hold and stage, from headers alone (every tensor Shard(0))."""
@@ -62,7 +77,7 @@ class RankForecast:
     fp8_bytes: int  # FP8 weight rows + the per-tensor scales (replicated: every rank reads them)
     high_precision_bytes: int  # every other tensor's rows (KV-cache scales included)
     held_bytes: int  # local storage after ``to_empty``: rows padded to ceil(rows / world)
-    staging_peak_bytes: int  # largest single staging read into an accelerator (0 on CPU: in place)
+    staging_peak_bytes: int  # host staging ring for an accelerator destination (CPU: read in place, none)
 
     @property
     def read_bytes(self) -> int:
@@ -75,25 +90,26 @@ def rank_forecast(
     world_size: int,
     rank: int,
     staging_bytes: int,
+    staged_entries: Iterable[TensorEntry] | None = None,
 ) -> RankForecast:
-    """Bytes ``rank`` reads (split FP8 / high precision), holds and stages at most in one read.
+    """Bytes ``rank`` reads (split FP8 / high precision), holds, and stages through host memory.
 
-    The staging peak follows the loader: a rank's rows of one tensor are read in chunks of
-    ``staging_rows`` rows; a 0-d scale is one 4-byte read.
+    The staging figure follows the loader: into an accelerator every read goes through one ring
+    of host buffers allocated once (``staging_ring`` of the rows the rank reads; the loader
+    stages what it reads, which is these entries less the scales it already holds).
+    ``staged_entries``, when given, names what is staged (default: every entry).
     """
     fp8_entries, other_entries = list(fp8_entries), list(other_entries)
-    staged = held = 0
-    for entry in fp8_entries + other_entries:
-        held += entry_rank_bytes(entry, world_size, rank, padded=True)
-        rows = entry.shape[0] if entry.shape else 1
-        start, stop = chunk_rows(rows, world_size, rank) if entry.shape else (0, 1)
-        row = entry.nbytes // rows if rows else 0
-        if stop > start:
-            staged = max(staged, min(stop - start, staging_rows(row, staging_bytes)) * row)
+    held = sum(entry_rank_bytes(e, world_size, rank, padded=True) for e in fp8_entries + other_entries)
+    staged = sum(
+        entry_rank_bytes(e, world_size, rank)
+        for e in (fp8_entries + other_entries if staged_entries is None else staged_entries)
+    )
+    slot, slots = staging_ring(staged, staging_bytes)
     return RankForecast(
         rank=rank,
         fp8_bytes=sum(entry_rank_bytes(e, world_size, rank) for e in fp8_entries),
         high_precision_bytes=sum(entry_rank_bytes(e, world_size, rank) for e in other_entries),
         held_bytes=held,
-        staging_peak_bytes=staged,
+        staging_peak_bytes=slot * slots,
     )

@@ -1,7 +1,8 @@
 """Read exactly the bytes a rank needs: a row range of one tensor, or one scale.
 
-Every data read in the package goes through ``_pread_into`` so ``bytes_read()`` is an honest
-count of tensor bytes this process pulled from disk; tests use it to prove that planning
+Every data read in the package goes through ``_pread_into`` (one range) or ``preadv_into``
+(several file-adjacent ranges in one call: ``fsdp_fp8.format.read_schedule``), so
+``bytes_read()`` is an honest count of tensor bytes this process pulled from disk; tests use it to prove that planning
 reads only scales and that each rank reads only its own rows. Reads use the descriptor the
 header was validated through (``TensorEntry.handle``), never the path: a file replaced after
 the checks cannot feed the reads.
@@ -11,19 +12,22 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import threading
 
 import torch
 
+from fsdp_fp8.format.handles import OpenFile
 from fsdp_fp8.format.safetensors_header import TensorEntry
 
 # safetensors stores little-endian; viewing the bytes in place is only right on such hosts.
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("fsdp_fp8.format.slice_reader needs a little-endian host")
 
-# Largest single read into accelerator memory (staged through host memory); CPU storage is
-# read into directly. Read at call time by the loader and the forecast: tests and users may change it.
+# Host memory that reads into accelerator memory are staged through: a ring of pinned buffers
+# allocated once per load (``fsdp_fp8.format.sharding.staging_ring``); CPU storage is read into
+# directly. Read at call time by the loader and the forecast: tests and users may change it.
 STAGING_BYTES = 64 << 20
 
 _lock = threading.Lock()
@@ -41,8 +45,35 @@ def reset_bytes_read() -> None:
         _bytes_read = 0
 
 
-def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
+def _count(n: int) -> None:
     global _bytes_read
+    with _lock:
+        _bytes_read += n
+
+
+def preadv_into(handle: OpenFile, offset: int, buffers: list[memoryview]) -> int:
+    """Fill ``buffers`` in order from the bytes at ``offset`` (one ``preadv``, repeated only after
+    a partial read); returns the bytes read, fewer only at end of file. Thread-safe: ``preadv``
+    takes no file position and releases the GIL, so a thread pool can share one descriptor."""
+    fd, views = handle.fileno(), [b for b in buffers if len(b)]
+    done, first = 0, 0
+    try:
+        while first < len(views):
+            n = os.preadv(fd, views[first:], offset + done)
+            if n == 0:
+                break
+            done += n
+            while first < len(views) and n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            if n:
+                views[first] = views[first][n:]
+    finally:
+        _count(done)
+    return done
+
+
+def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
     if not (entry.begin <= offset and offset + len(buf) <= entry.end):
         raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
     if entry.handle is None:  # every entry read_header makes holds one; a hand-made one does not
@@ -55,11 +86,10 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
             f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
             f"bytes at offset {offset} (truncated since the header was checked?)"
         )
-    with _lock:
-        _bytes_read += done
+    _count(done)
 
 
-def _writable(flat: torch.Tensor) -> memoryview:
+def writable(flat: torch.Tensor) -> memoryview:
     """A writable view of a contiguous uint8 CPU tensor's bytes, for ``preadv``.
 
     Not ``memoryview(t.numpy())``: exporting a tensor to numpy marks its storage as never
@@ -79,19 +109,24 @@ def row_nbytes(entry: TensorEntry) -> int:
     return entry.torch_dtype.itemsize * math.prod(entry.shape[1:])
 
 
-def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``[start_row, stop_row)`` of ``entry`` as a CPU tensor of its dtype.
-
-    The result has shape ``(stop_row - start_row, *entry.shape[1:])`` and shares memory
-    with ``out`` when given (a contiguous uint8 CPU tensor of exactly the right size).
-    """
+def row_range(entry: TensorEntry, start_row: int, stop_row: int) -> tuple[int, int]:
+    """(file offset, bytes) of rows ``[start_row, stop_row)`` of ``entry``; refuses rows it lacks."""
     rows = _rows(entry)
     if not 0 <= start_row <= stop_row <= rows:
         raise ValueError(
             f"`{entry.key}` in {entry.file}: row range [{start_row}, {stop_row}) "
             f"is outside its {rows} rows (shape {entry.shape})"
         )
-    nbytes = (stop_row - start_row) * row_nbytes(entry)
+    return entry.begin + start_row * row_nbytes(entry), (stop_row - start_row) * row_nbytes(entry)
+
+
+def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[start_row, stop_row)`` of ``entry`` as a CPU tensor of its dtype.
+
+    The result has shape ``(stop_row - start_row, *entry.shape[1:])`` and shares memory
+    with ``out`` when given (a contiguous uint8 CPU tensor of exactly the right size).
+    """
+    offset, nbytes = row_range(entry, start_row, stop_row)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
     elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != nbytes:
@@ -101,7 +136,7 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Ten
         )
     flat = out.view(-1)
     if nbytes:
-        _pread_into(entry, entry.begin + start_row * row_nbytes(entry), _writable(flat))
+        _pread_into(entry, offset, writable(flat))
     return flat.view(entry.torch_dtype).view((stop_row - start_row, *entry.shape[1:]))
 
 
@@ -113,5 +148,5 @@ def read_scale(entry: TensorEntry) -> torch.Tensor:
             f"got {entry.dtype} shape {entry.shape}"
         )
     flat = torch.empty(4, dtype=torch.uint8)
-    _pread_into(entry, entry.begin, _writable(flat))
+    _pread_into(entry, entry.begin, writable(flat))
     return flat.view(torch.float32).reshape(())

@@ -2,9 +2,11 @@
 
 Reading is purely local (no collective per tensor): a rank works out which rows of each
 tensor its DTensor shard owns (``torch.chunk`` semantics, uneven and empty shards
-included), preads exactly those bytes from the safetensors file into the shard's storage
-(through a bounded staging buffer when the storage is on an accelerator), and fills the
-per-tensor scales. One small collective at the end makes every rank agree on the outcome,
+included), and reads exactly those bytes from the safetensors files into the shard's storage,
+all of them as one schedule (``fsdp_fp8.format.read_schedule``: sorted by file and offset,
+adjacent ranges coalesced into one ``preadv``, a small thread pool) and, when the storage is on
+an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.load.staging``);
+the per-tensor scales are filled from memory. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
 If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
 by the agreement timeout, ``fsdp_fp8.load.agreement``), this rank marks the model unusable and
@@ -31,11 +33,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError, raise_if_problems
-from fsdp_fp8.format import slice_reader
-from fsdp_fp8.format.sharding import staging_rows
+from fsdp_fp8.format import read_schedule, slice_reader
+from fsdp_fp8.format.read_schedule import Piece
+from fsdp_fp8.format.sharding import staging_ring
 from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
+from fsdp_fp8.load.staging import StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +86,37 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _read_rows_into(entry, start: int, stop: int, dest: torch.Tensor) -> None:
-    """Fill ``dest`` (any dtype, contiguous) with rows [start, stop) of ``entry``'s bytes."""
+def _pieces(entry, start: int, stop: int, dest: torch.Tensor, stage_cpu: bool = False) -> list[Piece]:
+    """Rows [start, stop) of ``entry`` into ``dest`` (any dtype, contiguous) as schedule pieces:
+    read in place into CPU storage, staged through the host ring anywhere else (or, with
+    ``stage_cpu``, into CPU storage too: the tests' way to run the ring without a GPU)."""
     if stop <= start:
-        return
+        return []
+    offset, nbytes = slice_reader.row_range(entry, start, stop)
     dest_bytes = _byte_view(dest)
-    if dest_bytes.device.type == "cpu":
-        slice_reader.read_bytes(entry, start, stop, out=dest_bytes)
-        return
-    row_bytes = dest_bytes.numel() // (stop - start)
-    step = staging_rows(row_bytes, slice_reader.STAGING_BYTES)  # shared with the forecast (sharding.rank_forecast)
-    for lo in range(start, stop, step):
-        hi = min(stop, lo + step)
-        staged = slice_reader.read_bytes(entry, lo, hi).reshape(-1).view(torch.uint8)
-        dest_bytes[(lo - start) * row_bytes : (hi - start) * row_bytes].copy_(staged)
+    if dest_bytes.numel() != nbytes:
+        raise ValueError(
+            f"`{entry.key}` in {entry.file}: rows [{start}, {stop}) are {nbytes} bytes but the model's "
+            f"local storage holds {dest_bytes.numel()}"
+        )
+    if dest_bytes.device.type == "cpu" and not stage_cpu:
+        return [Piece(entry, offset, nbytes, slice_reader.writable(dest_bytes))]
+    return [Piece(entry, offset, nbytes, dest_bytes, staged=True)]
+
+
+def _read_pieces(pieces: list[Piece], device: torch.device, progress: LoadProgress, read_before: int) -> list[str]:
+    """Every piece read (``read_schedule``), staged ones through one ring; the problems."""
+    staged = sum(p.nbytes for p in pieces if p.staged)
+    slot, slots = staging_ring(staged, slice_reader.STAGING_BYTES)
+    ring = StagingRing(slot, slots, device) if staged else None
+    requests = read_schedule.schedule(pieces, staged_bytes=slot)
+    try:
+        return read_schedule.run(
+            requests, stage=ring, on_read=lambda n: progress.update(slice_reader.bytes_read() - read_before)
+        )
+    finally:
+        if ring is not None:
+            ring.drain()  # no copy may still read from the ring once it is released
 
 
 def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -137,39 +158,41 @@ def _nan_code_problems(model: nn.Module, plan, flags: list[torch.Tensor]) -> lis
     return problems
 
 
-def _load_local(model: nn.Module, plan) -> tuple[int, int, float]:
+def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int, int, float]:
     """Every read this rank does; returns (bytes held by the targets, number of tensors, seconds
-    spent in the FP8 code check)."""
-    held, checked_s, flags = 0, 0.0, []
+    spent in the FP8 code check). ``stage_cpu`` stages CPU destinations too (tests)."""
+    held, checked_s, pieces, codes = 0, 0.0, [], []
     scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     progress = LoadProgress(plan.load_bytes(world, rank), enabled=rank == 0)
     read_before = slice_reader.bytes_read()
+    device = torch.device("cpu")
     with torch.no_grad():
         for target in plan.fp8:
             weight = model.get_submodule(target.module).weight
             local, start, stop = local_rows(weight, f"{target.module}.weight")
-            _read_rows_into(target.entry.weight, start, stop, local.qdata)
-            t0 = time.perf_counter()
-            flags.append(nan_code_flag(local.qdata))
-            checked_s += time.perf_counter() - t0
+            pieces += _pieces(target.entry.weight, start, stop, local.qdata, stage_cpu)
             local.scale.fill_(scales[target.entry.weight_scale.key])
             local.act_quant_scale.fill_(scales[target.entry.input_scale.key])
             held += local.qdata.numel() + 8
-            progress.update(slice_reader.bytes_read() - read_before)
+            codes.append(local.qdata)
+            device = local.qdata.device
         for target in plan.tensors:
             local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
             if target.entry.key in scales:  # a KV-cache scale: its validated value
                 local.fill_(scales[target.entry.key])
             else:
-                _read_rows_into(target.entry, start, stop, local)
+                pieces += _pieces(target.entry, start, stop, local, stage_cpu)
             held += local.numel() * local.element_size()
-            progress.update(slice_reader.bytes_read() - read_before)
-    progress.close()
-    t0 = time.perf_counter()
-    problems = _nan_code_problems(model, plan, flags)
-    checked_s += time.perf_counter() - t0
+            device = local.device
+        problems = _read_pieces(pieces, device, progress, read_before)
+        progress.close()
+        t0 = time.perf_counter()
+        if not problems:  # (bytes a failed read left unwritten are not the file's: nothing to check)
+            flags = [nan_code_flag(c) for c in codes]  # after the reads: on CUDA, after the ring's copies
+            problems += _nan_code_problems(model, plan, flags)
+        checked_s += time.perf_counter() - t0
     problems += plan.checkpoint.changed_files()
     raise_if_problems(problems, "what this rank read")
     return held, len(plan.fp8) + len(plan.tensors), checked_s

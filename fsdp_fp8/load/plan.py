@@ -74,12 +74,20 @@ class LoadPlan:
         return sum(entry_rank_bytes(e, world_size, rank) for e in entries)
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
-        """What ``rank`` reads (FP8 / high precision), holds, and stages at most in one read
-        into an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""
+        """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into
+        an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""
         if staging_bytes is None:
             staging_bytes = slice_reader.STAGING_BYTES  # read at call time: tests and users may change it
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
-        return rank_forecast(fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes)
+        return rank_forecast(
+            fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes, staged_entries=self.read_entries()
+        )
+
+    def read_entries(self) -> list[TensorEntry]:
+        """What the rank-slice load reads rows of: FP8 codes and high-precision tensors; the
+        scales (FP8 and KV-cache) were checked when the checkpoint was opened and load from memory."""
+        scales = self.checkpoint.scales
+        return [t.entry.weight for t in self.fp8] + [t.entry for t in self.tensors if t.entry.key not in scales]
 
 
 def _quantized(weight: torch.Tensor) -> bool:

@@ -1,0 +1,228 @@
+"""A rank's reads as one schedule: sorted by file and offset, file-adjacent ranges coalesced
+into one ``preadv`` with several destination buffers, run by a small thread pool with a
+bounded number of requests in flight.
+
+    pieces (key, file offset, bytes, destination)      plan order
+      │ split: no piece above its request limit
+      │ sort by (file, offset); merge where one ends at the next's offset (same descriptor)
+      ▼
+    requests: one preadv each, <= REQUEST_BYTES (staged: <= one ring slot), <= MAX_BUFFERS buffers
+      │ at most ``in_flight`` submitted and unfinished; a staged request waits for a free slot
+      ▼
+    READ_THREADS workers: slice_reader.preadv_into on the shard's held descriptor (GIL released)
+
+Why: a plan walks tensors in model order, which jumps between shards and offsets, and one
+synchronous read at a time leaves the storage queue (and, warm, the other cores) idle. Each
+worker reads through the descriptor ``open_checkpoint`` validated (``OpenFile``): one per shard,
+shared by every thread (``preadv`` carries its own offset).
+
+Failures: a short read (the file ended: truncated since it was checked) is a problem naming
+the key, the file and both byte counts; an ``OSError`` is a problem naming the key, file and
+offset; either stops new submissions. Any other exception is re-raised. In every case nothing
+is raised before every submitted read has finished: no worker is left writing into storage a
+caller is about to free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Protocol
+
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.safetensors_header import TensorEntry
+
+# Read at call time: tests and users may change them.
+READ_THREADS = 4  # workers; preadv releases the GIL, so they overlap on storage and on cores
+REQUEST_BYTES = 8 << 20  # largest single preadv into host storage
+IN_FLIGHT = 8  # requests submitted and not yet finished
+MAX_BUFFERS = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """``nbytes`` of ``entry`` at file offset ``offset`` into ``dest`` from byte ``at``.
+
+    ``dest`` is a writable ``memoryview`` when the bytes are read into it directly; for a staged
+    piece (``staged=True``) it is whatever the stage copies the slot into (``Stage.finish``)."""
+
+    entry: TensorEntry
+    offset: int
+    nbytes: int
+    dest: object
+    at: int = 0
+    staged: bool = False
+
+    def __post_init__(self):
+        if not (self.entry.begin <= self.offset and self.offset + self.nbytes <= self.entry.end):
+            raise AssertionError(f"read outside `{self.entry.key}`")  # internal invariant
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """File-adjacent pieces read by one ``preadv``."""
+
+    pieces: tuple[Piece, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.pieces[0].offset
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def staged(self) -> bool:
+        return self.pieces[0].staged
+
+    @property
+    def handle(self):
+        return self.pieces[0].entry.handle
+
+
+class Stage(Protocol):
+    """Host buffers for staged requests (``fsdp_fp8.load.staging.StagingRing``)."""
+
+    def ready(self) -> bool: ...  # a slot is free for the next staged request
+
+    def bind(self, request: Request) -> list[memoryview]: ...  # a free slot, one view per piece
+
+    def finish(self, request: Request, ok: bool) -> None: ...  # copy the slot out (if ok), free it
+
+
+def _split(piece: Piece, limit: int) -> list[Piece]:
+    if piece.nbytes <= limit:
+        return [piece]
+    return [
+        Piece(piece.entry, piece.offset + lo, min(limit, piece.nbytes - lo), piece.dest, piece.at + lo, piece.staged)
+        for lo in range(0, piece.nbytes, limit)
+    ]
+
+
+def schedule(pieces: Iterable[Piece], request_bytes: int | None = None, staged_bytes: int = 0) -> list[Request]:
+    """``pieces`` as requests sorted by (file, offset); adjacent pieces in one file merged while
+    a request stays within ``request_bytes`` (staged pieces: ``staged_bytes``, one ring slot)
+    and ``MAX_BUFFERS`` buffers. Empty pieces are dropped."""
+    request_bytes = REQUEST_BYTES if request_bytes is None else request_bytes
+    split = [
+        part for p in pieces if p.nbytes for part in _split(p, max(1, staged_bytes if p.staged else request_bytes))
+    ]
+    split.sort(key=lambda p: (p.entry.file, p.offset))
+    requests: list[list[Piece]] = []
+    size = 0
+    for p in split:
+        last = requests[-1][-1] if requests else None
+        limit = staged_bytes if p.staged else request_bytes
+        if (
+            last is not None
+            and last.entry.handle is p.entry.handle
+            and last.staged == p.staged
+            and last.offset + last.nbytes == p.offset
+            and size + p.nbytes <= limit
+            and len(requests[-1]) < MAX_BUFFERS
+        ):
+            requests[-1].append(p)
+            size += p.nbytes
+        else:
+            requests.append([p])
+            size = p.nbytes
+    return [Request(tuple(r)) for r in requests]
+
+
+def read_request(request: Request, buffers: list[memoryview]) -> int:
+    """One request's ``preadv`` (in a worker); the bytes read."""
+    if request.handle is None:  # every entry read_header makes holds one; a hand-made one does not
+        p = request.pieces[0]
+        raise ValueError(f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint")
+    return slice_reader.preadv_into(request.handle, request.offset, buffers)
+
+
+def _short(request: Request, got: int, short: dict[str, list]) -> None:
+    """Fold a short read into ``short``: per key, [entry, bytes wanted, bytes got, first offset]."""
+    at = 0
+    for p in request.pieces:
+        have = min(max(got - at, 0), p.nbytes)
+        at += p.nbytes
+        if have == p.nbytes and p.entry.key not in short:
+            continue
+        record = short.setdefault(p.entry.key, [p.entry, 0, 0, p.offset])
+        record[1] += p.nbytes
+        record[2] += have
+        record[3] = min(record[3], p.offset)
+
+
+def _failed(request: Request, exc: OSError) -> str:
+    p, more = request.pieces[0], len({q.entry.key for q in request.pieces}) - 1
+    also = f" (and {more} more tensors in the same read)" if more else ""
+    return (
+        f"`{p.entry.key}` in {p.entry.file}: reading {request.nbytes} bytes at offset {request.offset} "
+        f"failed{also}: {type(exc).__name__}: {exc}"
+    )
+
+
+def run(
+    requests: Iterable[Request],
+    *,
+    stage: Stage | None = None,
+    threads: int | None = None,
+    in_flight: int | None = None,
+    on_read: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Read every request; returns the problems (short or failed reads), sorted.
+
+    ``on_read(n)`` runs on the calling thread after each finished request; so do the stage's
+    ``bind`` and ``finish``. Returns (or raises) only after every submitted read has finished.
+    """
+    threads = READ_THREADS if threads is None else threads
+    in_flight = max(1, IN_FLIGHT if in_flight is None else in_flight)
+    pending = deque(requests)
+    if any(r.staged for r in pending) and stage is None:
+        raise ValueError("staged requests need a stage (host buffers to read into)")
+    running: dict = {}
+    problems: list[str] = []
+    short: dict[str, list] = {}
+    stop = False
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fsdp_fp8-read") as pool:
+        try:
+            while pending or running:
+                while pending and not stop and len(running) < in_flight:
+                    request = pending[0]
+                    if request.staged and not stage.ready():
+                        break  # every slot is being read into: wait for one of those reads
+                    pending.popleft()
+                    if request.staged:
+                        buffers = stage.bind(request)
+                    else:
+                        buffers = [p.dest[p.at : p.at + p.nbytes] for p in request.pieces]
+                    running[pool.submit(read_request, request, buffers)] = request
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    request = running.pop(future)
+                    got, ok = 0, False
+                    try:
+                        got = future.result()
+                        ok = got == request.nbytes
+                        if not ok:
+                            _short(request, got, short)
+                    except OSError as exc:
+                        problems.append(_failed(request, exc))
+                        stop = True
+                    finally:
+                        if request.staged:
+                            stage.finish(request, ok)
+                    if on_read is not None and got:
+                        on_read(got)
+        finally:
+            wait(running)  # never leave a read writing into storage the caller may free
+    for key, (entry, wanted, got, offset) in short.items():
+        problems.append(
+            f"`{key}` in {entry.file}: file ended after {got} of {wanted} bytes at offset {offset} "
+            "(truncated since the header was checked?)"
+        )
+    return sorted(problems)

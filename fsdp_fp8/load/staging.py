@@ -1,0 +1,82 @@
+"""The host staging ring for reads into accelerator memory.
+
+    read (worker) ─▶ slot k (pinned) ─copy_(non_blocking) on a side stream─▶ device rows
+                     event k recorded after the copy; slot k is reused only after event k
+
+Allocated once per load (``fsdp_fp8.format.sharding.staging_ring``: ``STAGING_BYTES`` in all,
+``STAGING_SLOTS`` slots), so host memory for an accelerator load is the ring, never a buffer
+per tensor; while one slot is copied to the device the next ones are being read. Slots are
+pinned only where CUDA is available (pinned memory needs a CUDA context, and a pageable source
+makes ``non_blocking`` copies synchronous). Without CUDA the same ring runs with plain host
+buffers and synchronous copies: the tests drive it into CPU (and meta) destinations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import nullcontext
+
+import torch
+
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.read_schedule import Request
+
+
+class StagingRing:
+    """``slots`` host buffers of ``slot_bytes`` each; the ``Stage`` of ``read_schedule.run``."""
+
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device):
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.slot_bytes = slot_bytes
+        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(slots)]
+        self.views = [slice_reader.writable(b) for b in self.buffers]
+        self.events: list = [None] * slots
+        self.free = deque(range(slots))
+        self.bound: dict[int, int] = {}  # id(request) -> slot
+        self.copies = 0  # copies issued (the tests count reuse with it)
+        self.stream = None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            # The destinations were allocated (to_empty) on the current stream: copy after that.
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * len(self.buffers)
+
+    def ready(self) -> bool:
+        return bool(self.free)
+
+    def bind(self, request: Request) -> list[memoryview]:
+        slot = self.free.popleft()
+        if self.events[slot] is not None:  # its last copy must be done before a read overwrites it
+            self.events[slot].synchronize()
+            self.events[slot] = None
+        assert request.nbytes <= self.slot_bytes, (request.nbytes, self.slot_bytes)
+        self.bound[id(request)] = slot
+        views, at = [], 0
+        for p in request.pieces:
+            views.append(self.views[slot][at : at + p.nbytes])
+            at += p.nbytes
+        return views
+
+    def finish(self, request: Request, ok: bool) -> None:
+        slot = self.bound.pop(id(request))
+        if ok:
+            buffer, at = self.buffers[slot], 0
+            with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+                for p in request.pieces:
+                    p.dest[p.at : p.at + p.nbytes].copy_(buffer[at : at + p.nbytes], non_blocking=self.cuda)
+                    at += p.nbytes
+                    self.copies += 1
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.events[slot] = event
+        self.free.append(slot)
+
+    def drain(self) -> None:
+        """Wait for every copy; later work on the current stream sees the copied bytes."""
+        if self.cuda:
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
