@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from ranks import run_ranks
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_fp8.load.fsdp_wrap import blocks
 
@@ -50,8 +51,13 @@ def _shard_nested(rank, world):
     x = torch.randn(3, 4)
     expected = model(x)
     shard_model(model, default_mesh("cpu"))
-    return torch.equal(model(x), expected)
+    same = torch.equal(model(x), expected)
+    # After a forward each block has freed its gathered weights (only its shards are held);
+    # the root keeps its own gathered (FSDP2's default for the root).
+    blocks_sharded = [isinstance(p, DTensor) for layer in model.layers for p in layer.parameters()]
+    root_gathered = [not isinstance(p, DTensor) for p in model.head.parameters()]
+    return same, all(blocks_sharded), all(root_gathered)
 
 
 def test_a_model_with_nested_module_lists_shards_and_runs():
-    assert run_ranks(_shard_nested, 2, timeout=120) == [True, True]
+    assert run_ranks(_shard_nested, 2, timeout=120) == [(True, True, True)] * 2

@@ -76,7 +76,10 @@ class Float8StaticLinear(nn.Module):
         self.shared: SharedActivation | None
         self.__dict__.update(mode="native", shared=None)
         weight = empty_static_fp8_weight(out_features, in_features, compute_dtype, device)
-        self.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        # What nn.Parameter(weight, requires_grad=False) does to a tensor subclass (detach, then
+        # flag the alias), without the detach: the fresh weight has no other holder to alias.
+        weight._is_param = True
+        self.register_parameter("weight", weight)
         self.register_parameter(
             "bias",
             nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False)

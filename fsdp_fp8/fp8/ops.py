@@ -44,7 +44,10 @@ def _view_of(self: StaticFloat8Tensor, codes: torch.Tensor) -> StaticFloat8Tenso
 def _split(func, types, args, kwargs):
     self, size = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    return [_view_of(self, q) for q in self.qdata.split(size, dim)]
+    views = [rebuild(self, q) for q in self.qdata.split(size, dim)]
+    for view in views:
+        _alias(view, self)
+    return views
 
 
 def _slice(func, types, args, kwargs):
@@ -95,8 +98,11 @@ def _new_sized(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.qdata.device
     # The wrapper's dtype is the compute dtype; a requested dtype never reaches the codes.
-    new = self.qdata.new_zeros if func is aten.new_zeros.default else self.qdata.new_empty
-    qdata = new(args[1], dtype=E4M3, device=device)
+    if torch.device(device).type == "meta":  # no bytes to zero: skip new_zeros' Python meta kernel
+        qdata = torch.empty(args[1], dtype=E4M3, device=device)
+    else:
+        new = self.qdata.new_zeros if func is aten.new_zeros.default else self.qdata.new_empty
+        qdata = new(args[1], dtype=E4M3, device=device)
     scale, act = _scales_on(self, device)
     return rebuild(self, qdata, scale=scale, act_quant_scale=act)
 

@@ -87,6 +87,18 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """TorchAO's dispatch (its op table, TorchAO's entries inherited), one lookup deep:
+        FSDP2 runs ~9 ops per parameter while it shards, each through here."""
+        impl = _OP_TABLE.get(func)
+        if impl is None:
+            raise NotImplementedError(
+                f"{cls.__name__} dispatch: attempting to run unimplemented operator {func} (static FP8 "
+                "weights support the ops FSDP2, to_empty and Float8StaticLinear run; see fsdp_fp8.fp8.ops)"
+            )
+        return impl(func, types, args, kwargs)
+
     def __init__(
         self,
         qdata: torch.Tensor,
@@ -167,6 +179,10 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
         # must not turn the dequantized arithmetic into something the checkpoint did not ask for.
         return rebuild(self, codes), (gathered,)
 
+
+# The subclass's own op table (TorchAO's __init_subclass__ copied TorchAO's entries into it;
+# fsdp_fp8.fp8.ops adds ours through ``implements``), read by ``__torch_dispatch__``.
+_OP_TABLE = StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor]
 
 # Like TorchAO's own class: a model holding these loads with torch.load(weights_only=True).
 torch.serialization.add_safe_globals([StaticFloat8Tensor])
@@ -261,26 +277,20 @@ def rebuild(
     """``t`` with new codes, every other constructor field carried (``block_size`` follows the shape).
 
     Built without the constructor's checks, which ``t`` passed: FSDP2's ``chunk`` alone makes
-    one of these per rank for every parameter.
+    one of these per rank for every parameter, so the fields go in with one dict update.
     """
-    out = _wrapper(
-        StaticFloat8Tensor,
-        qdata.shape,
-        dtype=t.dtype if dtype is None else dtype,
-        device=qdata.device,
-        requires_grad=False,
-    )
-    _set_fields(
-        out,
-        qdata,
-        t.scale if scale is None else scale,
-        t.act_quant_scale if act_quant_scale is None else act_quant_scale,
-        t.output_act_quant_scale,
-        list(qdata.shape),
-        t.mm_config,
-        t.act_quant_kwargs,
-        t.kernel_preference,
-        t.output_act_quant_kwargs,
+    out = _wrapper(StaticFloat8Tensor, qdata.shape, dtype=t.dtype if dtype is None else dtype, device=qdata.device)
+    fields = t.__dict__
+    out.__dict__.update(
+        qdata=qdata,
+        scale=fields["scale"] if scale is None else scale,
+        act_quant_scale=fields["act_quant_scale"] if act_quant_scale is None else act_quant_scale,
+        output_act_quant_scale=fields["output_act_quant_scale"],
+        block_size=list(qdata.shape),
+        mm_config=fields["mm_config"],
+        act_quant_kwargs=fields["act_quant_kwargs"],
+        kernel_preference=fields["kernel_preference"],
+        output_act_quant_kwargs=fields["output_act_quant_kwargs"],
     )
     return out
 

@@ -57,8 +57,16 @@ def fp32_units(model: nn.Module, inside: list[nn.Module]) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each block (resharding after forward), then the root (which does not).
+
+    The blocks are wrapped with ``reshard_after_forward=False`` and then set to ``True``: the
+    same behaviour as passing ``True``, without the metadata ``fully_shard`` computes at wrap
+    time for resharding to a smaller group (``reshard_after_forward=<int>``, unused here), which
+    costs a second ``torch.chunk`` of every parameter (bench/setup_cost.py).
+    """
     units = blocks(model)
     for block in units + fp32_units(model, units):
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        block.set_reshard_after_forward(True, recurse=False)
     fully_shard(model, mesh=mesh)
     return model
