@@ -10,6 +10,7 @@ buffers. Importing transformers and diffusers dominates the cost. Needs the ``hf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,20 @@ def _mismatches(gathered: dict, directory: Path, unused: tuple[str, ...]) -> lis
 LAUNCHED = ("llama-tied", "flux-transformer")
 
 
+@contextlib.contextmanager
+def _warnings_of(logger_name: str):
+    """The messages ``logger_name`` logs at WARNING or above inside the block."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def _observe(rank: int, world: int, report_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
@@ -69,9 +84,11 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
 
     obs = {}
     for name, path in {**CAUSAL, **DIFFUSERS}.items():
-        loaded = load_model(None, path, device=torch.device("cpu"))
+        with _warnings_of("fsdp_fp8.load.plan") as warned:
+            loaded = load_model(None, path, device=torch.device("cpu"))
         model = loaded.model
         o = {
+            "kv_warnings": sum("present but unused" in m for m in warned),
             "kind": loaded.architecture.kind,
             "fp8": len(loaded.fp8_linears),
             "kv_unused": loaded.plan.kv_scales,
@@ -132,6 +149,15 @@ def test_every_export_loads_and_gathers_back_to_the_files_bit_for_bit(observed, 
         assert o["fp8"] == (26 if name == "flux-transformer" else 14), name
         if world > 1:
             assert all(r[name]["sharded"] for r in observed[world]), name
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_unused_kv_scales_warning_is_logged_once_per_job_by_rank_0(observed, world):
+    counts = [rank_obs["llama-fp8-kv"]["kv_warnings"] for rank_obs in observed[world]]
+    assert counts == [1] + [0] * (world - 1)
+    assert all(
+        rank_obs[name]["kv_warnings"] == 0 for rank_obs in observed[world] for name in rank_obs if "kv" not in name
+    )
 
 
 @pytest.mark.parametrize("world", (2, 4))

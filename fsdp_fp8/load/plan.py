@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_fp8.errors import raise_if_problems
@@ -222,7 +223,7 @@ def plan_load(
         )
         if strict_kv_scales:
             problems.append(f"{what}; refusing under strict_kv_scales")
-        else:
+        elif not dist.is_initialized() or dist.get_rank() == 0:  # every rank plans: one says it
             logger.warning("%s: present but unused; the KV cache stays in the model dtype", what)
     covered = set(owner)
     missing = sorted(k for k, v in state.items() if id(v) not in covered)
