@@ -67,6 +67,7 @@ _PUBLIC = {
     "plan_load": "fsdp_fp8.load.plan",
     "swap_fp8_linears": "fsdp_fp8.load.swap",
     "shard_model": "fsdp_fp8.load.fsdp_wrap",
+    "device_mesh": "fsdp_fp8.load.fsdp_wrap",
     "materialize": "fsdp_fp8.load.meta_build",
     "meta_init": "fsdp_fp8.load.meta_build",
     "LoadReport": "fsdp_fp8.load.loader",

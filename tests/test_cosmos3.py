@@ -134,6 +134,7 @@ def swapped(towers: dict) -> dict:
 
 def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_dir: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_model
+    from fsdp_fp8.cli.runner import main
     from fsdp_fp8.format.step_policy import parse_step_policy
     from fsdp_fp8.interop.cosmos import seeded_inputs
 
@@ -156,7 +157,12 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     with torch.no_grad():
         out = loaded.model(**seeded_inputs(loaded.model.config, torch.bfloat16, torch.Generator().manual_seed(0)))
     obs["output"] = out[0][0].float()
-    if world > 2:
+    if world > 2:  # HSDP through the launcher: 2 replica groups of 2 ranks
+        with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
+            report = Path(report_dir, f"transformer-{world}-hsdp.json")
+            argv = ["--checkpoint", policy_dir, "--steps", str(STEPS), "--replicas", "2", "--report", str(report)]
+            assert main(argv) == 0
+            obs["launched_hsdp"] = json.loads(report.read_text()) if rank == 0 else None
         return obs
 
     policy_loaded = load_model(None, policy_dir, device=torch.device("cpu"))
@@ -182,8 +188,6 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     handle.remove()
     obs["pipe_digest"], obs["pipe_calls"] = _digest(out.video), calls
     obs["pipe_trace"] = list(pipe.transformer.fsdp_fp8_precision.trace)
-
-    from fsdp_fp8.cli.runner import main
 
     # the launcher reads RANK / WORLD_SIZE; patch.dict restores the environment whatever happens
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}):
@@ -292,6 +296,16 @@ def test_launcher_runs_a_transformer_directory_alone(observed, world):
     report = observed[world][0]["launched"]
     assert report["precision_trace"] == EXPECTED_TRACE
     assert report["latent_sha256"] == observed[1][0]["launched"]["latent_sha256"]
+
+
+def test_launcher_with_two_replicas_on_four_ranks_equals_the_1d_runs(observed):
+    report = observed[4][0]["launched_hsdp"]
+    assert report["mesh"] == [2, 2] and report["world_size"] == 4
+    assert report["precision_trace"] == EXPECTED_TRACE
+    assert report["latent_sha256"] == observed[1][0]["launched"]["latent_sha256"]
+    # Each rank reads what the rank at its shard coordinate reads in a 2-rank run.
+    two = [row["bytes_read"] for row in observed[2][0]["launched"]["ranks"]]
+    assert [row["bytes_read"] for row in report["ranks"]] == two + two
 
 
 # --- single process: the tower map's refusals --------------------------------------------

@@ -81,16 +81,6 @@ def test_fully_shard_failing_on_one_rank_fails_every_rank_and_the_model_is_unusa
     assert "fully_shard broke on rank 1" in observed[0]["unusable"]
 
 
-def test_a_two_dimensional_mesh_is_refused_before_any_collective():
-    from fsdp_fp8.load.api import _setup_problems
-
-    class Mesh2D:
-        ndim = 2
-
-    problems = _setup_problems(torch.device("cpu"), Mesh2D(), distributed=False)
-    assert problems and "1-D mesh" in problems[0]
-
-
 def test_fp8_linears_cuda_cannot_multiply_are_refused_before_loading_onto_cuda(tmp_path):
     """The 7-, 16- and 1-row linears of the uneven model: CUDA's _scaled_mm needs multiples of 16.
     Checked without a GPU: the refusal comes before anything touches the device."""

@@ -50,6 +50,27 @@ def test_bad_values_are_one_usage_error_listing_all_of_them(tmp_path, capsys):
     assert sorted(problems) == sorted(expected), line
 
 
+@pytest.mark.parametrize(
+    "world, replicas, problem",
+    [
+        ("4", "3", "--replicas 3 does not divide the world size 4: HSDP needs every replica group to have the same"),
+        ("4", "0", "--replicas must be >= 1, got 0"),
+        (None, "2", "--replicas 2 does not divide the world size 1"),  # one process: nothing to replicate
+    ],
+)
+def test_replicas_that_cannot_cut_the_world_are_a_usage_error(world, replicas, problem, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    assert problem in _usage_error(["--replicas", replicas], capsys)
+
+
+def test_replicas_that_divide_the_world_pass(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parse_args(["--replicas", "2"]).replicas == 2
+    assert parse_args([]).replicas == 1
+
+
 def test_a_report_into_a_missing_directory_is_made_before_the_run(tmp_path):
     report = tmp_path / "new" / "dir" / "r.json"
     parse_args(["--report", str(report)])

@@ -344,5 +344,7 @@ def test_a_lost_peer_is_a_peer_lost_error_and_leaves_nothing(tmp_path, monkeypat
         )
     kind, text = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
     assert kind == "PeerLostError", (kind, text)
-    assert "rank 0 lost its peers while planning the files" in text, text
+    # On the agreements' gloo side group, which names the rank that never arrived.
+    assert "rank 0 could not complete the agreement on the planned files with the other ranks" in text, text
+    assert "rank(s) [1] left before arriving" in text or "rank(s) [1] did not arrive" in text, text
     assert not out.exists() and list(out.parent.iterdir()) == []

@@ -96,7 +96,7 @@ def _size_kwargs(args) -> dict:
     }
 
 
-def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
+def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, list]:
     """Load the pipeline at ``path`` and generate; returns (report fields, per-rank load reports)."""
     prompts = read_prompts(args)
     check_output(args.output)
@@ -106,7 +106,7 @@ def run_pipeline(args, path, device: torch.device) -> tuple[dict, list]:
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
-    pipe = load_pipeline(path, device=device, step_policy=args.step_policy)
+    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy)
     load_s = time.perf_counter() - t0
     residency = apply_residency(pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=device)
     pipe.set_progress_bar_config(disable=True)

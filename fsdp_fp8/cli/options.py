@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from fsdp_fp8.load.fsdp_wrap import replica_problems
+
 # kind -> the options (argparse dests) its run reads; "pipeline" is a diffusers pipeline root,
 # "cosmos3" a Cosmos 3 denoiser alone, "diffusers" any other diffusers model (one forward).
 DIFFUSION = {"steps", "seed", "prompt", "guidance", "step_policy"}
@@ -18,7 +20,17 @@ USES = {
     "transformers": set(),
 }
 # Options every kind takes (where to load from, how to run and report), or that other checks own.
-EVERY_KIND = {"checkpoint", "report", "timeout", "quantize", "include", "exclude", "resident", "resident_budget"}
+EVERY_KIND = {
+    "checkpoint",
+    "report",
+    "timeout",
+    "replicas",
+    "quantize",
+    "include",
+    "exclude",
+    "resident",
+    "resident_budget",
+}
 
 
 def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
@@ -41,6 +53,9 @@ def value_problems(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             problems.append(f"--{name} must be > 0, got {value}")
+    replicas = getattr(args, "replicas", 1)
+    if replicas is not None and replicas != 1:
+        problems += [f"--{p}" for p in replica_problems(replicas, _world_size())]
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")
@@ -50,6 +65,14 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     if prompts is not None and not os.path.isfile(prompts):
         problems.append(f"--prompts {prompts}: no such file")
     return sorted(problems)
+
+
+def _world_size() -> int:
+    """The world size torchrun announces (1 without it): known before any process group."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _writable_file(option: str, path: str) -> list[str]:

@@ -32,6 +32,7 @@ from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
+from fsdp_fp8.load.fsdp_wrap import device_mesh
 from fsdp_fp8.load.residency import POLICIES, apply_residency
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import (
@@ -88,6 +89,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> 
     p.add_argument("--new-tokens", type=int, default=8, help="causal LM: greedy tokens to generate (default 8)")
     p.add_argument("--report", help="also write the report as JSON to this path (rank 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP: shard within each of R replica groups of WORLD_SIZE / R consecutive ranks (one node "
+        "each, with torchrun's rank order) and replicate across them (default 1: shard over every rank)",
+    )
     p.add_argument(
         "--resident",
         choices=POLICIES,
@@ -194,6 +203,18 @@ def init_distributed(timeout_s: float) -> None:
     dist.init_process_group("nccl", timeout=timeout, device_id=device)
 
 
+def _mesh(args: argparse.Namespace, device: torch.device):
+    """The HSDP mesh ``(replicas, world // replicas)`` for ``--replicas`` > 1, else None (1-D)."""
+    if args.replicas == 1 or not dist.is_initialized():
+        return None
+    return device_mesh(device.type, args.replicas)
+
+
+def _mesh_shape(args: argparse.Namespace) -> list[int]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [args.replicas, world // args.replicas]
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -222,14 +243,16 @@ def run(args: argparse.Namespace) -> dict:
     if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
     device = default_device()
+    mesh = _mesh(args, device)
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(args, "pipeline", "a diffusers pipeline")
-        report, loaded = run_pipeline(args, path, device)
+        report, loaded = run_pipeline(args, path, device, mesh)
         _warn_no_fp8(report["fp8_linears"], path, report)
         return {
             **report,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "mesh": _mesh_shape(args),
             "device": str(device),
             "quantize": None,
             "ranks": _rank_rows(_all_reports(loaded.report)),
@@ -238,7 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     # The model class comes from config.json; every rank opens and plans inside load_model,
     # where the ranks agree before anything is built, sharded or read.
-    loaded = load_model(None, path, device=device)
+    loaded = load_model(None, path, mesh, device=device)
     model, arch = loaded.model, loaded.architecture
     _warn_unused(args, "cosmos3" if arch.name in DENOISERS else arch.kind, arch.name)
     quantized = None
@@ -264,6 +287,7 @@ def run(args: argparse.Namespace) -> dict:
             "checkpoint": str(loaded.checkpoint.directory),
             "architecture": arch.name,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "mesh": _mesh_shape(args),
             "device": str(device),
             "fp8_linears": len(loaded.fp8_linears),
             "kv_scales_unused": len(loaded.plan.kv_scales),
@@ -312,6 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "checkpoint": str(loaded.checkpoint.directory),
         "world_size": reports[0].world_size,
+        "mesh": _mesh_shape(args),
         "device": str(device),
         "fp8_linears": len(loaded.fp8_linears),
         "quantize": quantized,
@@ -435,10 +460,16 @@ def _no_trace(line: str) -> str:
     return line.replace("precision       None", "precision       high precision (no FP8 linear)")
 
 
+def _mesh_words(shape: list[int] | None) -> str:
+    if not shape or shape[0] == 1:
+        return ""
+    return f", HSDP mesh {shape[0]} x {shape[1]} (replicate x shard)"
+
+
 def format_report(result: dict) -> str:
     lines = [
         f"checkpoint      {result['checkpoint']}",
-        f"world size      {result['world_size']} ({result['device']})",
+        f"world size      {result['world_size']} ({result['device']}){_mesh_words(result.get('mesh'))}",
         f"FP8 linears     {result['fp8_linears']}",
         *_quantize_lines(result.get("quantize")),
         f"load            {result['load_seconds']:.2f} s",

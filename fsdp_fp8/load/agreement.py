@@ -218,8 +218,11 @@ def model_facts(model, device, mesh) -> dict[str, dict[str, str]]:
     structure = {f"module {name or '(root)'}": type(m).__name__ for name, m in model.named_modules()}
     structure.update({f"parameter {n}": f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()})
     structure.update({f"buffer {n}": f"{tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers()})
-    ranks = "every rank" if mesh is None else str(mesh.mesh.tolist())
-    return {"model structure": structure, "placement": {"device type": device.type, "mesh": ranks}}
+    placement = {"device type": device.type, "mesh": "every rank (1-D)", "placements": "(Shard(0),)"}
+    if mesh is not None:  # HSDP: FSDP2 replicates over the first dim and shards over the last
+        placement["mesh"] = f"{mesh.mesh.tolist()} dims {mesh.mesh_dim_names}"
+        placement["placements"] = "(Replicate(), Shard(0))" if mesh.ndim == 2 else "(Shard(0),)"
+    return {"model structure": structure, "placement": placement}
 
 
 def _digest(items: dict[str, str]) -> str:

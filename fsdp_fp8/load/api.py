@@ -31,7 +31,7 @@ from fsdp_fp8.load.agreement import (
 )
 from fsdp_fp8.load.agreement import distributed as _many_ranks
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
-from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_problems, shard_model, shard_size
 from fsdp_fp8.load.loader import LoadReport, load_checkpoint, mark_unusable
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
@@ -154,7 +154,11 @@ def load_model(
     has no place for instead of warning (``fsdp_fp8.load.plan``).
 
     With a process group up, this is collective: the model is ``fully_shard``-ed over
-    ``mesh`` (default: every rank) and each rank loads only its rows. Without one, it
+    ``mesh`` (default: a 1-D mesh over every rank) and each rank loads only its rows. A 2-D
+    ``(replicate, shard)`` mesh (``fsdp_wrap.device_mesh(device_type, replicas)``) is HSDP: rows
+    are split over the shard dim and every replica group reads the checkpoint once. A mesh that
+    is not 1-D or 2-D, not over every rank of the default group, or on another device type is
+    refused on every rank before anything is sharded. Without a process group, it
     loads a plain single-process model. ``towers`` maps linear names to towers for the step
     policy (``fsdp_fp8.load.towers``); without it the class's own map is used (our reference
     MoT, diffusers ``Cosmos3OmniTransformer``), and a checkpoint whose step policy runs the
@@ -198,10 +202,10 @@ def load_model(
             shard_model(model, mesh or default_mesh(device.type))
         materialize(model, device)  # keeps non-persistent buffers and tied parameters
 
-    world = dist.get_world_size() if distributed else 1
+    shards = shard_size(mesh) if distributed else 1  # the forecast is per shard coordinate
     try:
         report = load_checkpoint(
-            model, plan, prepare=prepare, timeout_s=outcome_timeout_s(plan, world, agreement_timeout_s)
+            model, plan, prepare=prepare, timeout_s=outcome_timeout_s(plan, shards, agreement_timeout_s)
         )
     except BaseException:
         checkpoint.close()  # the model is dead: its descriptors go too
@@ -223,8 +227,9 @@ def load_model(
 def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:
     """What would make the first collective hang or land on the wrong device."""
     problems = []
-    if mesh is not None and mesh.ndim != 1:
-        problems.append(f"mesh has {mesh.ndim} dimensions; fsdp_fp8 shards over a 1-D mesh (FSDP, not HSDP)")
+    if mesh is not None:
+        world = dist.get_world_size() if distributed else 1
+        problems += [f"mesh: {p}" for p in mesh_problems(mesh, device.type, world)]
     if distributed and device.type == "cuda" and dist.get_backend() == "nccl":
         current = torch.cuda.current_device()
         if device.index is not None and current != device.index:

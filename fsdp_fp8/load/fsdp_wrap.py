@@ -1,4 +1,13 @@
-"""Compose ``fully_shard``: each transformer block, then the root (torchtitan's pattern)."""
+"""Compose ``fully_shard``: each transformer block, then the root (torchtitan's pattern); and
+the device meshes it shards over.
+
+A 1-D mesh is FSDP: every parameter is ``Shard(0)`` over all ranks. A 2-D mesh
+``(replicate, shard)`` is HSDP: FSDP2 places each parameter as ``(Replicate(), Shard(0))``,
+splits its rows over the *last* dim only (``torch.chunk`` over the shard-dim size) and
+all-gathers within that dim's group; every replica holds the same rows in the same places.
+So a rank's rows, reads, padding and all-gathers depend on its shard coordinate and the
+shard-dim size, never on its global rank and the world size (``shard_position``).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +15,108 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+HSDP_DIM_NAMES = ("replicate", "shard")
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the default process group."""
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def replica_problems(replicas: int, world_size: int) -> list[str]:
+    """Why ``replicas`` replica groups cannot be cut from ``world_size`` ranks (empty: they can)."""
+    if replicas < 1:
+        return [f"replicas must be >= 1, got {replicas}"]
+    if world_size % replicas:
+        return [
+            f"replicas {replicas} does not divide the world size {world_size}: HSDP needs every "
+            "replica group to have the same number of ranks"
+        ]
+    return []
+
+
+def device_mesh(device_type: str, replicas: int = 1) -> DeviceMesh:
+    """The mesh ``load_model`` shards over: 1-D over every rank (``replicas=1``), else HSDP,
+    ``(replicas, world // replicas)`` named ``("replicate", "shard")``.
+
+    Ranks ``[r * S, (r + 1) * S)`` form replica ``r`` (``S = world // replicas``): with torchrun's
+    node-major rank order, a replica group is one node (or a run of nodes) when ``S`` is the
+    ranks per node, so the all-gathers stay inside it. A ``ValueError`` (on every rank alike,
+    before any collective) when ``replicas`` does not divide the world size.
+    """
+    world = dist.get_world_size()
+    problems = replica_problems(replicas, world)
+    if problems:
+        raise ValueError(problems[0])
+    if replicas == 1:
+        return default_mesh(device_type)
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=HSDP_DIM_NAMES)
+
+
+def mesh_problems(mesh: DeviceMesh, device_type: str, world_size: int) -> list[str]:
+    """What makes ``mesh`` unusable for ``load_model`` over ``world_size`` ranks on ``device_type``;
+    decided from the mesh alone, so it touches no process group."""
+    problems = []
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    shape = "x".join(map(str, mesh.mesh.shape))
+    if mesh.ndim not in (1, 2):
+        problems.append(
+            f"the mesh has {mesh.ndim} dimensions ({shape}); fsdp_fp8 shards over a 1-D mesh (FSDP) "
+            "or a 2-D (replicate, shard) mesh (HSDP)"
+        )
+    if ranks != list(range(world_size)):
+        problems.append(
+            f"the mesh ({shape}, ranks {mesh.mesh.tolist()}) is not built over the default process "
+            f"group's {world_size} ranks: every rank 0..{world_size - 1} must be in it exactly once"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        problems.append(
+            f"the 2-D mesh ({shape}) has no mesh_dim_names; FSDP2 finds the shard dim by name: build it "
+            f"with init_device_mesh(..., mesh_dim_names={HSDP_DIM_NAMES!r})"
+        )
+    if mesh.device_type != device_type:
+        problems.append(f"the mesh is on {mesh.device_type!r} but the model loads onto {device_type!r}")
+    return problems
+
+
+def shard_size(mesh: DeviceMesh | None) -> int:
+    """Ranks one parameter's rows are split over: the mesh's last dim (every rank without a mesh)."""
+    if mesh is None:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return mesh.size(mesh.ndim - 1)
+
+
+def model_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The mesh ``model``'s parameters are sharded over (None: not sharded)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    return None
+
+
+def primary_replica(mesh: DeviceMesh) -> list[int]:
+    """The global ranks, in shard-coordinate order, of the shard-dim line through rank 0: one
+    replica, whose ranks together hold every row once (under HSDP the others hold the same
+    rows). ``gather_state_dict`` gathers and ``save_checkpoint`` writes rows from these only."""
+    grid = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])  # 1-D: one line; 2-D: one per replica
+    lines = [row.tolist() for row in grid if 0 in row.tolist()]
+    if len(lines) != 1:
+        raise ValueError(f"rank 0 is not in the mesh {mesh.mesh.tolist()} exactly once")
+    return lines[0]
+
+
+def shard_position(model: nn.Module) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) of a sharded model; (1, 0) if unsharded.
+
+    This, not (world size, rank), says which rows the rank holds and reads: under HSDP the
+    ranks at one shard coordinate of different replicas hold the same rows.
+    """
+    mesh = model_mesh(model)
+    if mesh is None:
+        return 1, 0
+    return mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

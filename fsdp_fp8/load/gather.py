@@ -2,7 +2,9 @@
 
 Every tensor travels as bytes (``uint8``): gloo refuses float8 ("Invalid scalar type"),
 and one byte path serves every dtype and backend. Each rank pads its rows to
-``ceil(rows / world)`` so the gather has equal sizes; rank 0 trims and views back.
+``ceil(rows / shards)`` so the gather has equal sizes; rank 0 trims and views back. Under
+HSDP only rank 0's replica gathers (over its shard-dim group); the other replicas hold the
+same rows and send nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_fp8.format.sharding import padded_rows
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
+from fsdp_fp8.load.fsdp_wrap import primary_replica
 
 
 def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
@@ -24,22 +27,28 @@ def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Ten
 
 
 def _gather_rows(param: DTensor, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The full tensor on the group's first rank (CPU), None elsewhere."""
-    group = param.device_mesh.get_group()
-    world = dist.get_world_size(group)
+    """The full tensor on global rank 0 (CPU), None elsewhere. Only rank 0's shard group (its
+    replica, under HSDP) takes part; the gather runs over that group, not the default one."""
+    mesh = param.device_mesh
+    line = primary_replica(mesh)
+    if dist.get_rank() not in line:
+        return None
+    group = mesh.get_group(mesh.ndim - 1)
+    world = len(line)
     rows, row_shape = param.shape[0], tuple(param.shape[1:])
     row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
     padded = torch.zeros(padded_rows(rows, world), row_bytes, dtype=torch.uint8, device=local.device)
     if local.numel() > 0:
         mine = _rows_as_bytes(local, row_shape)
         padded[: mine.shape[0]].copy_(mine)
-    dst = dist.get_global_rank(group, 0)
-    is_dst = dist.get_rank() == dst
+    is_dst = dist.get_rank() == 0
     buckets = [torch.empty_like(padded) for _ in range(world)] if is_dst else None
-    dist.gather(padded, buckets, dst=dst, group=group)
+    dist.gather(padded, buckets, dst=0, group=group)
     if not is_dst:
         return None
-    full = torch.cat(buckets)[:rows].cpu()
+    # The buckets come in group-rank order; the rows follow the mesh's shard coordinates.
+    by_rank = dict(zip(dist.get_process_group_ranks(group), buckets))
+    full = torch.cat([by_rank[r] for r in line])[:rows].cpu()
     return full.reshape(-1).view(dtype).reshape(param.shape)
 
 
@@ -57,7 +66,8 @@ def _entries(model: nn.Module):
 def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0 gets full CPU tensors under the model's names (FP8 as E4M3 + 0-d F32 scales).
 
-    Collective: every rank must call it. Memory stays bounded by one full tensor.
+    Collective: every rank must call it (under HSDP the ranks of other replicas return at once
+    from each tensor). Memory stays bounded by one full tensor.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     out: dict[str, torch.Tensor] = {}

@@ -37,6 +37,7 @@ from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
 from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
+from fsdp_fp8.load.fsdp_wrap import model_mesh, shard_position, shard_size
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
@@ -66,7 +67,11 @@ class LoadReport:
 
 
 def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
-    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds."""
+    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds.
+
+    Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
+    chunk of this rank's shard coordinate, the same on every replica.
+    """
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         if tuple(shape[1:]) != tuple(param.shape[1:]):
@@ -164,8 +169,8 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
     held, checked_s, pieces, codes = 0, 0.0, [], []
     scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    progress = LoadProgress(plan.load_bytes(world, rank), enabled=rank == 0)
+    shards, shard = shard_position(model)  # what this rank reads: its shard coordinate's rows (HSDP too)
+    progress = LoadProgress(plan.load_bytes(shards, shard), enabled=rank == 0)
     read_before = slice_reader.bytes_read()
     device = torch.device("cpu")
     with torch.no_grad():
@@ -251,14 +256,16 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | 
     (``mark_unusable``). ``prepare``, if given, runs first inside that agreement (``load_model``
     passes the swap, ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank
     too). ``timeout_s``: how long a rank waits for the slowest peer's outcome; default
-    ``outcome_timeout_s(plan, world, DEFAULT_TIMEOUT_S)``, sized from the read forecast.
+    ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast over the
+    shard-dim size (``fsdp_wrap.shard_size``).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
     if timeout_s is None:
-        timeout_s = outcome_timeout_s(plan, world, DEFAULT_TIMEOUT_S)
+        # Before ``prepare`` shards the model this is every rank (load_model passes its own).
+        timeout_s = outcome_timeout_s(plan, shard_size(model_mesh(model)), DEFAULT_TIMEOUT_S)
     ok, message, held, count, read_s, checked_s = True, "", 0, 0, 0.0, 0.0
     try:
         if prepare is not None:

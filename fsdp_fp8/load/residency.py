@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_fp8.fp8.tensor import is_static_fp8
+from fsdp_fp8.load.fsdp_wrap import model_mesh, shard_size
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ def _own_params(module: nn.Module, inner: list[nn.Module]) -> list[torch.Tensor]
 
 
 def _gather_bytes(params, world: int) -> int:
-    """Bytes one rank sends to unshard ``params``: ``ceil(rows / world)`` rows each, FP8 codes
+    """Bytes one rank sends to unshard ``params``: ``ceil(rows / world)`` rows each (``world``:
+    the shard-dim size), FP8 codes
     as one byte per element (the all-gather hooks send uint8; scales never travel)."""
     total = 0
     for p in params:
@@ -159,10 +161,12 @@ def apply_residency(
         raise ValueError(f"residency policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if budget_bytes is not None and budget_bytes < 0:
         raise ValueError(f"residency budget must be >= 0 bytes, got {budget_bytes}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # The all-gathers run over the shard dim (HSDP: within a replica), so what a rank sends
+    # and what a block holds gathered follow the shard-dim size, not the world size.
+    shards = shard_size(model_mesh(model))
     blocks = fsdp_blocks(model)
-    root, per_block = gather_bytes(model, world)
-    unsharded = [world * b for b in per_block]
+    root, per_block = gather_bytes(model, shards)
+    unsharded = [shards * b for b in per_block]
     device = device or next(model.parameters()).device
     budget = None
     if policy == "all":

@@ -14,6 +14,11 @@ target path: each step ends in an agreement, and every rank raises the same erro
       (rank 0 also the replicated tensors and the JSON files) and syncs -> agree
       -> rank 0 renames the directory into place -> agree
 
+Under HSDP (a 2-D ``(replicate, shard)`` mesh) every replica holds the same rows; only the
+replica holding rank 0 writes them, so each row is written once, by one rank. The agreements
+run on the loader's gloo side group with their own timeout (``fsdp_fp8.load.agreement``), not
+on the default group, where NCCL's watchdog would abort instead of raising.
+
 The target directory must be on a filesystem every rank sees (one node, or a shared one).
 """
 
@@ -37,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchao.quantization import Float8Tensor  # what quantize_model (runtime PTQ) makes of an fp8 weight
 
-from fsdp_fp8.errors import ExportError, PeerLostError, raise_if_problems
+from fsdp_fp8.errors import ExportError, raise_if_problems
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint
 from fsdp_fp8.format.sharding import staging_rows
@@ -54,7 +59,9 @@ from fsdp_fp8.format.writer import (
     write_index_and_configs,
 )
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
+from fsdp_fp8.load.agreement import ASSUMED_READ_BYTES_PER_S, DEFAULT_TIMEOUT_S, distributed, exchange
 from fsdp_fp8.load.api import LoadedModel
+from fsdp_fp8.load.fsdp_wrap import primary_replica
 from fsdp_fp8.load.loader import local_rows
 from fsdp_fp8.load.plan import LoadPlan
 
@@ -92,20 +99,12 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _exchange(value: object, doing: str) -> list:
-    """Every rank's ``value`` in rank order; a failed collective is a ``PeerLostError``."""
-    rank, world = _rank_world()
-    if world == 1:
+def _exchange(value: object, stage: str, directory: Path, timeout_s: float) -> list:
+    """Every rank's ``value`` in rank order, on the agreements' gloo side group with its own
+    timeout (``fsdp_fp8.load.agreement.exchange``); a failed or late peer is a ``PeerLostError``."""
+    if not distributed():
         return [value]
-    out: list = [None] * world
-    try:
-        dist.all_gather_object(out, value)
-    except Exception as exc:  # a peer died, dropped out or hung past the process-group timeout
-        raise PeerLostError(
-            f"saving a checkpoint: rank {rank} lost its peers while {doing} (a peer died, failed or "
-            f"hung past the process-group timeout): {type(exc).__name__}: {exc}"
-        ) from exc
-    return out
+    return exchange(value, timeout_s=timeout_s, stage=stage, context=f"saving {directory}")
 
 
 def _persistent_buffers(model: nn.Module):
@@ -140,6 +139,12 @@ def _ptq_weight(key: str, local: torch.Tensor, input_scales, problems: list[str]
     return local.qdata, scale.detach().reshape(()), given.reshape(())
 
 
+def _writes_rows(tensor: DTensor) -> bool:
+    """Whether this rank writes its rows of ``tensor``: under HSDP every replica holds the same
+    rows, and only rank 0's replica writes them (each row once, by one rank)."""
+    return dist.get_rank() in primary_replica(tensor.device_mesh)
+
+
 def _collect(model: nn.Module, names: Mapping[str, str], input_scales, problems: list[str]) -> list[_Item]:
     items: list[_Item] = []
     for name, tensor in [*model.named_parameters(), *_persistent_buffers(model)]:
@@ -148,6 +153,7 @@ def _collect(model: nn.Module, names: Mapping[str, str], input_scales, problems:
         if is_static_fp8(local) or isinstance(local, Float8Tensor):
             if isinstance(tensor, DTensor):
                 _, start, stop = local_rows(tensor, name)
+                stop = stop if _writes_rows(tensor) else start
             else:
                 start, stop = 0, tensor.shape[0]
             if is_static_fp8(local):
@@ -178,6 +184,7 @@ def _collect(model: nn.Module, names: Mapping[str, str], input_scales, problems:
         spec = TensorSpec(key, tensor.dtype, tuple(tensor.shape))
         if isinstance(tensor, DTensor):
             rows, start, stop = local_rows(tensor, name)
+            stop = stop if _writes_rows(tensor) else start
             items.append(_Item(spec, rows=rows[: stop - start] if tensor.ndim else rows, start=start))
         else:
             items.append(_Item(spec, value=tensor))
@@ -326,6 +333,7 @@ def save_checkpoint(
     step_policy: dict | None = None,
     max_shard_size: int | None = None,
     staging_bytes: int | None = None,
+    agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> SaveReport:
     """Write ``model`` as a ModelOpt static-FP8 checkpoint in ``directory`` (absent or empty).
 
@@ -344,6 +352,11 @@ def save_checkpoint(
     (default ``slice_reader.STAGING_BYTES``). Everything is checked before anything is written:
     every rank raises the same ``ExportError``; a lost peer raises ``PeerLostError``. Nothing
     is left at ``directory`` unless the save completed on every rank.
+
+    Under HSDP (a 2-D mesh) only the replica holding rank 0 writes rows; the other replicas
+    take part in the agreements and write nothing. The agreements run on the load's gloo side
+    group: a rank waits ``agreement_timeout_s`` for its peers, and for the outcome of the writes
+    that plus the time the busiest rank's bytes take at ``agreement.ASSUMED_READ_BYTES_PER_S``.
     """
     t0 = time.perf_counter()
     rank, world = _rank_world()
@@ -367,9 +380,15 @@ def save_checkpoint(
         except OSError as exc:
             problems.append(f"cannot create the checkpoint files next to {directory}: {exc}")
     try:
-        verdicts = _exchange((rank, sorted(problems), prepared.digest, tmp and str(tmp)), "planning the files")
-        merged = [f"rank {r}: {p}" if world > 1 else p for r, found, _, _ in verdicts for p in found]
-        if len({digest for _, found, digest, _ in verdicts if not found}) > 1:
+        to_write = sum(i.rows.numel() * i.rows.element_size() for i in prepared.items if i.rows is not None)
+        verdicts = _exchange(
+            (rank, sorted(problems), prepared.digest, tmp and str(tmp), to_write),
+            "agreement on the planned files",
+            directory,
+            agreement_timeout_s,
+        )
+        merged = [f"rank {r}: {p}" if world > 1 else p for r, found, _, _, _ in verdicts for p in found]
+        if len({digest for _, found, digest, _, _ in verdicts if not found}) > 1:
             merged.append("ranks planned different files (model shapes, dtypes or configs differ between ranks)")
         raise_if_problems(merged, f"cannot save {directory}", ExportError)
         shared_tmp = Path(verdicts[0][3])  # rank 0 made it; every rank writes into it
@@ -380,7 +399,13 @@ def save_checkpoint(
                 write_index_and_configs(shared_tmp, layout, prepared.config, prepared.hf_quant)
         except Exception as exc:  # every rank must learn of it before anyone moves on
             ok, message = False, f"{type(exc).__name__}: {exc}"
-        outcomes = _exchange((rank, ok, message), "writing its rows")
+        busiest = max(n for *_, n in verdicts)  # rank 0 also writes the replicated tensors: small
+        outcomes = _exchange(
+            (rank, ok, message),
+            "agreement on the written rows",
+            directory,
+            agreement_timeout_s + busiest / ASSUMED_READ_BYTES_PER_S,
+        )
         failed = [f"rank {r}: {m}" for r, rank_ok, m in outcomes if not rank_ok]
         raise_if_problems(failed, f"saving {directory} failed; nothing was left there", ExportError)
         moved = ""
@@ -392,7 +417,7 @@ def save_checkpoint(
                 tmp = None
             except OSError as exc:
                 moved = f"rank 0: cannot move the finished checkpoint into place: {exc}"
-        (_, moved), *_ = _exchange((rank, moved), "moving the checkpoint into place")
+        (_, moved), *_ = _exchange((rank, moved), "agreement on moving it into place", directory, agreement_timeout_s)
         raise_if_problems([moved] if moved else [], f"saving {directory} failed", ExportError)
     finally:
         if tmp is not None:  # rank 0, on any failure: no half-written checkpoint stays behind
