@@ -134,13 +134,13 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Send this rank's rows of ``qdata`` as bytes, padded to ``ceil(rows / shards)`` rows.
 
-        ``mesh`` is the one FSDP2 all-gathers over: the whole 1-D mesh, or under HSDP the shard
-        dim of the 2-D mesh (FSDP2 passes that sub-mesh), so ``shards`` is its last dim's size,
-        never the world size. gloo refuses float8 ("Invalid scalar type") and NCCL takes the
+        ``mesh`` is the one FSDP2 all-gathers over: the whole 1-D mesh, or under HSDP the 1-D
+        shard sub-mesh of the 2-D mesh (FSDP2 passes ``mesh[mesh_dim_names[-1]]``), so
+        ``shards = mesh.size()`` is the shard-dim size, never the world size. gloo refuses float8 ("Invalid scalar type") and NCCL takes the
         same bytes; the scales are per tensor and the same on every rank, so they never travel.
         """
         _require_static(self, "fsdp_pre_all_gather")
-        padded_shape = (padded_rows(outer_size[0], mesh.size(mesh.ndim - 1)), *outer_size[1:])
+        padded_shape = (padded_rows(outer_size[0], mesh.size()), *outer_size[1:])
         codes = self.qdata
         if tuple(codes.shape) == padded_shape:
             payload = codes.view(torch.uint8)
