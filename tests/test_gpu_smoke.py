@@ -73,7 +73,11 @@ def test_the_dry_run_checks_what_the_gpu_run_checks(dry):
     assert {(3, True), (8, True)} <= worlds and all(
         c["bytes_equal"] and c["out_reused_equal"] for c in s["hooks"]["checks"]
     )
-    assert s["load"]["raw_read_gbps"] > 0
+    load = s["load"]
+    assert load["raw_read_gbps"] > 0 and load["load_model_read_gbps"] > 0 and load["load_vs_floor"] > 0
+    # load_model read exactly the codes of every linear (4096 x 4096 each, 1 byte per element)
+    assert load["load_model_bytes_read"] == load["fp8_linears"] * 4096 * 4096 > 0
+    assert load["floor"]["name"] == "raw read"  # no CUDA: the host-to-device floors are skipped
     for name in ("BF16", "W8A8", "W8A16"):
         assert s["step"][name]["status"] == "ok" and s["step"][name]["median_ms"] > 0
     runs = s["demo"]["runs"]
