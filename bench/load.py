@@ -11,6 +11,8 @@ Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   c  prior-art FP8: every rank reads each full FP8 tensor (safetensors) and
      ``distribute_tensor``s it (as uint8: gloo refuses float8) into the same sharded model
   d  floor: the same ranks pread only the bytes they need into preallocated buffers
+  p  a with prefetch: the rank's ranges hinted to the page cache (POSIX_FADV_WILLNEED) while
+     the model is set up (``read_schedule.PREFETCH_BYTES`` = all of them)
 
 Before every trial the checkpoint files are evicted from the page cache
 (POSIX_FADV_DONTNEED); ``--warm`` skips that. Results go to a table on stdout and JSON
@@ -36,8 +38,14 @@ import common  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
 
-METHODS = ("a", "b", "c", "d")
-NAMES = {"a": "fsdp_fp8", "b": "FSDP2 BF16 bcast", "c": "full FP8 + distribute", "d": "floor (pread)"}
+METHODS = ("a", "b", "c", "d", "p")
+NAMES = {
+    "a": "fsdp_fp8",
+    "b": "FSDP2 BF16 bcast",
+    "c": "full FP8 + distribute",
+    "d": "floor (pread)",
+    "p": "fsdp_fp8 + prefetch",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +84,13 @@ def _local_bytes(model) -> int:
     return total
 
 
+def method_p(fp8_dir, bf16_dir, cfg) -> dict:
+    from fsdp_fp8.format import read_schedule
+
+    read_schedule.PREFETCH_BYTES = 1 << 50  # everything the rank reads (capped at half the free memory)
+    return method_a(fp8_dir, bf16_dir, cfg)
+
+
 def method_a(fp8_dir, bf16_dir, cfg) -> dict:
     import torch
 
@@ -91,6 +106,7 @@ def method_a(fp8_dir, bf16_dir, cfg) -> dict:
         "held": _local_bytes(loaded.model),
         "read_phase_s": loaded.report.seconds,
         "code_check_s": loaded.report.code_check_seconds,
+        "prefetch_bytes": loaded.report.prefetch_bytes,
         "_keep": loaded,
     }
 
@@ -224,7 +240,7 @@ def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn) -> N
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         cfg = common.SIZES[size]
-        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d}[method]
+        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d, "p": method_p}[method]
         dist.barrier()
         with common.PeakRSS() as mem:
             t0 = time.perf_counter()
@@ -303,7 +319,7 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
                 "cold_cache": all(x["cold"] for r in ok for x in r),
             }
         )
-        if m == "a":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
+        if m in "ap":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
             rows[-1]["read_phase_s_median"] = statistics.median(max(x["read_phase_s"] for x in r) for r in ok)
             # The FP8 NaN-code check (fsdp_fp8.load.loader.nan_code_flag), timed inside the load, as a
             # share of the whole load_model on that rank: the reliability check's cost.
@@ -325,7 +341,7 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
             local_shard_bytes=forecast["local_shard_bytes"],
         )
     if "a" in by:
-        for other in "bcd":
+        for other in "bcdp":
             if other in by:
                 by["a"][f"a/{other}"] = by["a"]["seconds_median"] / by[other]["seconds_median"]
     return rows
@@ -350,7 +366,9 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
         )
     a = next((r for r in rows if r["method"] == "a" and "error" not in r), None)
     if a:
-        lines.append("ratios (wall time): " + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c") if k in a))
+        lines.append(
+            "ratios (wall time): " + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c", "a/p") if k in a)
+        )
         d = next((r for r in rows if r["method"] == "d" and "error" not in r), None)
         if d:
             phase = a["read_phase_s_median"]

@@ -90,9 +90,10 @@ def test_super_plan_on_meta_and_forecast_match_hand_computation(super_dir):
         assert f.held_bytes == fp8 + high  # nothing to pad at 8 ranks
         # Into an accelerator every read is staged through one host ring: 4 slots of 16 MiB,
         # the whole budget (each rank stages GBs); a budget above what the rank reads (its rows
-        # but the 1,792 scales, which load from memory) shrinks to one slot of exactly that.
+        # but the 1,792 scales, which load from memory) shrinks to 4 slots that just hold that.
         assert f.staging_peak_bytes == 64 * MiB
-        assert plan.forecast(8, rank, staging_bytes=1 << 40).staging_peak_bytes == fp8 + high - 4 * 1792
+        staged = fp8 + high - 4 * 1792
+        assert staged <= plan.forecast(8, rank, staging_bytes=1 << 40).staging_peak_bytes < staged + 4
 
 
 def test_inspect_super_for_8_ranks(super_dir, capsys):

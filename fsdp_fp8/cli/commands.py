@@ -13,7 +13,7 @@ import sys
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.format.files import file_sha256
-from fsdp_fp8.format.sharding import rank_forecast
+from fsdp_fp8.format.sharding import entry_rank_bytes, rank_forecast
 
 
 def _mib(n: int) -> str:
@@ -40,21 +40,26 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
     if world_size:
+        from fsdp_fp8.format import read_schedule
         from fsdp_fp8.format.slice_reader import STAGING_BYTES
 
         fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
         other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
+        read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
+        prefetch = read_schedule.prefetch_budget()
         lines.append(
             f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
-            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}):"
+            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}; "
+            f"prefetch: page-cache hints during the set-up, budget {_mib(read_schedule.PREFETCH_BYTES)}"
+            f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (half the available memory)'}):"
         )
         for rank in range(world_size):
-            read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
             f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES, staged_entries=read)
+            reads = sum(entry_rank_bytes(e, world_size, rank) for e in read)
             lines.append(
                 f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
                 f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
-                f"staging ring {_mib(f.staging_peak_bytes)}"
+                f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
             )
     return "\n".join(lines)
 

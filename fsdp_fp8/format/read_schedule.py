@@ -26,6 +26,7 @@ caller is about to free.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -226,3 +227,82 @@ def run(
             "(truncated since the header was checked?)"
         )
     return sorted(problems)
+
+
+# --- prefetch: page-cache hints for a rank's ranges, issued while the model is being set up ----
+
+# Bytes of this rank's ranges hinted to the kernel (POSIX_FADV_WILLNEED) before the set-up
+# (swap, fully_shard, to_empty) runs; 0 turns it off. Page cache, not this process's memory:
+# capped at half the memory the kernel says is available. Read at call time.
+PREFETCH_BYTES = 0
+PREFETCH_CALL_BYTES = 8 << 20  # one hint at a time, so a stop request is honoured quickly
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def prefetch_budget(budget: int | None = None) -> int:
+    """``budget`` (default ``PREFETCH_BYTES``) capped at half of ``available_memory()``."""
+    budget = PREFETCH_BYTES if budget is None else budget
+    free = available_memory()
+    return max(0, min(budget, free // 2) if free is not None else budget)
+
+
+def prefetch_ranges(reads: Iterable[tuple[TensorEntry, int, int]], budget: int) -> list[tuple[object, int, int]]:
+    """(handle, offset, bytes) to hint: ``reads`` ((entry, file offset, bytes), as
+    ``LoadPlan.rank_ranges`` gives them) in file order, adjacent ones merged, cut at ``budget``
+    bytes in all."""
+    ranges: list[list] = []
+    for entry, offset, n in sorted((r for r in reads if r[2]), key=lambda r: (r[0].file, r[1])):
+        last = ranges[-1] if ranges else None
+        if last is not None and last[0] is entry.handle and last[1] + last[2] == offset:
+            last[2] += n
+        else:
+            ranges.append([entry.handle, offset, n])
+    out, left = [], budget
+    for handle, offset, n in ranges:
+        if left <= 0:
+            break
+        out.append((handle, offset, min(n, left)))
+        left -= n
+    return out
+
+
+class Prefetch:
+    """A background thread hinting ``ranges`` to the kernel, ``PREFETCH_CALL_BYTES`` per call,
+    until done or ``stop()`` (which joins it: no hint outlives the load's descriptors)."""
+
+    def __init__(self, ranges: list[tuple[object, int, int]]):
+        self.ranges, self.hinted = ranges, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fsdp_fp8-prefetch", daemon=True)
+        if ranges and hasattr(os, "posix_fadvise"):
+            self._thread.start()
+
+    def _run(self) -> None:
+        for handle, offset, n in self.ranges:
+            for lo in range(0, n, PREFETCH_CALL_BYTES):
+                if self._stop.is_set():
+                    return
+                size = min(PREFETCH_CALL_BYTES, n - lo)
+                try:
+                    os.posix_fadvise(handle.fileno(), offset + lo, size, os.POSIX_FADV_WILLNEED)
+                except (OSError, ValueError):  # a hint only: a closed file or a refusal costs nothing
+                    return
+                self.hinted += size
+
+    def stop(self) -> int:
+        """Stop hinting and join; the bytes hinted."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return self.hinted

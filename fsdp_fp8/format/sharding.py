@@ -59,14 +59,15 @@ STAGING_SLOTS = 4  # ring slots: one being copied to the device while the next o
 
 def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> tuple[int, int]:
     """(bytes per slot, slots) of the host staging ring for ``staged_bytes`` of reads into an
-    accelerator: ``slots`` slots of ``budget // slots`` bytes (at least one byte), fewer and
-    smaller when there is less to stage, so the ring never exceeds ``budget`` (or ``slots``
-    bytes for a budget below that) nor what is staged. A piece larger than a slot is read in
-    slot-sized parts: the copy out is byte-exact, so no row needs to fit whole."""
+    accelerator: ``slots`` slots of ``budget // slots`` bytes (at least one byte each), smaller
+    when less is staged, so the ring holds at most ``max(budget, slots)`` bytes and less than
+    ``staged_bytes + slots``. A piece larger than a slot is read in slot-sized parts: the copy
+    out is byte-exact, so no row needs to fit whole."""
     if staged_bytes <= 0:
         return 0, 0
-    slot = min(max(1, budget // max(slots, 1)), staged_bytes)
-    return slot, min(max(slots, 1), -(-staged_bytes // slot))
+    slots = max(slots, 1)
+    slot = max(1, min(budget // slots, -(-staged_bytes // slots)))
+    return slot, min(slots, -(-staged_bytes // slot))
 
 
 @dataclass(frozen=True)

@@ -204,8 +204,14 @@ def load_model(
 
     shards = shard_size(mesh) if distributed else 1  # the forecast is per shard coordinate
     try:
+        # Which rows this rank will hold once ``prepare`` has sharded the model (what a prefetch hints).
+        position = (shards, mesh.get_local_rank(mesh.ndim - 1)) if distributed and mesh is not None else None
         report = load_checkpoint(
-            model, plan, prepare=prepare, timeout_s=outcome_timeout_s(plan, shards, agreement_timeout_s)
+            model,
+            plan,
+            prepare=prepare,
+            timeout_s=outcome_timeout_s(plan, shards, agreement_timeout_s),
+            shard_position=position,
         )
     except BaseException:
         checkpoint.close()  # the model is dead: its descriptors go too

@@ -60,6 +60,7 @@ class LoadReport:
     peak_rss_bytes: int
     peak_device_bytes: int | None
     code_check_seconds: float = 0.0  # host time in the FP8 NaN-code check (on CUDA: launching it)
+    prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache during ``prepare``
 
     @property
     def gb_per_s(self) -> float:
@@ -247,7 +248,31 @@ def _agree(ok: bool, message: str, timeout_s: float) -> list[tuple[int, str]]:
     return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
 
 
-def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | None = None) -> LoadReport:
+def _prepare_while_prefetching(prepare, plan, shards: int, shard: int) -> int:
+    """Run ``prepare`` while a background thread hints this rank's first
+    ``read_schedule.prefetch_budget()`` bytes to the page cache; the bytes hinted. The rows are
+    the ``torch.chunk`` rows of shard coordinate ``shard`` of ``shards`` (the model is not sharded
+    yet); a hint for other rows would cost page cache, never a wrong byte."""
+    budget = read_schedule.prefetch_budget()
+    if budget <= 0:
+        prepare()
+        return 0
+    prefetch = read_schedule.Prefetch(read_schedule.prefetch_ranges(plan.rank_ranges(shards, shard), budget))
+    try:
+        prepare()
+    finally:
+        hinted = prefetch.stop()
+    return hinted
+
+
+def load_checkpoint(
+    model: nn.Module,
+    plan,
+    *,
+    prepare=None,
+    timeout_s: float | None = None,
+    shard_position: tuple[int, int] | None = None,
+) -> LoadReport:
     """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
     which names the checkpoint and every entry to read.
 
@@ -257,7 +282,9 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | 
     passes the swap, ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank
     too). ``timeout_s``: how long a rank waits for the slowest peer's outcome; default
     ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast over the
-    shard-dim size (``fsdp_wrap.shard_size``).
+    shard-dim size (``fsdp_wrap.shard_size``). ``shard_position``: (shard-dim size, this rank's
+    shard coordinate) the model will have after ``prepare``, whose rows a prefetch hints
+    (``read_schedule.PREFETCH_BYTES``; default (world size, rank): a 1-D mesh).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -266,10 +293,11 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | 
     if timeout_s is None:
         # Before ``prepare`` shards the model this is every rank (load_model passes its own).
         timeout_s = outcome_timeout_s(plan, shard_size(model_mesh(model)), DEFAULT_TIMEOUT_S)
-    ok, message, held, count, read_s, checked_s = True, "", 0, 0, 0.0, 0.0
+    ok, message, held, count, read_s, checked_s, prefetched = True, "", 0, 0, 0.0, 0.0, 0
     try:
         if prepare is not None:
-            prepare()
+            shards, shard = shard_position or (world, rank)
+            prefetched = _prepare_while_prefetching(prepare, plan, shards, shard)
             read_before, t0 = slice_reader.bytes_read(), time.perf_counter()
         on_meta = tensors_on_meta(model)
         if on_meta:
@@ -309,4 +337,5 @@ def load_checkpoint(model: nn.Module, plan, *, prepare=None, timeout_s: float | 
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         peak_device_bytes=device_peak,
         code_check_seconds=checked_s,
+        prefetch_bytes=prefetched,
     )

@@ -21,7 +21,7 @@ from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast
+from fsdp_fp8.format.sharding import RankForecast, chunk_rows, entry_rank_bytes, rank_forecast
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ class LoadPlan:
         return rank_forecast(
             fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes, staged_entries=self.read_entries()
         )
+
+    def rank_ranges(self, world_size: int, rank: int) -> list[tuple[TensorEntry, int, int]]:
+        """(entry, file offset, bytes) of the rows ``rank`` reads if every tensor is Shard(0)-split
+        (``torch.chunk`` rows): what the load will read, known before the model is sharded."""
+        out = []
+        for entry in self.read_entries():
+            start, stop = chunk_rows(entry.shape[0], world_size, rank) if entry.shape else (0, 1)
+            offset, nbytes = slice_reader.row_range(entry, start, stop)
+            out.append((entry, offset, nbytes))
+        return out
 
     def read_entries(self) -> list[TensorEntry]:
         """What the rank-slice load reads rows of: FP8 codes and high-precision tensors; the

@@ -1,0 +1,118 @@
+"""Prefetch (off by default): while the model is set up, a background thread hints the rows this
+rank will read to the page cache (``POSIX_FADV_WILLNEED``), at most the budget, and is joined
+before the first read; ``inspect`` reports the budget and what each rank would prefetch."""
+
+from __future__ import annotations
+
+import pytest
+from ranks import run_ranks
+
+from fsdp_fp8.cli import commands as cli
+from fsdp_fp8.format import read_schedule
+from fsdp_fp8.models import MoTConfig
+from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
+
+CONFIG = MoTConfig(
+    hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136, vocab_size=301, latent_channels=6
+)
+SMALL_BUDGET = 50_000  # bytes: less than a rank reads
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return write_sparse_checkpoint(
+        CONFIG, tmp_path_factory.mktemp("prefetch") / "ckpt", fill="random", max_shard_size=150_000
+    )
+
+
+def _merged(ranges) -> list[tuple[str, int, int]]:
+    out: list[list] = []
+    for name, offset, n in sorted(ranges):
+        if out and out[-1][0] == name and out[-1][1] + out[-1][2] == offset:
+            out[-1][2] += n
+        else:
+            out.append([name, offset, n])
+    return [tuple(r) for r in out]
+
+
+def _load(rank: int, world: int, path: str) -> dict:
+    import os
+    import time
+
+    from fsdp_fp8 import load_model
+    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.load.architectures import resolve_architecture
+
+    events: list[tuple[str, float, tuple]] = []
+    real_advise, real_read = os.posix_fadvise, read_schedule.read_request
+
+    slow = [0.0]
+
+    def advise(fd, offset, n, how):
+        assert how == os.POSIX_FADV_WILLNEED
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        real_advise(fd, offset, n, how)
+        time.sleep(slow[0])
+        events.append(("hint", time.monotonic(), (name, offset, n)))  # when the hint returned
+
+    def read(request, buffers):
+        events.append(("read", time.monotonic(), (request.pieces[0].entry.file, request.offset, request.nbytes)))
+        return real_read(request, buffers)
+
+    read_schedule.os.posix_fadvise, read_schedule.read_request = advise, read
+    out = {}
+    try:
+        for budget in (1 << 40, SMALL_BUDGET, 0, "slow"):
+            if budget == "slow":  # hints slower than the set-up: stopped part-way, and joined
+                slow[0], read_schedule.PREFETCH_CALL_BYTES = 0.05, 1000
+            read_schedule.PREFETCH_BYTES = 1 << 40 if budget == "slow" else budget
+            events.clear()
+            loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path)
+            hints = [e for e in events if e[0] == "hint"]
+            reads = [e for e in events if e[0] == "read"]
+            out[budget] = {
+                "hints": [e[2] for e in hints],
+                "reads": [e[2] for e in reads],
+                "hinted_before_reads": not hints or max(e[1] for e in hints) < min(e[1] for e in reads),
+                "prefetch_bytes": loaded.report.prefetch_bytes,
+                "bytes_read": loaded.report.bytes_read,
+            }
+    finally:
+        read_schedule.os.posix_fadvise, read_schedule.read_request = real_advise, real_read
+    return out
+
+
+def test_prefetch_hints_exactly_this_ranks_rows_before_reading_them(checkpoint_dir):
+    for r in run_ranks(_load, 2, str(checkpoint_dir), timeout=180):
+        everything, small, off = r[1 << 40], r[SMALL_BUDGET], r[0]
+        assert everything["hints"] and everything["hinted_before_reads"]
+        assert _merged(everything["hints"]) == _merged(everything["reads"])  # the rows it then read, all
+        assert everything["prefetch_bytes"] == everything["bytes_read"]
+        # A budget below the rank's reads: exactly that many bytes, the first in file order.
+        assert small["prefetch_bytes"] == sum(n for _, _, n in small["hints"]) == SMALL_BUDGET
+        first = _merged(small["hints"])
+        assert first[0][:2] == _merged(small["reads"])[0][:2]
+        assert off["hints"] == [] and off["prefetch_bytes"] == 0 and off["bytes_read"] == everything["bytes_read"]
+        slow = r["slow"]  # stopped when the set-up ended; no hint still running once reads began
+        assert 0 < slow["prefetch_bytes"] == sum(n for _, _, n in slow["hints"]) < slow["bytes_read"]
+        assert slow["hinted_before_reads"]
+
+
+def test_the_budget_is_capped_at_half_the_available_memory(monkeypatch):
+    monkeypatch.setattr(read_schedule, "available_memory", lambda: 10_000)
+    assert read_schedule.prefetch_budget(1 << 40) == 5_000
+    assert read_schedule.prefetch_budget(3_000) == 3_000
+    monkeypatch.setattr(read_schedule, "available_memory", lambda: None)
+    assert read_schedule.prefetch_budget(1 << 40) == 1 << 40
+
+
+def test_inspect_reports_the_prefetch_budget_and_each_ranks_share(checkpoint_dir, capsys, monkeypatch):
+    monkeypatch.setattr(read_schedule, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", SMALL_BUDGET)
+    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"prefetch: page-cache hints during the set-up, budget {SMALL_BUDGET:,} bytes" in out
+    assert out.count(f"prefetch {SMALL_BUDGET:,} bytes") == 3  # every rank reads more than the budget
+    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", 0)
+    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    assert capsys.readouterr().out.count("prefetch 0 bytes") == 3
