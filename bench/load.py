@@ -14,6 +14,14 @@ Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   p  a with prefetch: the rank's ranges hinted to the page cache (POSIX_FADV_WILLNEED) while
      the model is set up (``read_schedule.PREFETCH_BYTES`` = all of them)
 
+CUDA variant (``--device cuda``: NCCL, one GPU per rank; skipped with its reason without CUDA):
+  a  ``load_model(device=cuda)``: the reader's pinned staging ring, copies on a side stream
+  n  NCCL broadcast from one reader: rank 0 reads each full tensor, every rank receives it
+     on its GPU and keeps its rows (also runs on CPU over gloo: ``--methods n``)
+  c  full read + scatter (as above, each full tensor moved to the GPU first)
+  d  the storage floor (host preads, as above); h  pinned host-to-device copy of the rank's bytes
+The target with a GPU: a's GB/s per rank >= 80% of min(d, h), measured in the same run.
+
 Before every trial the checkpoint files are evicted from the page cache
 (POSIX_FADV_DONTNEED); ``--warm`` skips that. Results go to a table on stdout and JSON
 lines in ``--results`` (default bench/results.jsonl).
@@ -38,13 +46,17 @@ import common  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
 
-METHODS = ("a", "b", "c", "d", "p")
+METHODS = ("a", "b", "c", "d", "p", "n", "h")
+CUDA_METHODS = "ancdh"
+DEVICE = "cpu"  # set in each trial's process from --device
 NAMES = {
     "a": "fsdp_fp8",
     "b": "FSDP2 BF16 bcast",
     "c": "full FP8 + distribute",
     "d": "floor (pread)",
     "p": "fsdp_fp8 + prefetch",
+    "n": "bcast from 1 reader",
+    "h": "pinned H2D",
 }
 
 
@@ -52,11 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(common.SIZES), default="default")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--methods", default="abcd")
+    p.add_argument("--methods", default=None, help="default: abcd (cpu), ancdh (cuda)")
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
     p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=f"cuda: NCCL, one GPU per rank, methods {CUDA_METHODS} by default (skipped without CUDA)",
+    )
     p.add_argument(
         "--setup",
         action="store_true",
@@ -92,7 +110,6 @@ def method_p(fp8_dir, bf16_dir, cfg) -> dict:
 
 
 def method_a(fp8_dir, bf16_dir, cfg) -> dict:
-    import torch
 
     from fsdp_fp8.format import slice_reader
     from fsdp_fp8.load.api import load_model
@@ -100,7 +117,7 @@ def method_a(fp8_dir, bf16_dir, cfg) -> dict:
 
     slice_reader.reset_bytes_read()
     arch = resolve_architecture(cfg.to_config_dict())
-    loaded = load_model(arch.model_fn, fp8_dir, device=torch.device("cpu"))
+    loaded = load_model(arch.model_fn, fp8_dir, device=_device())
     return {
         "bytes_read": slice_reader.bytes_read(),
         "held": _local_bytes(loaded.model),
@@ -132,8 +149,16 @@ def method_b(fp8_dir, bf16_dir, cfg) -> dict:
     return {"bytes_read": read, "held": _local_bytes(model), "_keep": model}
 
 
-def _open_and_shard(fp8_dir):
+def _device():
     import torch
+
+    if DEVICE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _open_and_shard(fp8_dir):
+    import torch  # noqa: F401
 
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.load.architectures import resolve_architecture
@@ -146,8 +171,8 @@ def _open_and_shard(fp8_dir):
         model = resolve_architecture(checkpoint.config).model_fn(checkpoint.config)
     plan = plan_load(checkpoint, model)
     swap_fp8_linears(model, plan)
-    shard_model(model, default_mesh("cpu"))
-    materialize(model, torch.device("cpu"))
+    shard_model(model, default_mesh(_device().type))
+    materialize(model, _device())
     return model, plan
 
 
@@ -175,6 +200,7 @@ def method_c(fp8_dir, bf16_dir, cfg) -> dict:
                 for key, param, what in items:
                     full = f.get_tensor(key)
                     read += full.numel() * full.element_size()
+                    full = full.to(_device())
                     local = param._local_tensor
                     if what == "scale":
                         local.scale.copy_(full.reshape(1, 1))
@@ -189,6 +215,68 @@ def method_c(fp8_dir, bf16_dir, cfg) -> dict:
                     dest.reshape(dest.shape[0] if dest.ndim else 1, -1).view(torch.uint8).copy_(shard._local_tensor)
                     del full, as_bytes, shard
     return {"bytes_read": read, "held": _local_bytes(model), "_keep": model}
+
+
+def method_n(fp8_dir, bf16_dir, cfg) -> dict:
+    """One reader, broadcast: rank 0 reads each full tensor (file order), moves it to the device,
+    ``dist.broadcast``s it; every rank copies its own rows into its shard. Scales from memory."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.load.loader import _named_tensor, local_rows
+
+    model, plan = _open_and_shard(fp8_dir)
+    device, rank, read = _device(), dist.get_rank(), 0
+    scales = plan.checkpoint.scales
+    jobs = []  # (entry, this rank's destination, its first global row)
+    with torch.no_grad():
+        for t in plan.fp8:
+            local, start, _ = local_rows(model.get_submodule(t.module).weight)
+            local.scale.fill_(scales[t.entry.weight_scale.key])
+            local.act_quant_scale.fill_(scales[t.entry.input_scale.key])
+            jobs.append((t.entry.weight, local.qdata, start))
+        for t in plan.tensors:
+            local, start, _ = local_rows(_named_tensor(model, t.name))
+            if t.entry.key in scales:
+                local.fill_(scales[t.entry.key])
+            else:
+                jobs.append((t.entry, local, start))
+        for entry, dest, start in sorted(jobs, key=lambda j: (j[0].file, j[0].begin)):
+            rows = entry.shape[0] if entry.shape else 1
+            full = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            if rank == 0:
+                full.copy_(slice_reader.read_bytes(entry, 0, rows).reshape(-1).view(torch.uint8))
+                read += entry.nbytes
+            dist.broadcast(full, src=0)
+            row = entry.nbytes // rows if rows else 0
+            mine = dest.reshape(-1).view(torch.uint8)
+            mine.copy_(full[start * row : start * row + mine.numel()])
+            del full
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"bytes_read": read, "held": _local_bytes(model), "_keep": model}
+
+
+def method_h(fp8_dir, bf16_dir, cfg) -> dict:
+    """Pinned host -> device copy of as many bytes as this rank loads (no file, no model)."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.sharding import entry_rank_bytes
+
+    if DEVICE != "cuda":
+        raise RuntimeError("method h measures pinned host-to-device copies: --device cuda only")
+    ckpt = open_checkpoint(fp8_dir)
+    n = sum(entry_rank_bytes(e, dist.get_world_size(), dist.get_rank()) for e in ckpt.tensors.values() if e.shape)
+    host = torch.ones(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device=_device())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return {"bytes_read": 0, "held": n, "h2d_s": time.perf_counter() - t0, "_keep": dev}
 
 
 def method_d(fp8_dir, bf16_dir, cfg) -> dict:
@@ -227,8 +315,10 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     return {"bytes_read": at, "held": buffer.numel(), "_keep": buffer}
 
 
-def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn) -> None:
+def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn, device="cpu") -> None:
     """One method on one rank, in a fresh process: imports first, then the measured block."""
+    global DEVICE
+    DEVICE = device
     try:
         import safetensors.torch  # noqa: F401
         import torch
@@ -238,9 +328,14 @@ def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn) -> N
         import fsdp_fp8  # noqa: F401
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        backend = "gloo"
+        if device == "cuda":  # one GPU per rank (torchrun's LOCAL_RANK), NCCL between them
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            backend = "nccl"
+        dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         cfg = common.SIZES[size]
-        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d, "p": method_p}[method]
+        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d, "p": method_p, "n": method_n}
+        fn = {**fn, "h": method_h}[method]
         dist.barrier()
         with common.PeakRSS() as mem:
             t0 = time.perf_counter()
@@ -270,7 +365,8 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_trial_child, args=(method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, writer)
+        target=_trial_child,
+        args=(method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, writer, args.device),
     )
     proc.start()
     writer.close()
@@ -336,14 +432,24 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
             world_size=world,
             time=stamp,
             cpus=os.cpu_count(),
-            backend="gloo",
+            backend="nccl" if args.device == "cuda" else "gloo",
+            device=args.device,
             checkpoint_bytes=forecast["checkpoint_bytes"],
             local_shard_bytes=forecast["local_shard_bytes"],
         )
     if "a" in by:
-        for other in "bcdp":
+        for other in "bcdnp":
             if other in by:
                 by["a"][f"a/{other}"] = by["a"]["seconds_median"] / by[other]["seconds_median"]
+    if "h" in by:  # pinned H2D GB/s per rank, over the copy alone
+        runs = [r for r in trials["h"] if all("error" not in x for x in r)]
+        by["h"]["h2d_gb_per_s"] = statistics.median(min(x["held"] / x["h2d_s"] for x in r) / 1e9 for r in runs)
+    for m in "ad":  # read GB/s per rank (slowest rank's bytes over the method's wall time)
+        if m in by:
+            by[m]["gb_per_s_per_rank"] = max(by[m]["bytes_read_per_rank"]) / by[m]["seconds_median"] / 1e9
+    if {"a", "d", "h"} <= set(by):
+        bound = min(by["d"]["gb_per_s_per_rank"], by["h"]["h2d_gb_per_s"])
+        by["a"]["gpu_target_share"] = by["a"]["gb_per_s_per_rank"] / bound  # target >= 0.8
     return rows
 
 
@@ -367,7 +473,8 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
     a = next((r for r in rows if r["method"] == "a" and "error" not in r), None)
     if a:
         lines.append(
-            "ratios (wall time): " + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c", "a/p") if k in a)
+            "ratios (wall time): "
+            + ", ".join(f"{k} = {a[k]:.2f}" for k in ("a/d", "a/b", "a/c", "a/n", "a/p") if k in a)
         )
         d = next((r for r in rows if r["method"] == "d" and "error" not in r), None)
         if d:
@@ -381,6 +488,11 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
             f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} s = "
             f"{100 * a['code_check_share_median']:.2f}% of load_model (worst rank; target < 5%)"
         )
+        if "gpu_target_share" in a:
+            lines.append(
+                f"a: {a['gb_per_s_per_rank']:.2f} GB/s per rank = {100 * a['gpu_target_share']:.0f}% of "
+                "min(storage read d, pinned H2D h) (target >= 80%)"
+            )
         lines.append(f"a: bytes read / checkpoint bytes = {a['bytes_read_total'] / forecast['checkpoint_bytes']:.4f}")
         bound = [1.15 * b + (64 << 20) for b in forecast["local_shard_bytes"]]
         lines.append(
@@ -392,6 +504,14 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.methods is None:
+        args.methods = CUDA_METHODS if args.device == "cuda" else "abcd"
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench/load.py --device cuda: skipped: no CUDA device (torch.cuda.is_available() is False)")
+            return 0
     if args.setup:  # one process on a fake process group of 8: see bench/setup_cost.py
         import setup_cost
 

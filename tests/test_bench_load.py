@@ -1,0 +1,56 @@
+"""bench/load.py's CUDA variant without a GPU: it says why it skips, and its one-reader
+broadcast method (n), which runs on gloo too, loads the files' bytes into every rank's shard."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import run_ranks
+from safetensors.torch import load_file
+
+from fsdp_fp8.models import MoTConfig
+from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+CONFIG = MoTConfig(
+    hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136, vocab_size=301, latent_channels=6
+)
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    import load
+
+    return load
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
+def test_the_cuda_variant_skips_with_its_reason(capsys):
+    assert _bench().main(["--device", "cuda"]) == 0
+    assert "skipped: no CUDA device" in capsys.readouterr().out
+
+
+def _broadcast_load(rank: int, world: int, path: str) -> dict:
+    from fsdp_fp8 import gather_state_dict
+
+    load = _bench()
+    out = load.method_n(path, None, CONFIG)
+    state = gather_state_dict(out["_keep"])  # collective: every rank
+    return {"read": out["bytes_read"], "state": state if rank == 0 else None}
+
+
+def test_the_one_reader_broadcast_loads_the_files_on_every_rank(tmp_path):
+    path = write_sparse_checkpoint(CONFIG, tmp_path / "ckpt", fill="random")
+    results = run_ranks(_broadcast_load, 2, str(path), timeout=120)
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        files.update(load_file(f))
+    data = {k: v for k, v in files.items() if v.ndim}  # the scales load from memory
+    assert results[0]["read"] == sum(v.numel() * v.element_size() for v in data.values())
+    assert results[1]["read"] == 0  # one reader
+    state = results[0]["state"]
+    for key, value in files.items():
+        assert torch.equal(state[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
