@@ -72,6 +72,9 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
     obs["refused"]["2-D on ranks 0, 1; 1-D on 2, 3"] = _refusal(
         lambda: load_uneven(hsdp_mesh if rank < 2 else flat_mesh)
     )
+    obs["refused"]["a CPU mesh for the meta device"] = _refusal(
+        lambda: load_model(uneven_model_fn, uneven, hsdp_mesh, device=torch.device("meta"))
+    )
     try:
         device_mesh("cpu", 3)
         obs["replicas 3"] = None
@@ -262,6 +265,7 @@ def test_a_mesh_fsdp_fp8_cannot_shard_over_is_refused_on_every_rank(observed):
         "no dim names": "has no mesh_dim_names",
         "two of four ranks": "is not built over the default process group's 4 ranks",
         "2-D on ranks 0, 1; 1-D on 2, 3": "ranks disagree on placement",
+        "a CPU mesh for the meta device": "the mesh is on 'cpu' but the model loads onto 'meta'",
     }
     for obs in observed:
         for case, needle in needles.items():
