@@ -107,14 +107,27 @@ def test_reference_model_config_refuses_non_finite_and_non_positive_fields(field
         MoTConfig(**{**base.__dict__, field: value})
 
 
+@pytest.mark.parametrize("path", ["in place", "in place, 2-byte requests", "staged"])
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, code):
+def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, monkeypatch, code, path):
     """ModelOpt saturates to +-448 and never writes the NaN patterns: the loader checks the codes
-    it has just read, in the same pass, and the load fails naming the tensor and the count."""
+    it has just read, in the same pass, and the load fails naming the tensor and the count.
+    In place, the reader's workers check each request as it lands (2-byte requests: the three
+    codes arrive in different reads and are counted together); staged (through the ring, as onto
+    an accelerator), the codes are checked where they end up."""
+    import functools
+
     from ckpt_writer import read_raw
     from small_models import uneven_model_fn
 
     from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
+    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.load import loader
+
+    if path == "staged":
+        monkeypatch.setattr(loader, "_load_local", functools.partial(loader._load_local, stage_cpu=True))
+    if "2-byte" in path:
+        monkeypatch.setattr(read_schedule, "REQUEST_BYTES", 2)
 
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]

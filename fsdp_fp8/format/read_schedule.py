@@ -142,6 +142,14 @@ def read_request(request: Request, buffers: list[memoryview]) -> int:
     return slice_reader.preadv_into(request.handle, request.offset, buffers)
 
 
+def _read_then_check(request: Request, buffers: list[memoryview], after_read) -> int:
+    """In a worker: the request's read, then ``after_read`` on its bytes if all arrived in place."""
+    got = read_request(request, buffers)
+    if after_read is not None and got == request.nbytes and not request.staged:
+        after_read(request, buffers)
+    return got
+
+
 def _short(request: Request, got: int, short: dict[str, list]) -> None:
     """Fold a short read into ``short``: per key, [entry, bytes wanted, bytes got, first offset]."""
     at = 0
@@ -172,11 +180,14 @@ def run(
     threads: int | None = None,
     in_flight: int | None = None,
     on_read: Callable[[int], None] | None = None,
+    after_read: Callable[[Request, list[memoryview]], None] | None = None,
 ) -> list[str]:
     """Read every request; returns the problems (short or failed reads), sorted.
 
     ``on_read(n)`` runs on the calling thread after each finished request; so do the stage's
-    ``bind`` and ``finish``. Returns (or raises) only after every submitted read has finished.
+    ``bind`` and ``finish``. ``after_read(request, buffers)`` runs in the worker, right after a
+    request read into place (not staged) arrived whole: a check of the bytes there overlaps
+    the other workers' reads. Returns (or raises) only after every submitted read has finished.
     """
     threads = READ_THREADS if threads is None else threads
     in_flight = max(1, IN_FLIGHT if in_flight is None else in_flight)
@@ -199,7 +210,7 @@ def run(
                         buffers = stage.bind(request)
                     else:
                         buffers = [p.dest[p.at : p.at + p.nbytes] for p in request.pieces]
-                    running[pool.submit(read_request, request, buffers)] = request
+                    running[pool.submit(_read_then_check, request, buffers, after_read)] = request
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 import time
 from dataclasses import dataclass
 
@@ -110,15 +111,21 @@ def _pieces(entry, start: int, stop: int, dest: torch.Tensor, stage_cpu: bool = 
     return [Piece(entry, offset, nbytes, dest_bytes, staged=True)]
 
 
-def _read_pieces(pieces: list[Piece], device: torch.device, progress: LoadProgress, read_before: int) -> list[str]:
-    """Every piece read (``read_schedule``), staged ones through one ring; the problems."""
+def _read_pieces(
+    pieces: list[Piece], device: torch.device, progress: LoadProgress, read_before: int, after_read=None
+) -> list[str]:
+    """Every piece read (``read_schedule``), staged ones through one ring; the problems.
+    ``after_read``: run by the reader's workers on bytes read in place (``read_schedule.run``)."""
     staged = sum(p.nbytes for p in pieces if p.staged)
     slot, slots = staging_ring(staged, slice_reader.STAGING_BYTES)
     ring = StagingRing(slot, slots, device) if staged else None
     requests = read_schedule.schedule(pieces, staged_bytes=slot)
     try:
         return read_schedule.run(
-            requests, stage=ring, on_read=lambda n: progress.update(slice_reader.bytes_read() - read_before)
+            requests,
+            stage=ring,
+            on_read=lambda n: progress.update(slice_reader.bytes_read() - read_before),
+            after_read=after_read,
         )
     finally:
         if ring is not None:
@@ -147,27 +154,65 @@ def nan_code_flag(codes: torch.Tensor) -> torch.Tensor:
     return (u8.amax() == 0xFF) | (u8.view(torch.int8).amax() == 0x7F)
 
 
-def _nan_code_problems(model: nn.Module, plan, flags: list[torch.Tensor]) -> list[str]:
-    if not flags or flags[0].is_meta or not bool(torch.stack(flags).any()):  # one sync for every tensor
-        return []  # (meta: no bytes to check; tests stand a meta model in for a device)
-    problems = []
-    for target, flag in zip(plan.fp8, flags):
-        if bool(flag):
-            codes = model.get_submodule(target.module).weight
-            local = codes._local_tensor if isinstance(codes, DTensor) else codes
-            count = int(((local.qdata.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).sum())
-            problems.append(
-                f"`{target.entry.weight.key}` in {target.entry.weight.file} holds {count} FP8 "
-                "codes that are NaN in E4M3 (0x7F / 0xFF); ModelOpt saturates to +-448 and never "
-                "writes them"
-            )
-    return problems
+def nan_code_count(codes: torch.Tensor) -> int:
+    """How many E4M3 codes have a NaN pattern (0x7F / 0xFF); one flag check first, so the usual
+    answer (none) costs the two max-reductions alone."""
+    if not bool(nan_code_flag(codes)):
+        return 0
+    return int(((codes.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).sum())
+
+
+def _nan_code_problem(entry, count: int) -> str:
+    return (
+        f"`{entry.key}` in {entry.file} holds {count} FP8 codes that are NaN in E4M3 (0x7F / 0xFF); "
+        "ModelOpt saturates to +-448 and never writes them"
+    )
+
+
+class CodeCheck:
+    """The FP8 NaN-code check of the bytes read into host storage, run by the reader's workers
+    on each request as it lands (``read_schedule.run(after_read=...)``): it overlaps the other
+    workers' reads instead of adding a pass over every weight after the last read."""
+
+    def __init__(self, fp8_entries):
+        self.entries = {e.key: e for e in fp8_entries}
+        self.counts: dict[str, int] = {}
+        self.seconds = 0.0  # summed over the workers
+        self._lock = threading.Lock()
+
+    def __call__(self, request, buffers) -> None:
+        t0 = time.perf_counter()
+        found = {}
+        for piece, buf in zip(request.pieces, buffers):
+            if piece.entry.key in self.entries:
+                found[piece.entry.key] = found.get(piece.entry.key, 0) + nan_code_count(
+                    torch.frombuffer(buf, dtype=torch.uint8)
+                )
+        with self._lock:
+            for key, n in found.items():
+                self.counts[key] = self.counts.get(key, 0) + n
+            self.seconds += time.perf_counter() - t0
+
+    def problems(self) -> list[str]:
+        return [_nan_code_problem(self.entries[k], n) for k, n in sorted(self.counts.items()) if n]
+
+
+def _nan_code_problems(checks: list[tuple]) -> list[str]:
+    """The check of codes read through the staging ring, on the device that holds them after the
+    ring's copies: (entry, codes) pairs, one sync for all of them."""
+    if not checks or checks[0][1].is_meta:  # (meta: no bytes to check; tests stand in a meta model)
+        return []
+    flags = [nan_code_flag(codes) for _, codes in checks]
+    if not bool(torch.stack(flags).any()):
+        return []
+    return [_nan_code_problem(entry, nan_code_count(codes)) for (entry, codes), flag in zip(checks, flags) if flag]
 
 
 def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int, int, float]:
     """Every read this rank does; returns (bytes held by the targets, number of tensors, seconds
     spent in the FP8 code check). ``stage_cpu`` stages CPU destinations too (tests)."""
-    held, checked_s, pieces, codes = 0, 0.0, [], []
+    held, checked_s, pieces, staged_codes = 0, 0.0, [], []
+    in_place = CodeCheck(t.entry.weight for t in plan.fp8)
     scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards, shard = shard_position(model)  # what this rank reads: its shard coordinate's rows (HSDP too)
@@ -178,11 +223,13 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
         for target in plan.fp8:
             weight = model.get_submodule(target.module).weight
             local, start, stop = local_rows(weight, f"{target.module}.weight")
-            pieces += _pieces(target.entry.weight, start, stop, local.qdata, stage_cpu)
+            mine = _pieces(target.entry.weight, start, stop, local.qdata, stage_cpu)
+            pieces += mine
             local.scale.fill_(scales[target.entry.weight_scale.key])
             local.act_quant_scale.fill_(scales[target.entry.input_scale.key])
             held += local.qdata.numel() + 8
-            codes.append(local.qdata)
+            if any(p.staged for p in mine):  # checked on its device after the ring's copies
+                staged_codes.append((target.entry.weight, local.qdata))
             device = local.qdata.device
         for target in plan.tensors:
             local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
@@ -192,13 +239,12 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
                 pieces += _pieces(target.entry, start, stop, local, stage_cpu)
             held += local.numel() * local.element_size()
             device = local.device
-        problems = _read_pieces(pieces, device, progress, read_before)
+        problems = _read_pieces(pieces, device, progress, read_before, after_read=in_place)
         progress.close()
         t0 = time.perf_counter()
         if not problems:  # (bytes a failed read left unwritten are not the file's: nothing to check)
-            flags = [nan_code_flag(c) for c in codes]  # after the reads: on CUDA, after the ring's copies
-            problems += _nan_code_problems(model, plan, flags)
-        checked_s += time.perf_counter() - t0
+            problems += in_place.problems() + _nan_code_problems(staged_codes)
+        checked_s += in_place.seconds + time.perf_counter() - t0
     problems += plan.checkpoint.changed_files()
     raise_if_problems(problems, "what this rank read")
     return held, len(plan.fp8) + len(plan.tensors), checked_s
