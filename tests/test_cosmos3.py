@@ -38,6 +38,7 @@ STEPS, CHECKED_STEPS = 8, (0, 4, 7)  # first, a middle one, last
 COND, UNCOND = torch.arange(5), torch.arange(7) + 9  # und rows 5 / 7; gen rows 4 (latent 4x4, patch 2)
 LATENT = (1, 4, 1, 4, 4)
 PIPE_SIZE = {"num_frames": 1, "height": 32, "width": 32}
+LAUNCH_SIZE = ("--frames", "1", "--height", "32", "--width", "32")  # the launcher's PIPE_SIZE
 EXPECTED_TRACE = "W8A16 x3 / W8A8 x2 / W8A16 x3"
 
 
@@ -163,6 +164,11 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
             argv = ["--checkpoint", policy_dir, "--steps", str(STEPS), "--replicas", "2", "--report", str(report)]
             assert main(argv) == 0
             obs["launched_hsdp"] = json.loads(report.read_text()) if rank == 0 else None
+            report = Path(report_dir, f"pipeline-{world}-hsdp.json")
+            argv = ["--checkpoint", pipeline_root, *LAUNCH_SIZE, "--steps", str(STEPS), "--replicas", "2"]
+            argv += ["--report", str(report)]
+            assert main(argv) == 0
+            obs["pipeline_hsdp"] = json.loads(report.read_text()) if rank == 0 else None
         return obs
 
     policy_loaded = load_model(None, policy_dir, device=torch.device("cpu"))
@@ -194,6 +200,11 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
         report = Path(report_dir, f"transformer-{world}.json")
         assert main(["--checkpoint", policy_dir, "--steps", str(STEPS), "--report", str(report)]) == 0
         obs["launched"] = json.loads(report.read_text()) if rank == 0 else None
+        if world == 1:  # the reference for the HSDP run of the demo pipeline
+            report = Path(report_dir, "pipeline-1.json")
+            argv = ["--checkpoint", pipeline_root, *LAUNCH_SIZE, "--steps", str(STEPS), "--report", str(report)]
+            assert main(argv) == 0
+            obs["pipeline"] = json.loads(report.read_text())
     return obs
 
 
@@ -303,6 +314,12 @@ def test_launcher_with_two_replicas_on_four_ranks_equals_the_1d_runs(observed):
     assert report["mesh"] == [2, 2] and report["world_size"] == 4
     assert report["precision_trace"] == EXPECTED_TRACE
     assert report["latent_sha256"] == observed[1][0]["launched"]["latent_sha256"]
+    pipeline = observed[4][0]["pipeline_hsdp"]  # the demo pipeline, through the launcher
+    assert pipeline["mesh"] == [2, 2] and pipeline["precision_trace"] == EXPECTED_TRACE
+    assert pipeline["latent_sha256"] == observed[1][0]["pipeline"]["latent_sha256"]
+    # One replica group (ranks 0, 1) reads the whole transformer, as one process does.
+    read = [row["bytes_read"] for row in pipeline["ranks"]]
+    assert read[0] + read[1] >= observed[1][0]["pipeline"]["ranks"][0]["bytes_read"] and read[:2] == read[2:]
     # Each rank reads what the rank at its shard coordinate reads in a 2-rank run.
     two = [row["bytes_read"] for row in observed[2][0]["launched"]["ranks"]]
     assert [row["bytes_read"] for row in report["ranks"]] == two + two
