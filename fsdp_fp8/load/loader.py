@@ -111,22 +111,21 @@ def _pieces(entry, start: int, stop: int, dest: torch.Tensor, stage_cpu: bool = 
     return [Piece(entry, offset, nbytes, dest_bytes, staged=True)]
 
 
-def _read_pieces(
-    pieces: list[Piece], device: torch.device, progress: LoadProgress, read_before: int, after_read=None
-) -> list[str]:
+def _read_pieces(pieces: list[Piece], device: torch.device, progress: LoadProgress, after_read=None) -> list[str]:
     """Every piece read (``read_schedule``), staged ones through one ring; the problems.
     ``after_read``: run by the reader's workers on bytes read in place (``read_schedule.run``)."""
     staged = sum(p.nbytes for p in pieces if p.staged)
     slot, slots = staging_ring(staged, slice_reader.STAGING_BYTES)
     ring = StagingRing(slot, slots, device) if staged else None
     requests = read_schedule.schedule(pieces, staged_bytes=slot)
+    done = [0]
+
+    def on_read(n: int) -> None:  # finished requests' bytes (the global counter runs ahead of them)
+        done[0] += n
+        progress.update(done[0])
+
     try:
-        return read_schedule.run(
-            requests,
-            stage=ring,
-            on_read=lambda n: progress.update(slice_reader.bytes_read() - read_before),
-            after_read=after_read,
-        )
+        return read_schedule.run(requests, stage=ring, on_read=on_read, after_read=after_read)
     finally:
         if ring is not None:
             ring.drain()  # no copy may still read from the ring once it is released
@@ -217,7 +216,6 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards, shard = shard_position(model)  # what this rank reads: its shard coordinate's rows (HSDP too)
     progress = LoadProgress(plan.load_bytes(shards, shard), enabled=rank == 0)
-    read_before = slice_reader.bytes_read()
     device = torch.device("cpu")
     with torch.no_grad():
         for target in plan.fp8:
@@ -239,7 +237,7 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
                 pieces += _pieces(target.entry, start, stop, local, stage_cpu)
             held += local.numel() * local.element_size()
             device = local.device
-        problems = _read_pieces(pieces, device, progress, read_before, after_read=in_place)
+        problems = _read_pieces(pieces, device, progress, after_read=in_place)
         progress.close()
         t0 = time.perf_counter()
         if not problems:  # (bytes a failed read left unwritten are not the file's: nothing to check)

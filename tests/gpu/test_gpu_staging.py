@@ -1,0 +1,50 @@
+"""The staging ring on a real GPU: pinned slots, copies on a side stream, many slot reuses with a
+small budget, and the loaded bytes on the device equal to the files. Skipped without CUDA (the
+same ring runs on CPU in tests/test_staging.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from fsdp_fp8 import load_model
+    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.load import loader, staging
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
+
+    path = write_mot_checkpoint(tmp_path / "ckpt")
+    rings = []
+
+    class Recorded(staging.StagingRing):
+        def __init__(self, *args):
+            super().__init__(*args)
+            rings.append(self)
+
+    monkeypatch.setattr(loader, "StagingRing", Recorded)
+    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 256 << 10)  # 4 slots of 64 KiB: reused many times
+    device = torch.device("cuda", 0)
+    loaded = load_model(resolve_architecture(open_checkpoint(path).config).model_fn, path, device=device)
+    (ring,) = rings
+    assert ring.cuda and ring.stream is not None and all(b.is_pinned() for b in ring.buffers)
+    assert ring.nbytes <= 256 << 10 and ring.copies > 4 * len(ring.buffers)
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        files.update(load_file(f))
+    state = loaded.model.state_dict()
+    for name, module in loaded.model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(weight, "qdata"):
+            state[f"{name}.weight"] = weight.qdata
+    data = {k: v for k, v in files.items() if v.ndim}  # the 0-d scales load from memory
+    assert set(data) <= set(state)
+    for key, value in data.items():
+        got = state[key].detach().cpu().reshape(-1).view(torch.uint8)
+        assert torch.equal(got, value.reshape(-1).view(torch.uint8)), key
