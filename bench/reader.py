@@ -88,7 +88,8 @@ def memcpy(src: torch.Tensor, dst: torch.Tensor, threads: int) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(common.SIZES), default="default")
-    p.add_argument("--dir")
+    p.add_argument("--dir", help="benchmark checkpoint cache (see bench/common.py)")
+    p.add_argument("--checkpoint", help="read this FP8 checkpoint directory instead of the cached one")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--reps", type=int, default=5)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--caches", default="warm,cold")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     args = p.parse_args(argv)
-    fp8_dir = common.checkpoints(args.size, args.dir)[0]
+    fp8_dir = Path(args.checkpoint) if args.checkpoint else common.checkpoints(args.size, args.dir)[0]
     ckpt = open_checkpoint(fp8_dir)
     ranges = rank_ranges(ckpt, args.world, args.rank)
     total = sum(n for _, _, n in ranges)

@@ -3,6 +3,7 @@ broadcast method (n), which runs on gloo too, loads the files' bytes into every 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -54,3 +55,24 @@ def test_the_one_reader_broadcast_loads_the_files_on_every_rank(tmp_path):
     state = results[0]["state"]
     for key, value in files.items():
         assert torch.equal(state[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+
+
+def test_the_reader_bench_runs_every_variant_on_the_same_bytes(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import reader
+
+    path = write_sparse_checkpoint(CONFIG, tmp_path / "ckpt", fill="random")
+    results = tmp_path / "r.jsonl"
+    argv = ["--checkpoint", str(path), "--reps", "2", "--threads", "1,2", "--world", "2", "--rank", "1"]
+    assert reader.main([*argv, "--results", str(results)]) == 0
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    variants = {(r["cache"], r["variant"]) for r in rows}
+    for cache in ("warm", "cold"):
+        assert {(cache, v) for v in ("floor", "reader x1", "reader x2")} <= variants
+    assert {("-", "memcpy x1"), ("-", "memcpy x2")} <= variants
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.sharding import entry_rank_bytes
+
+    ckpt = open_checkpoint(path)
+    expected = sum(entry_rank_bytes(e, 2, 1) for e in ckpt.tensors.values() if e.shape)
+    assert all(r["bytes"] == expected and len(r["seconds_all"]) == 2 for r in rows)
