@@ -114,3 +114,49 @@ def test_gb_per_s_is_over_the_reads_not_the_wait_for_peers(tmp_path):
     assert report.seconds >= waited  # the load's time includes the wait ...
     assert report.read_seconds <= report.seconds - waited  # ... the read time does not
     assert report.gb_per_s == report.bytes_read / report.read_seconds / 1e9
+
+
+def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_path, monkeypatch):
+    """With several workers, a read can be counted (``bytes_read``) before the loader has taken
+    its completion: the bar must follow finished reads, rising once per read to the total."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from fsdp_fp8.format import read_schedule, slice_reader
+    from fsdp_fp8.format.safetensors_header import read_header
+    from fsdp_fp8.load import loader
+
+    entries = {}
+    for i, rows in enumerate((3, 5)):
+        path = tmp_path / f"s{i}.safetensors"
+        save_file({f"t{i}": torch.ones(rows, 16, dtype=torch.uint8)}, str(path))
+        entries.update(read_header(path, []).tensors)
+    pieces = []
+    for key in ("t0", "t1"):
+        offset, n = slice_reader.row_range(entries[key], 0, entries[key].shape[0])
+        pieces.append(loader.Piece(entries[key], offset, n, memoryview(bytearray(n))))
+    second_counted = threading.Event()
+    real = read_schedule.read_request
+
+    def ordered(request, buffers):  # t0's read is counted, then waits until t1's is counted too
+        got = real(request, buffers)
+        if request.pieces[0].entry.key == "t1":
+            second_counted.set()
+        else:
+            assert second_counted.wait(10)
+        return got
+
+    monkeypatch.setattr(read_schedule, "read_request", ordered)
+    monkeypatch.setattr(read_schedule, "READ_THREADS", 2)
+
+    class Recorded:
+        updates: list[int] = []
+
+        def update(self, done):
+            self.updates.append(done)
+
+    progress = Recorded()
+    assert loader._read_pieces(pieces, torch.device("cpu"), progress) == []
+    first, second = (p.nbytes for p in pieces)
+    assert progress.updates in ([first, first + second], [second, first + second])  # once per finished read
