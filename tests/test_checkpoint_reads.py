@@ -165,3 +165,32 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
     assert cli.main(["inspect", str(bad)]) == 1
     assert "model.safetensors: truncated" in capsys.readouterr().err
     assert cli.main(["verify", str(tmp_path / "nope")]) == 1
+
+
+def _uneven_load_bytes(rank: int, world: int, directory: str) -> dict:
+    from small_models import uneven_model_fn
+
+    from fsdp_fp8 import load_model
+
+    loaded = load_model(uneven_model_fn, directory, device=torch.device("cpu"))
+    plan = loaded.plan
+    return {
+        "read": loaded.report.bytes_read,
+        "load_bytes": plan.load_bytes(world, rank),
+        "ranges": sum(n for _, _, n in plan.rank_ranges(world, rank)),
+        "forecast": plan.forecast(world, rank).read_bytes,
+        "rank_bytes": plan.rank_bytes(world, rank),
+        "scales": sum(e.nbytes for t in plan.fp8 for e in (t.entry.weight_scale, t.entry.input_scale)),
+    }
+
+
+def test_what_the_plan_says_a_rank_reads_is_what_it_reads_buffers_whole(tmp_path):
+    """A persistent buffer (the uneven model's `shift`) is not sharded by FSDP2: every rank reads
+    it whole, and the plan's byte counts (progress total, prefetch ranges, forecast) say so."""
+    from ranks import run_ranks
+    from small_models import write_uneven_checkpoint
+
+    directory = write_uneven_checkpoint(tmp_path / "ckpt")
+    for rank, got in enumerate(run_ranks(_uneven_load_bytes, 2, str(directory), timeout=120)):
+        assert got["read"] == got["load_bytes"] == got["ranges"], (rank, got)
+        assert got["forecast"] == got["rank_bytes"] == got["read"] + got["scales"], (rank, got)

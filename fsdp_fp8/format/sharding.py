@@ -33,12 +33,15 @@ def padded_rows(rows: int, world_size: int) -> int:
     return -(-rows // world_size)
 
 
-def entry_rank_bytes(entry: TensorEntry, world_size: int, rank: int, padded: bool = False) -> int:
+def entry_rank_bytes(
+    entry: TensorEntry, world_size: int, rank: int, padded: bool = False, replicated: bool = False
+) -> int:
     """Bytes of ``entry`` that ``rank`` reads (or, with ``padded``, holds) under Shard(0).
 
-    0-d tensors (scales) are replicated: every rank reads and holds all of them.
+    0-d tensors (scales) are replicated: every rank reads and holds all of them; so is a tensor
+    with ``replicated`` (a buffer: FSDP2 shards parameters only).
     """
-    if not entry.shape:
+    if not entry.shape or replicated:
         _check(world_size, rank)
         return entry.nbytes
     row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
@@ -92,25 +95,28 @@ def rank_forecast(
     rank: int,
     staging_bytes: int,
     staged_entries: Iterable[TensorEntry] | None = None,
+    replicated: frozenset[str] = frozenset(),
 ) -> RankForecast:
     """Bytes ``rank`` reads (split FP8 / high precision), holds, and stages through host memory.
 
     The staging figure follows the loader: into an accelerator every read goes through one ring
     of host buffers allocated once (``staging_ring`` of the rows the rank reads; the loader
     stages what it reads, which is these entries less the scales it already holds).
-    ``staged_entries``, when given, names what is staged (default: every entry).
+    ``staged_entries``, when given, names what is staged (default: every entry). ``replicated``:
+    keys every rank reads whole (buffers: FSDP2 shards parameters only).
     """
     fp8_entries, other_entries = list(fp8_entries), list(other_entries)
-    held = sum(entry_rank_bytes(e, world_size, rank, padded=True) for e in fp8_entries + other_entries)
-    staged = sum(
-        entry_rank_bytes(e, world_size, rank)
-        for e in (fp8_entries + other_entries if staged_entries is None else staged_entries)
-    )
+
+    def share(e: TensorEntry, padded: bool = False) -> int:
+        return entry_rank_bytes(e, world_size, rank, padded, replicated=e.key in replicated)
+
+    held = sum(share(e, padded=True) for e in fp8_entries + other_entries)
+    staged = sum(share(e) for e in (fp8_entries + other_entries if staged_entries is None else staged_entries))
     slot, slots = staging_ring(staged, staging_bytes)
     return RankForecast(
         rank=rank,
-        fp8_bytes=sum(entry_rank_bytes(e, world_size, rank) for e in fp8_entries),
-        high_precision_bytes=sum(entry_rank_bytes(e, world_size, rank) for e in other_entries),
+        fp8_bytes=sum(share(e) for e in fp8_entries),
+        high_precision_bytes=sum(share(e) for e in other_entries),
         held_bytes=held,
         staging_peak_bytes=slot * slots,
     )

@@ -8,6 +8,7 @@ silent cast changes numerics the user did not ask to change.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class Fp8Target:
 class TensorTarget:
     name: str  # model state_dict key (parameter or persistent buffer)
     entry: TensorEntry
+    replicated: bool = False  # a persistent buffer: FSDP2 shards parameters only, every rank reads it whole
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,15 +66,24 @@ class LoadPlan:
     def high_precision_bytes(self) -> int:
         return sum(t.entry.nbytes for t in self.tensors)
 
+    @functools.cached_property
+    def replicated(self) -> frozenset[str]:
+        """Checkpoint keys every rank reads whole: the persistent buffers (FSDP2 shards
+        parameters only; 0-d tensors are whole on every rank anyway)."""
+        return frozenset(t.entry.key for t in self.tensors if t.replicated)
+
+    def _share(self, entry: TensorEntry, world_size: int, rank: int) -> int:
+        return entry_rank_bytes(entry, world_size, rank, replicated=entry.key in self.replicated)
+
     def rank_bytes(self, world_size: int, rank: int) -> int:
-        """Bytes ``rank`` reads if every tensor is Shard(0)-split; 0-d scales count on every rank."""
-        return sum(entry_rank_bytes(e, world_size, rank) for e in self._entries())
+        """Bytes ``rank`` reads: Shard(0) rows of every parameter; 0-d scales and buffers whole."""
+        return sum(self._share(e, world_size, rank) for e in self._entries())
 
     def load_bytes(self, world_size: int, rank: int) -> int:
         """Bytes the rank-slice load itself reads: ``rank_bytes`` less the FP8 scales, which were
         read (and checked) when the checkpoint was opened and load from memory."""
         entries = [t.entry.weight for t in self.fp8] + [t.entry for t in self.tensors]
-        return sum(entry_rank_bytes(e, world_size, rank) for e in entries)
+        return sum(self._share(e, world_size, rank) for e in entries)
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into
@@ -81,15 +92,24 @@ class LoadPlan:
             staging_bytes = slice_reader.STAGING_BYTES  # read at call time: tests and users may change it
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
         return rank_forecast(
-            fp8, [t.entry for t in self.tensors], world_size, rank, staging_bytes, staged_entries=self.read_entries()
+            fp8,
+            [t.entry for t in self.tensors],
+            world_size,
+            rank,
+            staging_bytes,
+            staged_entries=self.read_entries(),
+            replicated=self.replicated,
         )
 
     def rank_ranges(self, world_size: int, rank: int) -> list[tuple[TensorEntry, int, int]]:
-        """(entry, file offset, bytes) of the rows ``rank`` reads if every tensor is Shard(0)-split
-        (``torch.chunk`` rows): what the load will read, known before the model is sharded."""
-        out = []
+        """(entry, file offset, bytes) of the rows ``rank`` reads (``torch.chunk`` rows of every
+        parameter, buffers whole): what the load will read, known before the model is sharded."""
+        out, whole = [], self.replicated
         for entry in self.read_entries():
-            start, stop = chunk_rows(entry.shape[0], world_size, rank) if entry.shape else (0, 1)
+            if entry.shape and entry.key not in whole:
+                start, stop = chunk_rows(entry.shape[0], world_size, rank)
+            else:
+                start, stop = 0, entry.shape[0] if entry.shape else 1
             offset, nbytes = slice_reader.row_range(entry, start, stop)
             out.append((entry, offset, nbytes))
         return out
@@ -215,7 +235,7 @@ def plan_load(
                 f"{have.dtype}; refusing to cast silently"
             )
         if claim(mapped, key):
-            tensors.append(TensorTarget(mapped, entry))
+            tensors.append(TensorTarget(mapped, entry, replicated=not isinstance(have, nn.Parameter)))
 
     for experts, keys in sorted(fused.items()):
         holder = modules[experts]
