@@ -11,8 +11,8 @@ Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   c  prior-art FP8: every rank reads each full FP8 tensor (safetensors) and
      ``distribute_tensor``s it (as uint8: gloo refuses float8) into the same sharded model
   d  floor: the same ranks pread only the bytes they need into preallocated buffers
-  p  a with prefetch: the rank's ranges hinted to the page cache (POSIX_FADV_WILLNEED) while
-     the model is set up (``read_schedule.PREFETCH_BYTES`` = all of them)
+  p  a without prefetch (``read_schedule.PREFETCH_BYTES = 0``); a hints the rank's ranges to
+     the page cache (POSIX_FADV_WILLNEED) while the model is set up, by default
 
 CUDA variant (``--device cuda``: NCCL, one GPU per rank; skipped with its reason without CUDA):
   a  ``load_model(device=cuda)``: the reader's pinned staging ring, copies on a side stream
@@ -54,7 +54,7 @@ NAMES = {
     "b": "FSDP2 BF16 bcast",
     "c": "full FP8 + distribute",
     "d": "floor (pread)",
-    "p": "fsdp_fp8 + prefetch",
+    "p": "fsdp_fp8, no prefetch",
     "n": "bcast from 1 reader",
     "h": "pinned H2D",
 }
@@ -105,7 +105,7 @@ def _local_bytes(model) -> int:
 def method_p(fp8_dir, bf16_dir, cfg) -> dict:
     from fsdp_fp8.format import read_schedule
 
-    read_schedule.PREFETCH_BYTES = 1 << 50  # everything the rank reads (capped at half the free memory)
+    read_schedule.PREFETCH_BYTES = 0  # a's default hints every row the rank reads
     return method_a(fp8_dir, bf16_dir, cfg)
 
 
@@ -325,7 +325,12 @@ def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn, devi
         import torch.distributed as dist
         import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
 
-        import fsdp_fp8  # noqa: F401
+        # fsdp_fp8's __init__ is lazy: import what the methods use (TorchAO with it), or the first
+        # method's measured block would pay for the imports.
+        import fsdp_fp8.format.checkpoint  # noqa: F401
+        import fsdp_fp8.load.api  # noqa: F401
+        import fsdp_fp8.load.architectures  # noqa: F401
+        import fsdp_fp8.models  # noqa: F401
 
         torch.set_num_threads(1)
         backend = "gloo"
@@ -485,8 +490,9 @@ def format_table(rows: list[dict], world: int, forecast: dict) -> str:
                 "bench/load_phases.py times the reads alone"
             )
         lines.append(
-            f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} s = "
-            f"{100 * a['code_check_share_median']:.2f}% of load_model (worst rank; target < 5%)"
+            f"a: FP8 NaN-code check {a['code_check_s_median']:.4f} thread-seconds (worst rank; summed over "
+            f"the reader's workers, which run it as each read lands, overlapping the other reads: "
+            f"{100 * a['code_check_share_median']:.2f}% of load_model's wall time if it were serial)"
         )
         if "gpu_target_share" in a:
             lines.append(

@@ -45,6 +45,7 @@ def _load(rank: int, world: int, path: str) -> dict:
 
     events: list[tuple[str, float, tuple]] = []
     real_advise, real_read = os.posix_fadvise, read_schedule.read_request
+    default = read_schedule.PREFETCH_BYTES  # what a user gets without setting anything
 
     slow = [0.0]
 
@@ -62,10 +63,10 @@ def _load(rank: int, world: int, path: str) -> dict:
     read_schedule.os.posix_fadvise, read_schedule.read_request = advise, read
     out = {}
     try:
-        for budget in (1 << 40, SMALL_BUDGET, 0, "slow"):
+        for budget in ("default", 1 << 40, SMALL_BUDGET, 0, "slow"):
             if budget == "slow":  # hints slower than the set-up: stopped part-way, and joined
                 slow[0], read_schedule.PREFETCH_CALL_BYTES = 0.05, 1000
-            read_schedule.PREFETCH_BYTES = 1 << 40 if budget == "slow" else budget
+            read_schedule.PREFETCH_BYTES = {"slow": 1 << 40, "default": default}.get(budget, budget)
             events.clear()
             loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path)
             hints = [e for e in events if e[0] == "hint"]
@@ -85,6 +86,7 @@ def _load(rank: int, world: int, path: str) -> dict:
 def test_prefetch_hints_exactly_this_ranks_rows_before_reading_them(checkpoint_dir):
     for r in run_ranks(_load, 2, str(checkpoint_dir), timeout=180):
         everything, small, off = r[1 << 40], r[SMALL_BUDGET], r[0]
+        assert r["default"]["prefetch_bytes"] == r["default"]["bytes_read"] > 0  # on by default: every row
         assert everything["hints"] and everything["hinted_before_reads"]
         assert _merged(everything["hints"]) == _merged(everything["reads"])  # the rows it then read, all
         assert everything["prefetch_bytes"] == everything["bytes_read"]
@@ -116,3 +118,7 @@ def test_inspect_reports_the_prefetch_budget_and_each_ranks_share(checkpoint_dir
     monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", 0)
     assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
     assert capsys.readouterr().out.count("prefetch 0 bytes") == 3
+    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", read_schedule.ALL_ROWS)
+    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "budget every row a rank reads" in out and "prefetch 0 bytes" not in out

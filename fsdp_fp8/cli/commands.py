@@ -50,7 +50,7 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         lines.append(
             f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
             f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}; "
-            f"prefetch: page-cache hints during the set-up, budget {_mib(read_schedule.PREFETCH_BYTES)}"
+            f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(read_schedule.PREFETCH_BYTES)}"
             f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (half the available memory)'}):"
         )
         for rank in range(world_size):
@@ -62,6 +62,12 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
                 f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
             )
     return "\n".join(lines)
+
+
+def _prefetch_budget(budget: int) -> str:
+    from fsdp_fp8.format import read_schedule
+
+    return "every row a rank reads" if budget >= read_schedule.ALL_ROWS else _mib(budget)
 
 
 def _open(directory: str) -> Checkpoint | None:

@@ -60,7 +60,9 @@ class LoadReport:
     read_seconds: float  # the reads alone: what GB/s is measured over (waiting for peers is not I/O)
     peak_rss_bytes: int
     peak_device_bytes: int | None
-    code_check_seconds: float = 0.0  # host time in the FP8 NaN-code check (on CUDA: launching it)
+    # host time in the FP8 NaN-code check, summed over the reader's workers that run it as reads
+    # land (overlapping the other reads), plus the check of staged codes (on CUDA: launching it)
+    code_check_seconds: float = 0.0
     prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache during ``prepare``
 
     @property
