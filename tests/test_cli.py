@@ -123,6 +123,9 @@ def test_run_help_is_the_launchers(capsys):
         (["verify", "x", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
         (["verify", "x", "--device", "mps"], "argument --device: invalid choice: 'mps'"),
         (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
+        (["inspect", "x", "--replicas", "2"], "--replicas 2 needs --world-size"),
+        (["verify", "x", "--world-size", "4", "--replicas", "3"], "--replicas 3 does not divide --world-size 4"),
+        (["inspect", "x", "--world-size", "4", "--replicas", "0"], "argument --replicas: must be >= 1, got 0"),
         ([], "the following arguments are required: command"),
     ],
 )
@@ -131,3 +134,22 @@ def test_bad_options_are_usage_errors(capsys, argv, message):
         cli.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _figures(out: str) -> list[str]:
+    """The per-rank (or per-shard) figures of a forecast, without the line's label."""
+    return [line.split(":", 1)[1] for line in out.splitlines() if ": reads " in line]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_the_hsdp_forecast_is_one_line_per_shard_with_its_ranks(checkpoints, capsys, command):
+    """Under HSDP (2 replicas of 2 ranks) a rank reads what the rank at its shard coordinate reads
+    in a 2-rank job: the forecast shows each shard once, with the two ranks holding it."""
+    path, extra = str(checkpoints["mot-tiny"]), (["--device", "cpu"] if command == "verify" else [])
+    assert cli.main([command, path, "--world-size", "2", *extra]) == 0
+    flat = capsys.readouterr().out
+    assert cli.main([command, path, "--world-size", "4", "--replicas", "2", *extra]) == 0
+    hsdp = capsys.readouterr().out
+    assert "HSDP 2 x 2 (replicate x shard)" in hsdp
+    assert "shard 0 (ranks 0, 2)" in hsdp and "shard 1 (ranks 1, 3)" in hsdp
+    assert len(_figures(hsdp)) == 2 and _figures(hsdp) == _figures(flat)

@@ -20,7 +20,24 @@ def _mib(n: int) -> str:
     return f"{n:,} bytes ({n / 2**20:.2f} MiB)"
 
 
-def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
+def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
+    """(shard coordinate, the global ranks holding it) of the mesh ``load_model`` shards over:
+    ``(replicas, world_size // replicas)``, row-major as ``init_device_mesh`` lays it out."""
+    shards = world_size // replicas
+    return [(s, [r * shards + s for r in range(replicas)]) for s in range(shards)]
+
+
+def _who(shard: int, ranks: list[int]) -> str:
+    return f"rank {shard}" if len(ranks) == 1 else f"shard {shard} (ranks {', '.join(map(str, ranks))})"
+
+
+def _mesh_words(world_size: int, replicas: int) -> str:
+    if replicas == 1:
+        return f"world size {world_size}"
+    return f"world size {world_size}, HSDP {replicas} x {world_size // replicas} (replicate x shard)"
+
+
+def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) -> str:
     q = ckpt.quant
     fp8_weights = sum(m.weight.nbytes for m in ckpt.fp8_modules.values())
     scales = sum(m.weight_scale.nbytes + m.input_scale.nbytes for m in ckpt.fp8_modules.values())
@@ -48,16 +65,17 @@ def summary(ckpt: Checkpoint, world_size: int | None = None) -> str:
         read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
         prefetch = read_schedule.prefetch_budget()
         lines.append(
-            f"world size {world_size} (every tensor Shard(0), 0-d scales replicated; "
+            f"{_mesh_words(world_size, replicas)} (every tensor Shard(0), 0-d scales replicated; "
             f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}; "
             f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(read_schedule.PREFETCH_BYTES)}"
             f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (half the available memory)'}):"
         )
-        for rank in range(world_size):
-            f = rank_forecast(fp8, other, world_size, rank, STAGING_BYTES, staged_entries=read)
-            reads = sum(entry_rank_bytes(e, world_size, rank) for e in read)
+        groups = shard_groups(world_size, replicas)
+        for shard, ranks in groups:
+            f = rank_forecast(fp8, other, len(groups), shard, STAGING_BYTES, staged_entries=read)
+            reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
             lines.append(
-                f"  rank {rank}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
+                f"  {_who(shard, ranks)}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
                 f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
                 f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
             )
@@ -89,7 +107,7 @@ def _inspect(args: argparse.Namespace) -> int:
     ckpt = _open(args.directory)
     if ckpt is None:
         return 1
-    print(summary(ckpt, args.world_size))
+    print(summary(ckpt, args.world_size, args.replicas))
     return 0
 
 
@@ -114,9 +132,12 @@ def _verify(args: argparse.Namespace) -> int:
     if plan.kv_scales:
         print(f"note: {len(plan.kv_scales)} FP8 KV-cache scales have no place in {arch.name} and are not loaded")
     if args.world_size:
-        for rank in range(args.world_size):
-            f = plan.forecast(args.world_size, rank)
-            print(f"  rank {rank} of {args.world_size}: reads {_mib(f.read_bytes)}, holds {_mib(f.held_bytes)}")
+        groups = shard_groups(args.world_size, args.replicas)
+        if args.replicas > 1:
+            print(f"{_mesh_words(args.world_size, args.replicas)}: each shard's rows are read once per replica")
+        for shard, ranks in groups:
+            f = plan.forecast(len(groups), shard)
+            print(f"  {_who(shard, ranks)} of {len(groups)}: reads {_mib(f.read_bytes)}, holds {_mib(f.held_bytes)}")
     if args.sha256:
         for name, shard in ckpt.files.items():
             print(f"{file_sha256(shard.path)}  {name}")
@@ -181,6 +202,7 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
     inspect.add_argument(
         "--world-size", type=_positive, default=None, help="also forecast what each of W ranks reads, holds and stages"
     )
+    inspect.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
     verify = sub.add_parser(
         "verify",
         help="check the checkpoint as load_model does (open, build the model on "
@@ -190,6 +212,7 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
     verify.add_argument(
         "--world-size", type=_positive, default=None, help="also show what each of W ranks would read and hold"
     )
+    verify.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
     verify.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -216,11 +239,26 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
     return parser
 
 
+REPLICAS_HELP = (
+    "with --world-size: the forecast for HSDP over R replica groups of W/R ranks (launch/infer.py "
+    "--replicas R), one line per shard with the ranks holding it"
+)
+
+
 def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # the launcher parses its own options
         return _run(argv[1:], prog if prog.endswith(".py") else f"{prog} run")
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if getattr(args, "replicas", 1) > 1:
+        if not args.world_size:
+            parser.error(f"--replicas {args.replicas} needs --world-size")
+        if args.world_size % args.replicas:
+            parser.error(
+                f"--replicas {args.replicas} does not divide --world-size {args.world_size}: HSDP needs every "
+                "replica group to have the same number of ranks"
+            )
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "save":
