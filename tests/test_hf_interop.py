@@ -284,6 +284,9 @@ def test_kv_scales_load_into_a_model_that_has_a_place_for_them():
     attn = loaded.model.model.layers[1].self_attn
     assert _same_bytes(attn.k_scale, files["model.layers.1.self_attn.k_proj.k_scale"])
     assert _same_bytes(attn.v_scale, files["model.layers.1.self_attn.v_proj.v_scale"])
+    # The scales load from the values checked at open: what the load reads is the plan's load_bytes
+    # (the progress total), KV-cache scales not among them.
+    assert loaded.report.bytes_read == loaded.plan.load_bytes(1, 0)
 
 
 @pytest.mark.parametrize("strict", (True, False))

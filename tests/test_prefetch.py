@@ -100,7 +100,11 @@ def test_prefetch_hints_exactly_this_ranks_rows_before_reading_them(checkpoint_d
         assert slow["hinted_before_reads"]
 
 
-def test_the_budget_is_capped_at_half_the_available_memory(monkeypatch):
+def test_the_budget_is_capped_at_the_ranks_share_of_half_the_available_memory(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks hint into this node's page cache
+    monkeypatch.setattr(read_schedule, "available_memory", lambda: 10_000)
+    assert read_schedule.prefetch_budget(1 << 40) == 1_250
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(read_schedule, "available_memory", lambda: 10_000)
     assert read_schedule.prefetch_budget(1 << 40) == 5_000
     assert read_schedule.prefetch_budget(3_000) == 3_000

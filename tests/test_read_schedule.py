@@ -134,6 +134,30 @@ def test_truncation_names_every_short_tensor_its_file_and_both_counts(shards):
     assert slice_reader.bytes_read() == t4.begin + 100 - min(e.begin for e in f0.values())
 
 
+@pytest.mark.parametrize("slow", ["the whole read", "the short reads"])
+def test_a_short_tensor_is_reported_the_same_whichever_read_finishes_first(shards, monkeypatch, slow):
+    """f0.t4 in three 512-byte reads, the file ending 100 bytes into the second: the problem
+    counts the bytes of the reads that came short (1024 wanted, 100 got, from the second read's
+    offset), whichever of the workers finishes first."""
+    entries, _ = shards
+    t4 = entries["f0.t4"]
+    os.truncate(t4.path, t4.begin + 612)
+    real = read_schedule.read_request
+
+    def delayed(request, buffers):
+        if (request.offset == t4.begin) == (slow == "the whole read"):
+            time.sleep(0.2)
+        return real(request, buffers)
+
+    monkeypatch.setattr(read_schedule, "read_request", delayed)
+    pieces, _ = _pieces({"f0.t4": t4})
+    problems = read_schedule.run(read_schedule.schedule(pieces, request_bytes=512), threads=3)
+    assert problems == [
+        f"`f0.t4` in shard0.safetensors: file ended after 100 of {t4.nbytes - 512} bytes at offset "
+        f"{t4.begin + 512} (truncated since the header was checked?)"
+    ]
+
+
 @pytest.mark.parametrize("error", [OSError, RuntimeError])
 def test_a_failing_read_is_raised_once_after_every_other_read_finished(shards, monkeypatch, error):
     entries, _ = shards

@@ -68,7 +68,7 @@ def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) 
             f"{_mesh_words(world_size, replicas)} (every tensor Shard(0), 0-d scales replicated; "
             f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}; "
             f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(read_schedule.PREFETCH_BYTES)}"
-            f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (half the available memory)'}):"
+            f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (a per-rank share of half the available memory)'}):"
         )
         groups = shard_groups(world_size, replicas)
         for shard, ranks in groups:

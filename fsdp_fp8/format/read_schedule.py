@@ -151,12 +151,13 @@ def _read_then_check(request: Request, buffers: list[memoryview], after_read) ->
 
 
 def _short(request: Request, got: int, short: dict[str, list]) -> None:
-    """Fold a short read into ``short``: per key, [entry, bytes wanted, bytes got, first offset]."""
+    """Fold a short read into ``short``: per key, over the pieces that came short (whatever
+    order the reads finish in), [entry, bytes wanted, bytes got, first offset]."""
     at = 0
     for p in request.pieces:
         have = min(max(got - at, 0), p.nbytes)
         at += p.nbytes
-        if have == p.nbytes and p.entry.key not in short:
+        if have == p.nbytes:
             continue
         record = short.setdefault(p.entry.key, [p.entry, 0, 0, p.offset])
         record[1] += p.nbytes
@@ -263,11 +264,21 @@ def available_memory() -> int | None:
     return None
 
 
+def local_ranks() -> int:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun or if unreadable)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def prefetch_budget(budget: int | None = None) -> int:
-    """``budget`` (default ``PREFETCH_BYTES``) capped at half of ``available_memory()``."""
+    """``budget`` (default ``PREFETCH_BYTES``) capped at this rank's share of half of
+    ``available_memory()``: the node's ranks (``local_ranks()``) hint into one page cache, and
+    pages hinted beyond it would be evicted before they are read."""
     budget = PREFETCH_BYTES if budget is None else budget
     free = available_memory()
-    return max(0, min(budget, free // 2) if free is not None else budget)
+    return max(0, min(budget, free // 2 // local_ranks()) if free is not None else budget)
 
 
 def prefetch_ranges(reads: Iterable[tuple[TensorEntry, int, int]], budget: int) -> list[tuple[object, int, int]]:

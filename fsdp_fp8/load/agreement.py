@@ -41,6 +41,9 @@ DEFAULT_TIMEOUT_S = 300.0  # the wait for a peer before anything is read (openin
 # Sizes the wait for the outcome of the reads: the slowest rank reads its forecast bytes at
 # no less than this (slow network storage), on top of the base timeout.
 ASSUMED_READ_BYTES_PER_S = 50e6
+# Sizes the wait for the outcome of a save's writes: every rank may write into one shared
+# filesystem at once (and syncs), so the whole save's bytes at no less than this, in all.
+ASSUMED_WRITE_BYTES_PER_S = 50e6
 MAX_NAMED_DIFFERENCES = 5  # per component, in the error; the count of the rest follows
 
 _side: dict = {}  # "group", "world" (the default group it belongs to), "sequence", "created"

@@ -211,7 +211,7 @@ def load_model(
             plan,
             prepare=prepare,
             timeout_s=outcome_timeout_s(plan, shards, agreement_timeout_s),
-            shard_position=position,
+            position=position,
         )
     except BaseException:
         checkpoint.close()  # the model is dead: its descriptors go too

@@ -38,7 +38,7 @@ from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
 from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
-from fsdp_fp8.load.fsdp_wrap import model_mesh, shard_position, shard_size
+from fsdp_fp8.load.fsdp_wrap import shard_position
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
@@ -127,10 +127,17 @@ def _read_pieces(pieces: list[Piece], device: torch.device, progress: LoadProgre
         progress.update(done[0])
 
     try:
-        return read_schedule.run(requests, stage=ring, on_read=on_read, after_read=after_read)
-    finally:
-        if ring is not None:
-            ring.drain()  # no copy may still read from the ring once it is released
+        problems = read_schedule.run(requests, stage=ring, on_read=on_read, after_read=after_read)
+    except BaseException:
+        if ring is not None:  # no copy may still read from the ring once it is released...
+            try:
+                ring.drain()
+            except Exception as exc:  # ...but the read's error is the one to raise
+                log.error("draining the staging ring after a failed read: %s: %s", type(exc).__name__, exc)
+        raise
+    if ring is not None:
+        ring.drain()
+    return problems
 
 
 def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -239,8 +246,10 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
                 pieces += _pieces(target.entry, start, stop, local, stage_cpu)
             held += local.numel() * local.element_size()
             device = local.device
-        problems = _read_pieces(pieces, device, progress, after_read=in_place)
-        progress.close()
+        try:
+            problems = _read_pieces(pieces, device, progress, after_read=in_place)
+        finally:
+            progress.close()  # a failed read ends the bar's line too
         t0 = time.perf_counter()
         if not problems:  # (bytes a failed read left unwritten are not the file's: nothing to check)
             problems += in_place.problems() + _nan_code_problems(staged_codes)
@@ -317,7 +326,7 @@ def load_checkpoint(
     *,
     prepare=None,
     timeout_s: float | None = None,
-    shard_position: tuple[int, int] | None = None,
+    position: tuple[int, int] | None = None,
 ) -> LoadReport:
     """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
     which names the checkpoint and every entry to read.
@@ -328,21 +337,22 @@ def load_checkpoint(
     passes the swap, ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank
     too). ``timeout_s``: how long a rank waits for the slowest peer's outcome; default
     ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast over the
-    shard-dim size (``fsdp_wrap.shard_size``). ``shard_position``: (shard-dim size, this rank's
-    shard coordinate) the model will have after ``prepare``, whose rows a prefetch hints
-    (``read_schedule.PREFETCH_BYTES``; default (world size, rank): a 1-D mesh).
+    shard-dim size (``fsdp_wrap.shard_size``). ``position``: (shard-dim size, this rank's shard
+    coordinate) the model will have after ``prepare``, whose rows a prefetch hints
+    (``read_schedule.PREFETCH_BYTES``) and whose forecast sizes the default timeout; default:
+    what the model has now, (world size, rank) before ``prepare`` shards it (a 1-D mesh). An HSDP
+    caller passing ``prepare`` passes it (``load_model`` does).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
+    shards, shard = position or ((world, rank) if prepare is not None else shard_position(model))
     if timeout_s is None:
-        # Before ``prepare`` shards the model this is every rank (load_model passes its own).
-        timeout_s = outcome_timeout_s(plan, shard_size(model_mesh(model)), DEFAULT_TIMEOUT_S)
+        timeout_s = outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)
     ok, message, held, count, read_s, checked_s, prefetched = True, "", 0, 0, 0.0, 0.0, 0
     try:
         if prepare is not None:
-            shards, shard = shard_position or (world, rank)
             prefetched = _prepare_while_prefetching(prepare, plan, shards, shard)
             read_before, t0 = slice_reader.bytes_read(), time.perf_counter()
         on_meta = tensors_on_meta(model)

@@ -80,10 +80,9 @@ class LoadPlan:
         return sum(self._share(e, world_size, rank) for e in self._entries())
 
     def load_bytes(self, world_size: int, rank: int) -> int:
-        """Bytes the rank-slice load itself reads: ``rank_bytes`` less the FP8 scales, which were
-        read (and checked) when the checkpoint was opened and load from memory."""
-        entries = [t.entry.weight for t in self.fp8] + [t.entry for t in self.tensors]
-        return sum(self._share(e, world_size, rank) for e in entries)
+        """Bytes the rank-slice load itself reads: ``rank_bytes`` less the FP8 and KV-cache
+        scales, which were read (and checked) when the checkpoint was opened and load from memory."""
+        return sum(self._share(e, world_size, rank) for e in self.read_entries())
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into

@@ -59,7 +59,7 @@ from fsdp_fp8.format.writer import (
     write_index_and_configs,
 )
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
-from fsdp_fp8.load.agreement import ASSUMED_READ_BYTES_PER_S, DEFAULT_TIMEOUT_S, distributed, exchange
+from fsdp_fp8.load.agreement import ASSUMED_WRITE_BYTES_PER_S, DEFAULT_TIMEOUT_S, distributed, exchange
 from fsdp_fp8.load.api import LoadedModel
 from fsdp_fp8.load.fsdp_wrap import primary_replica
 from fsdp_fp8.load.loader import local_rows
@@ -356,7 +356,8 @@ def save_checkpoint(
     Under HSDP (a 2-D mesh) only the replica holding rank 0 writes rows; the other replicas
     take part in the agreements and write nothing. The agreements run on the load's gloo side
     group: a rank waits ``agreement_timeout_s`` for its peers, and for the outcome of the writes
-    that plus the time the busiest rank's bytes take at ``agreement.ASSUMED_READ_BYTES_PER_S``.
+    that plus the time the whole save's bytes take at ``agreement.ASSUMED_WRITE_BYTES_PER_S``
+    (every rank may be writing into one shared filesystem at once).
     """
     t0 = time.perf_counter()
     rank, world = _rank_world()
@@ -380,7 +381,11 @@ def save_checkpoint(
         except OSError as exc:
             problems.append(f"cannot create the checkpoint files next to {directory}: {exc}")
     try:
-        to_write = sum(i.rows.numel() * i.rows.element_size() for i in prepared.items if i.rows is not None)
+        # Everything this rank will write: its rows, and on rank 0 the replicated tensors too.
+        to_write = sum(
+            i.rows.numel() * i.rows.element_size() if i.rows is not None else (i.spec.nbytes if rank == 0 else 0)
+            for i in prepared.items
+        )
         verdicts = _exchange(
             (rank, sorted(problems), prepared.digest, tmp and str(tmp), to_write),
             "agreement on the planned files",
@@ -399,12 +404,12 @@ def save_checkpoint(
                 write_index_and_configs(shared_tmp, layout, prepared.config, prepared.hf_quant)
         except Exception as exc:  # every rank must learn of it before anyone moves on
             ok, message = False, f"{type(exc).__name__}: {exc}"
-        busiest = max(n for *_, n in verdicts)  # rank 0 also writes the replicated tensors: small
+        everything = sum(n for *_, n in verdicts)
         outcomes = _exchange(
             (rank, ok, message),
             "agreement on the written rows",
             directory,
-            agreement_timeout_s + busiest / ASSUMED_READ_BYTES_PER_S,
+            agreement_timeout_s + everything / ASSUMED_WRITE_BYTES_PER_S,
         )
         failed = [f"rank {r}: {m}" for r, rank_ok, m in outcomes if not rank_ok]
         raise_if_problems(failed, f"saving {directory} failed; nothing was left there", ExportError)
