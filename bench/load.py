@@ -88,13 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _local_bytes(model) -> int:
     """Bytes of every distinct storage this rank's model holds (FP8 codes, scales, shards)."""
+    from fsdp_fp8.load.meta_build import storage_tensors
+
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        local = getattr(t, "_local_tensor", t)
-        inner = [local]
-        if hasattr(local, "__tensor_flatten__"):
-            inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-        for x in inner:
+        for x in storage_tensors(t):
             s = x.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())

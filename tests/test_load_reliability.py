@@ -118,6 +118,7 @@ def _model_fn(rank: int, case: dict, built: list):
 def _state(model) -> dict:
     """Which modules still compute, how much storage the model holds, and its output."""
     from fsdp_fp8 import ModelUnusableError
+    from fsdp_fp8.load.meta_build import storage_tensors
 
     if model is None:
         return {"built": False}
@@ -133,13 +134,7 @@ def _state(model) -> dict:
             computing.append(name or "(root)")
     held = 0
     for t in [*model.parameters(), *model.buffers()]:
-        local = getattr(t, "_local_tensor", t)
-        inner = (
-            [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-            if hasattr(local, "__tensor_flatten__")
-            else [local]
-        )
-        held += sum(x.untyped_storage().nbytes() for x in inner if not x.is_meta)
+        held += sum(x.untyped_storage().nbytes() for x in storage_tensors(t) if not x.is_meta)
     return {
         "built": True,
         "computing": sorted(set(computing)),

@@ -43,18 +43,11 @@ class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _local_bytes(model) -> int:
-    from torch.distributed.tensor import DTensor
+    from fsdp_fp8.load.meta_build import storage_tensors
 
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        inner = (
-            [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-            if hasattr(local, "__tensor_flatten__")
-            else [local]
-        )
-        total += sum(i.untyped_storage().nbytes() for i in inner)
-    return total
+    return sum(
+        i.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()] for i in storage_tensors(t)
+    )
 
 
 def _load_and_save(rank, world, sources: dict[str, str], out: str) -> dict:

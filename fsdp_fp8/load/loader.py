@@ -39,7 +39,7 @@ from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
 from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
 from fsdp_fp8.load.fsdp_wrap import shard_position
-from fsdp_fp8.load.meta_build import tensors_on_meta
+from fsdp_fp8.load.meta_build import storage_tensors, tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
 
@@ -281,11 +281,7 @@ def mark_unusable(model: nn.Module, reason: str) -> None:
         module.forward = refuse
         module.fsdp_fp8_unusable = reason
     for tensor in [*model.parameters(), *model.buffers()]:
-        local = getattr(tensor, "_local_tensor", tensor)
-        inner = [local]
-        if hasattr(local, "__tensor_flatten__"):
-            inner = [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-        for t in inner:
+        for t in storage_tensors(tensor):
             if not t.is_meta:
                 try:
                     t.untyped_storage().resize_(0)

@@ -105,15 +105,19 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     _retie(model, ties)
 
 
+def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data on this rank: a DTensor's local shard, and a
+    tensor subclass's inner tensors (FP8 codes and scales)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    if hasattr(local, "__tensor_flatten__"):
+        return [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+    return [local]
+
+
 def tensors_on_meta(model: nn.Module) -> list[str]:
     """Names of every parameter, buffer or inner tensor (FP8 codes, scales) still on meta."""
     found = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        local = getattr(tensor, "_local_tensor", tensor)
-        inner = [local]
-        if hasattr(local, "__tensor_flatten__"):
-            names, _ = local.__tensor_flatten__()
-            inner = [getattr(local, n) for n in names]
-        if any(t.is_meta for t in inner):
+        if any(t.is_meta for t in storage_tensors(tensor)):
             found.append(name)
     return sorted(found)
