@@ -88,9 +88,9 @@ def _slow_peer(rank: int, world: int, path: str):
     import time
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.collective import phase
 
-    real, waited = loader._agree, []
+    real, waited = phase.agree_on_outcome, []
 
     def agree(*args):  # rank 1 reaches the outcome agreement 5 s after its reads
         start = time.perf_counter()
@@ -101,7 +101,7 @@ def _slow_peer(rank: int, world: int, path: str):
         finally:
             waited.append(time.perf_counter() - start)
 
-    loader._agree = agree
+    phase.agree_on_outcome = agree
     return load_model(uneven_model_fn, path, device=torch.device("cpu")).report, waited[0]
 
 

@@ -16,23 +16,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.format.step_policy import parse_step_policy
-from fsdp_fp8.fp8.linear import cuda_shape_problems
-from fsdp_fp8.load.agreement import (
+from fsdp_fp8.collective import (
     DEFAULT_TIMEOUT_S,
     agree_or_raise,
     checkpoint_facts,
+    mark_unusable,
     model_facts,
     outcome_timeout_s,
     plan_facts,
     side_group,
 )
-from fsdp_fp8.load.agreement import distributed as _many_ranks
+from fsdp_fp8.collective import distributed as _many_ranks
+from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.format.step_policy import parse_step_policy
+from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
 from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_problems, shard_model, shard_size
-from fsdp_fp8.load.loader import LoadReport, load_checkpoint, mark_unusable
+from fsdp_fp8.load.loader import LoadReport, load_checkpoint
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears

@@ -9,7 +9,7 @@ an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.load
 the per-tensor scales are filled from memory. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
 If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
-by the agreement timeout, ``fsdp_fp8.load.agreement``), this rank marks the model unusable and
+by the agreement timeout, ``fsdp_fp8.collective``), this rank marks the model unusable and
 raises a ``PeerLostError`` saying so: the model is never left usable after a failed load.
 
 What is read is checked in the same pass, on the rank that read it: the FP8 codes of every
@@ -33,13 +33,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError, raise_if_problems
+from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, collective_phase, outcome_timeout_s, rank_and_world
+from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
-from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
 from fsdp_fp8.load.fsdp_wrap import shard_position
-from fsdp_fp8.load.meta_build import storage_tensors, tensors_on_meta
+from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
 
@@ -259,46 +259,6 @@ def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int
     return held, len(plan.fp8) + len(plan.tensors), checked_s
 
 
-def mark_unusable(model: nn.Module, reason: str) -> None:
-    """No module of ``model`` may compute again, and its storage is released.
-
-    Every module (not only the root: a submodule called directly would compute on partly
-    filled weights) refuses both ``module(...)`` and ``module.forward(...)``; the refusal is
-    a prepended pre-hook so it runs before FSDP2's own (lazy init, then an all-gather with
-    peers that may be gone). Parameters and buffers, FP8 codes and scales included, have their
-    storage resized to zero: nothing half-loaded stays in memory.
-    """
-    message = f"this model did not finish loading and must not be used: {reason}"
-
-    def refuse_hook(module, args):
-        raise ModelUnusableError(message)
-
-    def refuse(*args, **kwargs):
-        raise ModelUnusableError(message)
-
-    for module in model.modules():
-        module.register_forward_pre_hook(refuse_hook, prepend=True)
-        module.forward = refuse
-        module.fsdp_fp8_unusable = reason
-    for tensor in [*model.parameters(), *model.buffers()]:
-        for t in storage_tensors(tensor):
-            if not t.is_meta:
-                try:
-                    t.untyped_storage().resize_(0)
-                except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
-                    pass
-
-
-def _agree(ok: bool, message: str, timeout_s: float) -> list[tuple[int, str]]:
-    """Every rank's failure (rank, message); a single process just reports its own."""
-    if not distributed():
-        return [] if ok else [(dist.get_rank() if dist.is_initialized() else 0, message)]
-    gathered = exchange(
-        (dist.get_rank(), ok, message), timeout_s=timeout_s, stage="agreement on the outcome of the load", context=""
-    )
-    return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
-
-
 def _prepare_while_prefetching(prepare, plan, shards: int, shard: int) -> int:
     """Run ``prepare`` while a background thread hints this rank's first
     ``read_schedule.prefetch_budget()`` bytes to the page cache; the bytes hinted. The rows are
@@ -339,15 +299,14 @@ def load_checkpoint(
     what the model has now, (world size, rank) before ``prepare`` shards it (a 1-D mesh). An HSDP
     caller passing ``prepare`` passes it (``load_model`` does).
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_and_world()
     read_before = slice_reader.bytes_read()
     t0 = time.perf_counter()
     shards, shard = position or ((world, rank) if prepare is not None else shard_position(model))
     if timeout_s is None:
         timeout_s = outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)
-    ok, message, held, count, read_s, checked_s, prefetched = True, "", 0, 0, 0.0, 0.0, 0
-    try:
+    held, count, read_s, checked_s, prefetched = 0, 0, 0.0, 0.0, 0
+    with collective_phase(model, "load", timeout_s, failed="checkpoint load failed"):
         if prepare is not None:
             prefetched = _prepare_while_prefetching(prepare, plan, shards, shard)
             read_before, t0 = slice_reader.bytes_read(), time.perf_counter()
@@ -359,21 +318,6 @@ def load_checkpoint(
         read_s = time.perf_counter() - t_read
         left = tensors_on_meta(model)
         assert not left, left
-    except Exception as exc:  # every rank must learn of it: re-raised below after agreement
-        ok, message = False, f"{type(exc).__name__}: {exc}"
-        log.error("rank %d: load failed: %s", rank, message)
-    try:
-        failures = _agree(ok, message, timeout_s)
-    except PeerLostError as exc:  # a peer died, failed, or was slower than the timeout
-        reason = str(exc)
-        if not ok:
-            reason = f"rank {rank}: {message}; {reason}"
-        mark_unusable(model, reason)
-        raise PeerLostError(f"checkpoint load failed: {reason}") from exc
-    if failures:
-        problems = merge_rank_problems(failures, world)
-        mark_unusable(model, "; ".join(problems))
-        raise LoadFailedError(problems, f"checkpoint load failed on {len(failures)} of {world} ranks")
     device_peak = (
         torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     )

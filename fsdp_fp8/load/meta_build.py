@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fsdp_fp8.collective.unusable import storage_tensors  # noqa: F401 - one definition, used here too
+
 _INIT_FUNCTIONS = (
     "uniform_",
     "normal_",
@@ -103,15 +105,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         module = model.get_submodule(module_name)
         module._buffers[buf_name] = value.to(device)
     _retie(model, ties)
-
-
-def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``tensor``'s data on this rank: a DTensor's local shard, and a
-    tensor subclass's inner tensors (FP8 codes and scales)."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    if hasattr(local, "__tensor_flatten__"):
-        return [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-    return [local]
 
 
 def tensors_on_meta(model: nn.Module) -> list[str]:
