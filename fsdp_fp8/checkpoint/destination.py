@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, rank_and_world
 from fsdp_fp8.errors import ExportError
-from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems
 
 
 def destination_problems(directory: Path) -> list[str]:
@@ -43,16 +43,15 @@ def check_destination(directory: str | os.PathLike, timeout_s: float = DEFAULT_T
     directory = Path(directory)
     problems = destination_problems(directory)
     if distributed():
-        import torch.distributed as dist
-
+        rank, world = rank_and_world()
         verdicts = exchange(
-            (dist.get_rank(), problems),
+            (rank, problems),
             timeout_s=timeout_s,
             stage="agreement on the destination",
             context=f"saving {directory}",
             before_changes=True,
         )
         found = [(rank, p) for rank, rank_problems in verdicts for p in rank_problems]
-        problems = merge_rank_problems(found, dist.get_world_size())
+        problems = merge_rank_problems(found, world)
     if problems:
         raise ExportError(problems, f"cannot save {directory}")

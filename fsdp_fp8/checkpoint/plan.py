@@ -31,6 +31,7 @@ from fsdp_fp8.format.writer import (
     quantization_configs,
 )
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
+from fsdp_fp8.load.api import LoadedModel
 from fsdp_fp8.load.fsdp_wrap import primary_replica
 from fsdp_fp8.load.loader import local_rows
 from fsdp_fp8.load.plan import LoadPlan
@@ -234,7 +235,7 @@ def _copied_kv_scales(items, checkpoint: Checkpoint | None, load_plan: LoadPlan 
 
 
 def plan_save(
-    model: nn.Module,
+    model: nn.Module | LoadedModel,
     *,
     checkpoint: Checkpoint | None = None,
     load_plan: LoadPlan | None = None,
@@ -248,10 +249,15 @@ def plan_save(
     """What ``rank`` (default: this process's rank, 0 without a process group) writes of ``model``.
 
     The arguments are ``save_checkpoint``'s: ``checkpoint`` and ``load_plan`` are what the
-    model was loaded from (configs, step policy, KV-cache scales, key names), ``config``
-    replaces the source's ``config.json``. ``unusable``: why the model must not be saved (its
-    load did not finish), if it must not. Problems are returned, not raised.
+    model was loaded from (configs, step policy, KV-cache scales, key names; a ``LoadedModel``
+    brings both), ``config`` replaces the source's ``config.json``. ``unusable``: why the model
+    must not be saved (its load did not finish), if it must not. Problems are returned, not
+    raised; nothing is written and no rank is waited for.
     """
+    if isinstance(model, LoadedModel):
+        checkpoint = model.checkpoint if checkpoint is None else checkpoint
+        load_plan = model.plan if load_plan is None else load_plan
+        model = model.model
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     problems: list[str] = []

@@ -72,7 +72,9 @@ def source_files(directory: Path | None) -> SourceFiles:
         else:
             not_carried.append((path.name, why))
     if directory.name == "transformer" and (directory.parent / "model_index.json").is_file():
-        not_carried.append(("../", f"the rest of the diffusers pipeline in {directory.parent}: the save holds its transformer"))
+        not_carried.append(
+            ("../", f"the rest of the diffusers pipeline in {directory.parent}: the save holds its transformer")
+        )
     return SourceFiles(directory, tuple(carried), tuple(not_carried))
 
 

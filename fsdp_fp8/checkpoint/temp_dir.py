@@ -130,7 +130,7 @@ def judge(owner: Owner | None, me: Owner) -> tuple[bool, str]:
         return False, f"made by {who}, which is still running"
     if owner.machine == me.machine != _UNKNOWN and owner.boot != me.boot:
         return True, f"made by {who} before this machine last restarted"
-    return False, f"made by {who} in another PID namespace (a container), which cannot be seen from here"
+    return False, f"made by {who} in another PID namespace (a container) or boot, which cannot be seen from here"
 
 
 def find_leftovers(parent: Path, me: Owner | None = None) -> list[Leftover]:
