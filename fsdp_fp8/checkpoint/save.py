@@ -134,6 +134,17 @@ def _agree_on_plan(plan: SavePlan, problems: list[str], begun: _Begun, directory
     return Path(verdicts[0][3]), sum(v[4] for v in verdicts)
 
 
+def _phase(stage: str, directory: Path, timeout_s: float):
+    """One collective phase of the save: every rank raises the same ``ExportError`` on failure."""
+    return collective_phase(
+        None,
+        f"save's {stage}",
+        timeout_s,
+        failed=f"nothing was saved at {directory}: the {stage} failed",
+        error=ExportError,
+    )
+
+
 def _report(directory, plan, world, written, staged, begun, t0) -> SaveReport:
     if plan.rank == 0:
         log.info("saved %s: %d tensors in %d files", directory, len(plan.layout.tensors), len(plan.layout.files))
@@ -213,24 +224,12 @@ def save_checkpoint(
     moved = False
     try:
         tmp, everything = _agree_on_plan(plan, problems, begun, directory, agreement_timeout_s)
-        with collective_phase(
-            None,
-            "writes of the save",
-            agreement_timeout_s + everything / ASSUMED_WRITE_BYTES_PER_S,
-            failed=f"nothing was saved at {directory}: the writes failed",
-            error=ExportError,
-        ):
+        with _phase("writes", directory, agreement_timeout_s + everything / ASSUMED_WRITE_BYTES_PER_S):
             written, staged = write_rank_part(tmp, plan, staging_bytes)
             if plan.rank == 0:
                 write_index_and_configs(tmp, plan.layout, plan.config, plan.hf_quant)
                 copy_source_files(begun.files, tmp)
-        with collective_phase(
-            None,
-            "move into place",
-            agreement_timeout_s,
-            failed=f"nothing was saved at {directory}: moving it into place failed",
-            error=ExportError,
-        ):
+        with _phase("move into place", directory, agreement_timeout_s):
             if plan.rank == 0:
                 move_into_place(tmp, directory)
                 moved = True
