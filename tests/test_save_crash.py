@@ -256,6 +256,34 @@ def test_cli_save_refuses_a_bad_destination_before_loading(tmp_path, capsys, mon
     assert len(loads) == 1
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 64 KiB tmpfs (root only; skipped where it cannot be mounted)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_save_that_does_not_fit_is_refused_before_writing(small_filesystem, capsys):
+    from fsdp_fp8.cli.commands import main
+
+    assert main(["save", str(KV_FIXTURE), str(small_filesystem / "kv")]) == 1
+    err = capsys.readouterr().err
+    import re
+
+    found = re.search(rf"{re.escape(str(small_filesystem / 'kv'))} needs ([\d,]+) bytes but its filesystem", err)
+    assert found, err
+    assert int(found[1].replace(",", "")) > (KV_FIXTURE / "model.safetensors").stat().st_size > 64 * 1024
+    assert list(small_filesystem.iterdir()) == []  # nothing written, no temporary directory left
+    assert os.statvfs(small_filesystem).f_bfree == os.statvfs(small_filesystem).f_blocks
+
+
 # --- the source's other files ------------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@ A save writes a new checkpoint: the target must be absent or an empty directory,
 nearest existing directory above it must be one this process may create entries in.
 ``check_destination`` is what ``fsdp-fp8 save`` runs before it loads the source, so a bad
 target is refused in a second instead of after a whole load; ``save_checkpoint`` checks it
-again (the target may have changed meanwhile).
+again (the target may have changed meanwhile), and rank 0 checks that the whole checkpoint
+fits in the filesystem's free space before it creates a file (``space_problem``: the files are
+created as holes, so a full disk would otherwise show only in the middle of the writes).
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ def destination_problems(directory: Path) -> list[str]:
     except OSError as exc:
         return [f"cannot check {directory}: {type(exc).__name__}: {exc}"]
     return []
+
+
+def space_problem(directory: Path, needed: int) -> str | None:
+    """Why ``needed`` bytes do not fit on the filesystem that will hold ``directory`` (None: they
+    fit, or the filesystem does not say: some network filesystems report no size)."""
+    above = Path(directory).absolute().parent
+    while not above.exists():
+        above = above.parent
+    try:
+        fs = os.statvfs(above)
+    except OSError:
+        return None
+    free = fs.f_bavail * fs.f_frsize
+    if fs.f_blocks == 0 or needed <= free:
+        return None
+    return (
+        f"{directory} needs {needed:,} bytes but its filesystem ({above}) has {free:,} free for this "
+        "user; nothing was written"
+    )
 
 
 def check_destination(directory: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

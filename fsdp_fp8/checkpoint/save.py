@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_fp8.checkpoint.destination import destination_problems
+from fsdp_fp8.checkpoint.destination import destination_problems, space_problem
 from fsdp_fp8.checkpoint.plan import SavePlan, plan_save
 from fsdp_fp8.checkpoint.source_files import SourceFiles, copy_source_files, source_files
 from fsdp_fp8.checkpoint.temp_dir import Cleaning, clean_leftovers, make_temp_dir, move_into_place
@@ -109,6 +109,11 @@ def _begin(directory: Path, plan: SavePlan, checkpoint: Checkpoint | None, probl
         if directory.parent.is_dir():
             begun.cleaning = clean_leftovers(directory.parent)
         begun.files = source_files(checkpoint.directory if checkpoint is not None else None)
+        needed = sum(f.size for f in plan.layout.files) + begun.files.bytes()
+        short = space_problem(directory, needed)
+        if short:
+            problems.append(short)
+            return begun
         begun.tmp = make_temp_dir(directory)
         create_files(begun.tmp, plan.layout)
     except OSError as exc:

@@ -33,6 +33,10 @@ class SourceFiles:
     carried: tuple[str, ...] = ()
     not_carried: tuple[tuple[str, str], ...] = ()
 
+    def bytes(self) -> int:
+        """What the carried files take."""
+        return sum((self.directory / name).stat().st_size for name in self.carried)
+
     def lines(self) -> list[str]:
         return [f"not carried from {self.directory}: {name} ({why})" for name, why in self.not_carried]
 
