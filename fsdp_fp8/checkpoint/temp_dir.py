@@ -16,10 +16,11 @@ unknown). The rule, judged from the process that looks (``judge``):
 
 - the same host, boot and PID namespace: dead when no process ``pid`` with that start time runs
   (a reused pid has another start time); alive otherwise;
-- the same host and machine id, another boot: dead (no process outlives a reboot);
-- anything else (a directory of another user, another host, another PID namespace: a container, or a machine id unknown on
-  either side; a leftover of an older fsdp_fp8 whose name carries no owner): not judged, left
-  alone and named, for the user to remove once no save runs there.
+- the same host and machine id, another (known) boot: dead (no process outlives a reboot);
+- anything else (a directory of another user, another host, another PID namespace: a
+  container; a machine id or boot id unknown on either side; a leftover of an older fsdp_fp8
+  whose name carries no owner): not judged, left alone and named, for the user to remove once
+  no save runs there.
 
 Only directories whose whole name matches are ever looked at; nothing else is removed.
 """
@@ -128,7 +129,7 @@ def judge(owner: Owner | None, me: Owner) -> tuple[bool, str]:
         if owner.start and start and start != owner.start:
             return True, f"made by {who}, which is no longer running (its pid now belongs to another process)"
         return False, f"made by {who}, which is still running"
-    if owner.machine == me.machine != _UNKNOWN and owner.boot != me.boot:
+    if owner.machine == me.machine != _UNKNOWN and _UNKNOWN not in (owner.boot, me.boot) and owner.boot != me.boot:
         return True, f"made by {who} before this machine last restarted"
     return False, f"made by {who} in another PID namespace (a container) or boot, which cannot be seen from here"
 
