@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
 from fsdp_fp8.load.prefetch import start_prefetch
+from fsdp_fp8.load.preflight import device_facts, device_problems, ensure_process_group
 from fsdp_fp8.load.swap import swap_fp8_linears
 from fsdp_fp8.load.towers import TOWERS_HINT, TowerSpec, needs_towers, resolve_towers, tower_problems
 
@@ -85,6 +87,7 @@ class PlannedLoad:
     architecture: Architecture | None
     problems: list[str]
     towers: dict[str, str] | None = None  # the tower map (fsdp_fp8.load.towers), when one is known
+    cause: BaseException | None = None  # an unexpected exception (e.g. in model_fn), kept for its traceback
 
 
 def plan_model_load(
@@ -100,7 +103,7 @@ def plan_model_load(
     """Open, resolve the architecture, build on meta and plan, exactly as ``load_model`` does
     on each rank, collecting every problem instead of raising. Touches no process group and
     reads no tensor data beyond the scales: ``python -m fsdp_fp8 verify`` runs this."""
-    checkpoint = model = plan = arch = tower_map = None
+    checkpoint = model = plan = arch = tower_map = cause = None
     problems: list[str] = []
     try:
         checkpoint = open_checkpoint(path)
@@ -117,8 +120,10 @@ def plan_model_load(
     except CheckpointError as exc:
         problems += exc.problems
     except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
-        problems.append(f"{type(exc).__name__}: {exc}")
-    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        problems.append(f"{type(exc).__name__}: {exc} (raised at {where.filename}:{where.lineno} in {where.name})")
+        cause = exc  # the CheckpointError raised after the agreement chains it: the user's frame shows
+    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map, cause)
 
 
 def _tower_map(spec: TowerSpec | None, arch, model, checkpoint, plan) -> tuple[dict[str, str] | None, list[str]]:
@@ -184,6 +189,7 @@ def load_model(
         plan (every rank alone) -> agree -> start prefetch ->
         collective_phase: swap, shard, materialize, stop prefetch, read rows
     """
+    ensure_process_group(agreement_timeout_s)  # under torchrun: never a silent unsharded load per rank
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
     if _many_ranks():
@@ -191,7 +197,7 @@ def load_model(
     planned = plan_model_load(
         model_fn, path, key_map, device=device, strict=strict, strict_kv_scales=strict_kv_scales, towers=towers
     )
-    planned.problems[:0] = _setup_problems(device, mesh, distributed)
+    planned.problems[:0] = _setup_problems(device, mesh, distributed, planned.plan)
     _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
     model, plan, checkpoint = planned.model, planned.plan, planned.checkpoint
     _warn_not_strict(plan)
@@ -235,6 +241,8 @@ def _agree_on_plan(planned: PlannedLoad, device: torch.device, mesh, context: st
             mark_unusable(planned.model, str(exc))
         if planned.checkpoint is not None:
             planned.checkpoint.close()
+        if isinstance(exc, CheckpointError) and planned.cause is not None:
+            raise exc from planned.cause  # the traceback of the user's line (model_fn) shows under it
         raise
 
 
@@ -248,20 +256,14 @@ def _shard_position(mesh: DeviceMesh | None, distributed: bool) -> tuple[int, in
     return shard_size(mesh), mesh.get_local_rank(mesh.ndim - 1)
 
 
-def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:
-    """What would make the first collective hang or land on the wrong device."""
+def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool, plan) -> list[str]:
+    """What would make the first collective hang or land on the wrong device (the mesh; the
+    GPU's capability, two ranks on one GPU, the device passed vs the current one)."""
     problems = []
     if mesh is not None:
         world = dist.get_world_size() if distributed else 1
         problems += [f"mesh: {p}" for p in mesh_problems(mesh, device.type, world)]
-    if distributed and device.type == "cuda" and dist.get_backend() == "nccl":
-        current = torch.cuda.current_device()
-        if device.index is not None and current != device.index:
-            problems.append(
-                f"this rank loads onto {device} but its current CUDA device is cuda:{current}; "
-                f"call torch.cuda.set_device({device.index}) before init_process_group"
-            )
-    return problems
+    return problems + device_problems(device_facts(device, len(plan.fp8) if plan is not None else 0))
 
 
 def _warn_not_strict(plan) -> None:
