@@ -71,6 +71,8 @@ _PUBLIC = {
     "materialize": "fsdp_fp8.load.meta_build",
     "meta_init": "fsdp_fp8.load.meta_build",
     "LoadReport": "fsdp_fp8.load.loader",
+    "ReadOptions": "fsdp_fp8.format.read_options",
+    "collective_phase": "fsdp_fp8.collective.phase",
     "load_checkpoint": "fsdp_fp8.load.loader",
     "gather_state_dict": "fsdp_fp8.checkpoint.gather",
     "SavePlan": "fsdp_fp8.checkpoint.plan",

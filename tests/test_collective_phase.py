@@ -79,3 +79,44 @@ def test_success_costs_exactly_one_exchange():
     from ranks import run_ranks
 
     assert run_ranks(_every_rank_succeeds, 2) == [["agreement on the outcome of the load"]] * 2
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "warns"),
+    [
+        ({"NCCL_SOCKET_IFNAME": "eth0,eth1"}, "eth0,eth1", False),
+        ({"NCCL_SOCKET_IFNAME": "=ib0"}, "ib0", False),
+        ({"NCCL_SOCKET_IFNAME": "^docker0,lo"}, None, True),
+        ({"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth2"}, None, False),
+        ({}, None, False),
+    ],
+)
+def test_gloo_takes_ncc_interface_when_only_that_is_set(env, value, warns):
+    from fsdp_fp8.collective.group import gloo_interface
+
+    got, warning = gloo_interface(env)
+    assert got == value and (warning is not None) == warns
+
+
+def _side_group_with(rank, world, nccl_ifname):
+    import os
+
+    from fsdp_fp8.collective import exchange, side_group
+    from fsdp_fp8.errors import PeerLostError
+
+    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    os.environ["NCCL_SOCKET_IFNAME"] = nccl_ifname
+    try:
+        side_group(30.0, "cannot load ckpt")
+    except PeerLostError as exc:
+        return os.environ.get("GLOO_SOCKET_IFNAME"), str(exc)
+    return os.environ.get("GLOO_SOCKET_IFNAME"), exchange(rank, timeout_s=30.0, stage="test", context="")
+
+
+def test_the_side_group_uses_ncc_interface_and_names_the_variable_when_it_cannot_connect():
+    from ranks import run_ranks
+
+    assert run_ranks(_side_group_with, 2, "lo") == [("lo", [0, 1])] * 2
+    for ifname, text in run_ranks(_side_group_with, 2, "nosuchif0"):
+        assert ifname == "nosuchif0"
+        assert "could not connect the gloo agreement group" in text and "GLOO_SOCKET_IFNAME" in text, text

@@ -12,6 +12,8 @@ the ranks, the stage and the timeout.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from datetime import timedelta
 
@@ -19,8 +21,15 @@ import torch.distributed as dist
 
 from fsdp_fp8.errors import PeerLostError
 
+log = logging.getLogger(__name__)
+
+# How long the gloo group may take to connect once every rank has arrived: a connection that
+# takes longer is a network problem (the wrong interface), not a late peer.
+CONNECT_TIMEOUT_S = 60.0
+
 _side: dict = {}  # "group", "world" (the default group it belongs to), "sequence", "created"
 _created = [0]  # side groups this process created: the same count on every rank
+_attempts = [0]  # side-group creations begun: the same count on every rank
 
 
 def distributed() -> bool:
@@ -42,20 +51,78 @@ def _store():
         return None
 
 
+def gloo_interface(env) -> tuple[str | None, str | None]:
+    """(value to give ``GLOO_SOCKET_IFNAME``, or None; a warning, or None) from ``env``.
+
+    gloo picks its interface from the hostname unless ``GLOO_SOCKET_IFNAME`` names one; on
+    clusters that set only ``NCCL_SOCKET_IFNAME`` the hostname's address may not reach the other
+    nodes. NCCL's value is taken when gloo can read it: a list of names (``eth0,eth1``; a leading
+    ``=`` is NCCL's "exact match"), not an exclusion (``^docker0,lo``), which gloo has no syntax for.
+    """
+    if env.get("GLOO_SOCKET_IFNAME") or not env.get("NCCL_SOCKET_IFNAME"):
+        return None, None
+    nccl = env["NCCL_SOCKET_IFNAME"].strip()
+    if nccl.startswith("^"):
+        return None, (
+            f"NCCL_SOCKET_IFNAME={nccl!r} excludes interfaces, which gloo cannot; the agreement group "
+            "picks its interface from the hostname: set GLOO_SOCKET_IFNAME if that address does not "
+            "reach the other nodes"
+        )
+    return nccl.lstrip("="), None
+
+
+def _default_gloo_interface() -> None:
+    value, warning = gloo_interface(os.environ)
+    if warning:
+        log.warning("%s", warning)
+    if value:
+        os.environ["GLOO_SOCKET_IFNAME"] = value  # read by gloo when the group's device is made
+
+
+def _wait_for_everyone(timeout_s: float, context: str) -> None:
+    """Every rank marks its arrival at the side group's creation in the default store and waits
+    for the others: a late or dead peer is named here, before gloo tries to connect."""
+    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    if store is None:
+        return
+    _attempts[0] += 1
+    prefix = f"fsdp_fp8/side_group/{_attempts[0]}"
+    try:
+        store.set(f"{prefix}/{rank}", "1")
+        store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a timeout: name who is missing
+        missing = [r for r in range(world) if not _check(store, f"{prefix}/{r}")]
+        raise PeerLostError(
+            f"{context}rank {rank} could not set up the agreement group: rank(s) {missing or '?'} did not "
+            f"arrive within {timeout_s:g} s (the agreement timeout; a peer is late, died or failed); "
+            f"nothing was changed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def side_group(timeout_s: float, context: str = ""):
-    """The gloo group the agreements run on (collective the first time, like ``new_group``:
-    a peer that does not come within ``timeout_s`` is a ``PeerLostError``)."""
+    """The gloo group the agreements run on (collective the first time, like ``new_group``).
+
+    Made in two steps: every rank arrives (a peer that does not come within ``timeout_s`` is a
+    ``PeerLostError`` naming it), then gloo connects within ``CONNECT_TIMEOUT_S`` (a failure
+    then is the network: the error says which variable picks the interface).
+    ``GLOO_SOCKET_IFNAME`` defaults to ``NCCL_SOCKET_IFNAME`` when only that is set."""
     world = dist.group.WORLD
     if _side.get("world") is not world:
         _side.clear()
+        context = f"{context}: " if context else ""
+        _default_gloo_interface()
+        _wait_for_everyone(timeout_s, context)
+        connect_s = min(timeout_s, CONNECT_TIMEOUT_S)
         try:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=connect_s))
         except Exception as exc:
-            context = f"{context}: " if context else ""
             raise PeerLostError(
-                f"{context}rank {dist.get_rank()} could not set up the agreement group with the "
-                f"other ranks within {timeout_s:g} s (the agreement timeout; a peer is late, "
-                f"died or failed); nothing was changed: {type(exc).__name__}: {exc}"
+                f"{context}rank {dist.get_rank()} could not connect the gloo agreement group within "
+                f"{connect_s:g} s although every rank arrived: the network interface gloo uses "
+                f"(GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '(unset: from the hostname)')}) "
+                f"may not reach the other ranks; set GLOO_SOCKET_IFNAME to an interface that does (or "
+                f"NCCL_SOCKET_IFNAME alone, which fsdp_fp8 copies); nothing was changed: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
         _created[0] += 1
         _side.update(group=group, world=world, sequence=itertools.count(), created=_created[0])

@@ -21,6 +21,7 @@ import torch.nn as nn
 from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
 from fsdp_fp8.format.sharding import RankForecast, chunk_rows, entry_rank_bytes, rank_forecast
 
@@ -86,9 +87,9 @@ class LoadPlan:
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into
-        an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""
+        an accelerator (``staging_bytes`` defaults to ``ReadOptions().staging_bytes``)."""
         if staging_bytes is None:
-            staging_bytes = slice_reader.STAGING_BYTES  # read at call time: tests and users may change it
+            staging_bytes = DEFAULT_READ_OPTIONS.staging_bytes
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
         return rank_forecast(
             fp8,
@@ -138,6 +139,20 @@ def _fused_experts(target: str, modules: dict[str, nn.Module]) -> str | None:
     return match["experts"] if any(p.ndim == 3 for p in holder.parameters(recurse=False)) else None
 
 
+def _dtype_fix(mismatches: list[tuple[torch.dtype, torch.dtype]]) -> list[str]:
+    """One line saying how to fix the dtype refusals at once, when there are several (a model
+    built in another dtype: every high-precision tensor is refused, and one fix covers them)."""
+    if len(mismatches) < 2:
+        return []
+    wanted = max({c for c, _ in mismatches}, key=[c for c, _ in mismatches].count)
+    built = sorted({str(m) for _, m in mismatches})
+    return [
+        f"how to fix the {len(mismatches)} dtype refusals: build the model in the checkpoint's dtype "
+        f"({wanted}, not {', '.join(built)}: e.g. `model.to({wanted})` in model_fn, or `torch_dtype={wanted}` "
+        "for a transformers / diffusers class), or pass model_fn=None to build the class config.json names"
+    ]
+
+
 def plan_load(
     checkpoint: Checkpoint,
     model: nn.Module,
@@ -159,6 +174,7 @@ def plan_load(
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
     owner: dict[int, str] = {}  # id(model tensor) -> checkpoint key filling it; catches tied weights too
     problems: list[str] = []
+    dtype_mismatches: list[tuple[torch.dtype, torch.dtype]] = []  # (checkpoint's, model's)
     fp8: list[Fp8Target] = []
     tensors: list[TensorTarget] = []
     unexpected: list[str] = []
@@ -233,9 +249,11 @@ def plan_load(
                 f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
                 f"{have.dtype}; refusing to cast silently"
             )
+            dtype_mismatches.append((entry.torch_dtype, have.dtype))
         if claim(mapped, key):
             tensors.append(TensorTarget(mapped, entry, replicated=not isinstance(have, nn.Parameter)))
 
+    problems += _dtype_fix(dtype_mismatches)
     for experts, keys in sorted(fused.items()):
         holder = modules[experts]
         params = ", ".join(f"`{n}` {tuple(p.shape)}" for n, p in holder.named_parameters(recurse=False))
