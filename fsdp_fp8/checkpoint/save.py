@@ -56,8 +56,8 @@ from fsdp_fp8.collective import (
     unusable_reason,
 )
 from fsdp_fp8.errors import ExportError, raise_if_problems
-from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.writer import create_files, write_index_and_configs
 from fsdp_fp8.load.api import LoadedModel
 
@@ -197,7 +197,7 @@ def save_checkpoint(
     granularity="per_tensor")``), which quantizes its input dynamically. ``step_policy``
     replaces the source's. ``max_shard_size`` bounds each shard file's tensor bytes (one file
     when None); ``staging_bytes`` bounds each copy from an accelerator (default
-    ``slice_reader.STAGING_BYTES``). Everything is checked before anything is written: every
+    ``ReadOptions().staging_bytes``, 64 MiB). Everything is checked before anything is written: every
     rank raises the same ``ExportError``; a lost peer raises ``PeerLostError``. Nothing is left
     at ``directory`` unless the save completed on every rank.
 
@@ -208,7 +208,7 @@ def save_checkpoint(
     """
     t0 = time.perf_counter()
     directory = Path(directory)
-    staging_bytes = slice_reader.STAGING_BYTES if staging_bytes is None else staging_bytes
+    staging_bytes = DEFAULT_READ_OPTIONS.staging_bytes if staging_bytes is None else staging_bytes
     model, checkpoint, load_plan = _unpack(model, source)
     for module in model.modules():
         if isinstance(module, FSDPModule):
