@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 HSDP_DIM_NAMES = ("replicate", "shard")
@@ -162,17 +162,41 @@ def fp32_units(model: nn.Module, inside: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each block (resharding after forward), then the root (which does not).
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+) -> nn.Module:
+    """``fully_shard`` each block, then the root, with the ``fully_shard`` options a user passes
+    (torchtitan's ``apply_fsdp`` passes the same): ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``), ``offload_policy`` (``CPUOffloadPolicy``: sharded parameters live in
+    host memory, all-gathered onto the device per unit) and ``reshard_after_forward`` for the blocks
+    (the root keeps FSDP2's own default, which does not reshard it).
 
-    The blocks are wrapped with ``reshard_after_forward=False`` and then set to ``True``: the
-    same behaviour as passing ``True``, without the metadata ``fully_shard`` computes at wrap
-    time for resharding to a smaller group (``reshard_after_forward=<int>``, unused here), which
-    costs a second ``torch.chunk`` of every parameter (bench/setup_cost.py).
+    With ``reshard_after_forward=True`` the blocks are wrapped with ``False`` and then set to
+    ``True``: the same behaviour as passing ``True``, without the metadata ``fully_shard`` computes
+    at wrap time for resharding to a smaller group (``reshard_after_forward=<int>``), which costs a
+    second ``torch.chunk`` of every parameter (bench/setup_cost.py).
     """
+    options = {}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
     units = blocks(model)
     for block in units + fp32_units(model, units):
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        block.set_reshard_after_forward(True, recurse=False)
-    fully_shard(model, mesh=mesh)
+        if reshard_after_forward is True:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, **options)
+            block.set_reshard_after_forward(True, recurse=False)
+        else:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
+
+
+def offloads_to_cpu(offload_policy: OffloadPolicy | None) -> bool:
+    """Whether ``offload_policy`` keeps the sharded parameters in host memory."""
+    return isinstance(offload_policy, CPUOffloadPolicy)
