@@ -82,9 +82,7 @@ def _load_with_fsdp_options(rank, world, path):
         offload_policy=offload,
         reshard_after_forward=False,
     )
-    groups = [
-        m._get_fsdp_state()._fsdp_param_group for m in loaded.model.modules() if hasattr(m, "_get_fsdp_state")
-    ]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in loaded.model.modules() if hasattr(m, "_get_fsdp_state")]
     groups = [g for g in groups if g is not None]
     got = loaded.model(x)
     return {
