@@ -38,7 +38,7 @@ from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.step_policy import parse_step_policy
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
-from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_problems, offloads_to_cpu, shard_model, shard_size
+from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_position, mesh_problems, offloads_to_cpu, shard_model
 from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
@@ -288,9 +288,7 @@ def _shard_position(mesh: DeviceMesh | None, distributed: bool) -> tuple[int, in
     ``mesh`` (default: every rank); what the prefetch hints and the outcome timeout is sized from."""
     if not distributed:
         return 1, 0
-    if mesh is None:
-        return dist.get_world_size(), dist.get_rank()
-    return shard_size(mesh), mesh.get_local_rank(mesh.ndim - 1)
+    return mesh_position(mesh) if mesh is not None else (dist.get_world_size(), dist.get_rank())
 
 
 def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool, plan) -> list[str]:

@@ -11,11 +11,14 @@ shard-dim size, never on its global rank and the world size (``shard_position``)
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_fp8.format.sharding import chunk_rows
 
 HSDP_DIM_NAMES = ("replicate", "shard")
 
@@ -107,16 +110,40 @@ def primary_replica(mesh: DeviceMesh) -> list[int]:
     return lines[0]
 
 
-def shard_position(model: nn.Module) -> tuple[int, int]:
-    """(shard-dim size, this rank's shard coordinate) of a sharded model; (1, 0) if unsharded.
+def mesh_position(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) on ``mesh``; (1, 0) without one.
 
     This, not (world size, rank), says which rows the rank holds and reads: under HSDP the
     ranks at one shard coordinate of different replicas hold the same rows.
     """
-    mesh = model_mesh(model)
     if mesh is None:
         return 1, 0
     return mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+
+
+def shard_position(model: nn.Module) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) of a sharded model; (1, 0) if unsharded."""
+    return mesh_position(model_mesh(model))
+
+
+def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
+    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds
+    (``(0, 0)`` for none): ``format.sharding.chunk_rows`` of its shard coordinate.
+
+    Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
+    chunk of this rank's shard coordinate, the same on every replica.
+    """
+    if not isinstance(param, DTensor):
+        return param, 0, (param.shape[0] if param.ndim else 1)
+    *outer, inner = param.placements
+    local = param._local_tensor
+    if inner != Shard(0) or not all(p.is_replicate() for p in outer) or param.ndim == 0:
+        raise NotImplementedError(
+            f"`{name}` is sharded as {param.placements} (local shape {tuple(local.shape)} of "
+            f"{tuple(param.shape)}); only dim-0 sharding (FSDP2's Shard(0)) is loaded"
+        )
+    start, stop = chunk_rows(param.shape[0], *mesh_position(param.device_mesh))
+    return (local, start, stop) if stop > start else (local, 0, 0)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -23,7 +23,7 @@ from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.sharding import RankForecast, chunk_rows, entry_rank_bytes, rank_forecast
+from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast, rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ class LoadPlan:
         parameter, buffers whole): what the load will read, known before the model is sharded."""
         out, whole = [], self.replicated
         for entry in self.read_entries():
-            if entry.shape and entry.key not in whole:
-                start, stop = chunk_rows(entry.shape[0], world_size, rank)
-            else:
-                start, stop = 0, entry.shape[0] if entry.shape else 1
+            start, stop = rank_rows(entry.shape, world_size, rank, replicated=entry.key in whole)
             offset, nbytes = slice_reader.row_range(entry, start, stop)
             out.append((entry, offset, nbytes))
         return out
