@@ -32,8 +32,7 @@ from fsdp_fp8.format.writer import (
 )
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
 from fsdp_fp8.load.api import LoadedModel
-from fsdp_fp8.load.fsdp_wrap import primary_replica
-from fsdp_fp8.load.loader import local_rows
+from fsdp_fp8.load.fsdp_wrap import local_rows, primary_replica
 from fsdp_fp8.load.plan import LoadPlan
 
 

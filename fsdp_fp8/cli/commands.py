@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
+from fsdp_fp8.format import sharding
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
@@ -23,10 +24,8 @@ def _mib(n: int) -> str:
 
 
 def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
-    """(shard coordinate, the global ranks holding it) of the mesh ``load_model`` shards over:
-    ``(replicas, world_size // replicas)``, row-major as ``init_device_mesh`` lays it out."""
-    shards = world_size // replicas
-    return [(s, [r * shards + s for r in range(replicas)]) for s in range(shards)]
+    """``fsdp_fp8.format.sharding.shard_groups`` (the rank-row arithmetic lives there)."""
+    return sharding.shard_groups(world_size, replicas)
 
 
 def _who(shard: int, ranks: list[int]) -> str:

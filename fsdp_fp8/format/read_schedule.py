@@ -186,6 +186,8 @@ def run(
     ``bind`` and ``finish``. ``after_read(request, buffers)`` runs in the worker, right after a
     request read into place (not staged) arrived whole: a check of the bytes there overlaps
     the other workers' reads. Returns (or raises) only after every submitted read has finished.
+    (One loop on purpose, a little over 60 lines: submission, completion and the stage's slots
+    share its state, and the ``finally`` that waits for every read must cover all of it.)
     """
     in_flight = max(1, in_flight)
     pending = deque(requests)

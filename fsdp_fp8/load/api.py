@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_fp8.collective import (
     DEFAULT_TIMEOUT_S,
@@ -37,7 +38,7 @@ from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.step_policy import parse_step_policy
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
-from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_problems, shard_model, shard_size
+from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_position, mesh_problems, offloads_to_cpu, shard_model
 from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
@@ -157,6 +158,9 @@ def load_model(
     towers: TowerSpec | None = None,
     agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
     read_options: ReadOptions = DEFAULT_READ_OPTIONS,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int = True,
 ) -> LoadedModel:
     """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
 
@@ -183,6 +187,10 @@ def load_model(
     take at ``collective.ASSUMED_READ_BYTES_PER_S``. A later peer is named in a
     ``PeerLostError``. The agreements run on a gloo side group (docs/reliability.md).
     ``read_options``: threads, request size, staging and prefetch budgets of this load's reads.
+    ``mp_policy``, ``offload_policy``, ``reshard_after_forward``: passed to ``fully_shard``
+    (``fsdp_wrap.shard_model``). Under ``CPUOffloadPolicy`` the model is materialized in host
+    memory and each rank reads its rows straight into its host shards (no device copy during
+    the load); buffers, which FSDP2 does not manage, go to ``device``.
 
     The steps, in the order they run::
 
@@ -201,6 +209,8 @@ def load_model(
     _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
     model, plan, checkpoint = planned.model, planned.plan, planned.checkpoint
     _warn_not_strict(plan)
+    fsdp_options = _fsdp_options(mp_policy, offload_policy, reshard_after_forward, distributed)
+    on_host = offloads_to_cpu(offload_policy) and distributed  # sharded parameters live in host memory
     shards, shard = _shard_position(mesh, distributed)  # the rows this rank will hold once sharded
     timeout_s = outcome_timeout_s(plan, shards, agreement_timeout_s)
     prefetch = start_prefetch(plan, shards, shard, read_options.prefetch_bytes)
@@ -208,8 +218,10 @@ def load_model(
         with collective_phase(model, "load", timeout_s, failed="checkpoint load failed"):
             swapped = swap_fp8_linears(model, plan)
             if distributed:
-                shard_model(model, mesh or default_mesh(device.type))
-            materialize(model, device)  # keeps non-persistent buffers and tied parameters
+                shard_model(model, mesh or default_mesh(device.type), **fsdp_options)
+            materialize(model, torch.device("cpu") if on_host else device)  # keeps buffers and ties
+            if on_host:
+                _buffers_to(model, device)
             prefetched = prefetch.stop()
             t0 = time.perf_counter()
             rows = read_rows(model, plan, read_options)
@@ -246,14 +258,37 @@ def _agree_on_plan(planned: PlannedLoad, device: torch.device, mesh, context: st
         raise
 
 
+def _fsdp_options(mp_policy, offload_policy, reshard_after_forward, distributed: bool) -> dict:
+    """The ``fully_shard`` options the caller set (only those: the defaults stay FSDP2's); a
+    warning when there is no process group to shard over, so they are ignored."""
+    options = {
+        name: value
+        for name, value, default in (
+            ("mp_policy", mp_policy, None),
+            ("offload_policy", offload_policy, None),
+            ("reshard_after_forward", reshard_after_forward, True),
+        )
+        if value is not default
+    }
+    if options and not distributed:
+        log.warning("no process group: the model is not sharded and %s are ignored", ", ".join(sorted(options)))
+    return options
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer onto ``device`` (FSDP2 offloads parameters only; the forward runs there)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
 def _shard_position(mesh: DeviceMesh | None, distributed: bool) -> tuple[int, int]:
     """(shard-dim size, this rank's shard coordinate) the model will have once sharded over
     ``mesh`` (default: every rank); what the prefetch hints and the outcome timeout is sized from."""
     if not distributed:
         return 1, 0
-    if mesh is None:
-        return dist.get_world_size(), dist.get_rank()
-    return shard_size(mesh), mesh.get_local_rank(mesh.ndim - 1)
+    return mesh_position(mesh) if mesh is not None else (dist.get_world_size(), dist.get_rank())
 
 
 def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool, plan) -> list[str]:

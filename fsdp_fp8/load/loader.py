@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, collective_phase, outcome_timeout_s, rank_and_world
 from fsdp_fp8.errors import raise_if_problems
@@ -38,7 +36,7 @@ from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
 from fsdp_fp8.fp8.codes_check import CodeCheck, nan_code_problems
-from fsdp_fp8.load.fsdp_wrap import shard_position
+from fsdp_fp8.load.fsdp_wrap import local_rows, shard_position
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
@@ -68,26 +66,6 @@ class LoadReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
-
-
-def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
-    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds.
-
-    Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
-    chunk of this rank's shard coordinate, the same on every replica.
-    """
-    if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        if tuple(shape[1:]) != tuple(param.shape[1:]):
-            raise NotImplementedError(
-                f"`{name}` is sharded as {param.placements} (local shape {tuple(shape)} of "
-                f"{tuple(param.shape)}); only dim-0 sharding (FSDP2's Shard(0)) is loaded"
-            )
-        local = param._local_tensor
-        rows = shape[0] if len(shape) else 1
-        start = offset[0] if len(offset) and rows else 0
-        return local, start, start + rows
-    return param, 0, (param.shape[0] if param.ndim else 1)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
