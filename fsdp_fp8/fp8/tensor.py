@@ -204,7 +204,19 @@ def make_static_fp8_weight(
     input_scale: torch.Tensor,
     compute_dtype: torch.dtype,
 ) -> StaticFloat8Tensor:
-    """Wrap E4M3 codes and their two per-tensor scales; ``compute_dtype`` is the activation dtype."""
+    """Wrap E4M3 codes and their two per-tensor scales; ``compute_dtype`` is the activation dtype.
+
+    The scales are moved to the codes' device as F32 (a ``torch.tensor(0.01)`` next to CUDA codes
+    would otherwise meet them in ``_scaled_mm``, which refuses operands on two devices), and the
+    codes are made row-major when they are not (``_scaled_mm`` takes the weight as the
+    column-major transpose of row-major codes). Both are no-ops for what the loader builds.
+    """
+    if qdata.dim() == 2 and not (qdata.stride(-1) == 1 and qdata.stride(0) >= max(2, qdata.shape[-1])):
+        qdata = qdata.clone(memory_format=torch.contiguous_format)
+    weight_scale, input_scale = (
+        s if s.device == qdata.device and s.dtype == torch.float32 else s.to(qdata.device, torch.float32)
+        for s in (weight_scale, input_scale)
+    )
     return StaticFloat8Tensor(
         qdata,
         weight_scale.reshape(1, 1),
