@@ -5,9 +5,10 @@ Defaults (what the demo digest and every parity test are produced with):
 - ``quantize_activation``: TorchAO's ``_quantize_affine_float8``, ``clamp(x.float() / s, ±448)
   -> E4M3``. Eagerly that is four kernels with F32 temporaries.
 - ``dequantize`` (W8A16): ``(codes.float() * weight_scale).to(dtype)``, one rounding to the
-  activation dtype, computed in row chunks of at most ``DEQUANT_CHUNK_ELEMENTS`` (4 Mi) elements
-  through one reused F32 buffer (16 MiB, or one row where a row is longer): no full-size F32
-  copy of the weight exists, only the activation-dtype result ``F.linear`` needs.
+  activation dtype, computed in row chunks of at most ``DEQUANT_CHUNK_ELEMENTS`` (4 Mi) elements,
+  so at most one chunk's F32 temporary (16 MiB, or one row where a row is longer) lives at a
+  time: no full-size F32 copy of the weight exists, only the activation-dtype result
+  ``F.linear`` needs.
 - ``fp8_gemm``: ``torch._scaled_mm`` with ``use_fast_accum=False``, TorchAO's call, with the
   operands as CUDA's kernel takes them: the activation codes row-major (a copy only when a
   transposed or channels-last input left them otherwise), the bias in the output dtype.
@@ -47,11 +48,11 @@ def _dequantize(codes: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
     return (codes.to(torch.float32) * weight_scale.reshape(())).to(dtype)
 
 
-DEQUANT_CHUNK_ELEMENTS = 1 << 22  # W8A16's F32 buffer: 4 Mi elements, 16 MiB
+DEQUANT_CHUNK_ELEMENTS = 1 << 22  # W8A16's F32 temporary: 4 Mi elements, 16 MiB
 
 
 def _dequantize_in_chunks(codes: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``_dequantize``'s bits, a row chunk at a time through one reused F32 buffer.
+    """``_dequantize``'s bits, a row chunk at a time: at most one chunk's F32 temporary lives.
 
     Per element the same three steps (E4M3 -> F32 is exact, one F32 multiply by the same 0-d
     scale, one rounding to ``dtype``), so the result is bit-identical to ``_dequantize``.
@@ -59,14 +60,11 @@ def _dequantize_in_chunks(codes: torch.Tensor, weight_scale: torch.Tensor, dtype
     rows, cols = codes.shape
     out = torch.empty((rows, cols), dtype=dtype, device=codes.device)
     step = max(1, DEQUANT_CHUNK_ELEMENTS // max(1, cols))
-    buffer = torch.empty((min(step, rows), cols), dtype=torch.float32, device=codes.device)
     scale = weight_scale.reshape(())
     for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        part = buffer[: stop - start]
-        part.copy_(codes[start:stop])
-        part.mul_(scale)
-        out[start:stop].copy_(part)
+        length = min(step, rows - start)
+        # mul computes in F32 (both operands) and rounds once into the ``dtype`` output.
+        torch.mul(codes.narrow(0, start, length).to(torch.float32), scale, out=out.narrow(0, start, length))
     return out
 
 
@@ -109,7 +107,14 @@ def quantize_activation(x2d: torch.Tensor, input_scale: torch.Tensor, *, fused: 
     """``clamp(x / input_scale, ±448) -> E4M3`` with TorchAO's own primitive (bit-identical to its path)."""
     if fused:
         _check_fused_device(x2d)
-        return _fused(_quantize)(x2d, input_scale)
+        # Few graphs: dynamo guards on an input's strides and, for a view, on its base's sizes,
+        # so every layout a model hands its linears (transposed, channels-last, sliced, a 3-D
+        # input's 2-D view) would otherwise be one more recompile of the one shared function,
+        # until fullgraph=True fails at the recompile limit (8). Contiguous (a copy of the
+        # input only where the codes would need one anyway) and detached (no view base: free).
+        if not x2d.is_contiguous():
+            x2d = x2d.clone(memory_format=torch.contiguous_format)
+        return _fused(_quantize)(x2d.detach(), input_scale.detach())
     return _quantize(x2d, input_scale)
 
 
@@ -118,7 +123,8 @@ def dequantize(weight: StaticFloat8Tensor, dtype: torch.dtype, *, fused: bool = 
     in ``dtype`` (compiled: one kernel; eagerly: row chunks, ``DEQUANT_CHUNK_ELEMENTS``)."""
     if fused:
         _check_fused_device(weight.qdata)
-        return _fused(_dequantize)(weight.qdata, weight.scale, dtype)
+        # Detached: FSDP2's gathered codes are a view of the all-gather buffer (see above).
+        return _fused(_dequantize)(weight.qdata.detach(), weight.scale.detach(), dtype)
     return _dequantize_in_chunks(weight.qdata, weight.scale, dtype)
 
 
