@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_cuda import CudaRules, fake_cuda, fused_traced_not_generated
+from fake_cuda import CudaRules, fake_cuda, fused_traced_not_generated, on_fake_cuda
 from torch import nn
 
 from fsdp_fp8.export.modelopt import quantize_weight
@@ -167,6 +167,12 @@ def test_a_cpu_scale_next_to_cuda_codes_never_reaches_the_gemm():
     w = make_static_fp8_weight(codes, torch.tensor(0.5), torch.tensor(4.0 / 448), torch.bfloat16)
     assert {w.qdata.device, w.scale.device, w.act_quant_scale.device} == {torch.device("meta")}
     assert w.scale.dtype == w.act_quant_scale.dtype == torch.float32
+    # Codes handed over transposed become row-major, so their .t() is what _scaled_mm takes.
+    w = make_static_fp8_weight(codes.t().contiguous().t(), torch.tensor(0.5), torch.tensor(0.1), torch.bfloat16)
+    assert w.qdata.stride() == (K, 1)
+    with fake_cuda():
+        lin = _with_weight(on_fake_cuda(w), False, torch.bfloat16)
+        assert lin(torch.empty(3, K, dtype=torch.bfloat16, device="cuda")).shape == (3, N)
 
 
 def test_fused_kernels_are_refused_on_cuda_without_the_ieee_division_switch(monkeypatch):
