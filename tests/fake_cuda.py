@@ -6,11 +6,14 @@ layouts (first operand row-major, second column-major), K and N multiples of 16,
 scales, and one device per op (``FakeTensorDeviceMismatchError``). ``CudaRules`` adds the one
 precondition of CUDA's ``_scaled_mm`` that the meta kernel does not check (the bias dtype).
 
-What a CPU build cannot fake: any copy onto the fake device (``.to("cuda")``, ``copy_`` from a
-CPU tensor, ``empty_like(..., device="cuda")``, ``Tensor.contiguous()``: "PyTorch is not linked
-with support for cuda devices"), inductor's code generation for CUDA (it writes Triton for a
-device this build lacks), pinning (``aten._pin_memory`` has no fake kernel), and data-dependent
-ops. ``torch.empty_strided(size, stride, dtype=..., device="cuda")`` and ``clone`` work.
+What a CPU build cannot fake: any copy onto the fake device from another (``.to("cuda")``,
+``copy_`` from a CPU tensor, ``empty_like(..., device="cuda")``: "PyTorch is not linked with
+support for cuda devices"), a few tensor methods whose Python bindings take a CUDA device
+guard (``copy_`` and ``contiguous`` are routed to their aten ops by ``TensorMethodsAsOps``;
+Python indexing is not, so the tests slice with ``narrow`` / ``select``), inductor's code
+generation for CUDA (it writes Triton for a device this build lacks), pinning
+(``aten._pin_memory`` has no fake kernel), and data-dependent ops.
+``torch.empty_strided(size, stride, dtype=..., device="cuda")``, ``clone`` and the aten ops work.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
@@ -50,12 +54,30 @@ class CudaRules(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class TensorMethodsAsOps(TorchFunctionMode):
+    """``Tensor.copy_`` and ``Tensor.contiguous`` as the aten ops they call.
+
+    On a CPU build the Python bindings of these two methods take a CUDA device guard before they
+    dispatch, and there is none ("PyTorch is not linked with support for cuda devices"), while
+    the ops themselves run on fake CUDA tensors. FSDP2 copies each rank's rows into its padded
+    shard with ``copy_``; TorchAO makes an input row-major with ``contiguous()``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            return aten.copy_.default(*args, **kwargs)
+        if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
+            t = args[0]
+            return t if t.is_contiguous() else aten.clone.default(t, memory_format=torch.contiguous_format)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """A fake mode (refusing real tensors: a CPU tensor left in a CUDA model shows) with ``CudaRules``
     inside it; yields the rules (``.scaled_mm`` counts the GEMMs that ran)."""
     rules = CudaRules()
-    with FakeTensorMode(), rules:
+    with FakeTensorMode(), rules, TensorMethodsAsOps():
         yield rules
 
 

@@ -79,9 +79,11 @@ def _copy(func, types, args, kwargs):
     self, src = args[0], args[1]
     if kwargs or not (type(self) is type(src) is StaticFloat8Tensor and self.shape == src.shape):
         return _TORCHAO[aten.copy_.default](func, types, args, kwargs)
-    self.qdata.copy_(src.qdata)
-    self.scale.copy_(src.scale)
-    self.act_quant_scale.copy_(src.act_quant_scale)
+    # The aten op, not Tensor.copy_: on a CPU build that method's Python binding wants a CUDA
+    # device guard, so a fake CUDA tensor (tests/test_fake_cuda_fsdp.py) could not be copied.
+    aten.copy_.default(self.qdata, src.qdata)
+    aten.copy_.default(self.scale, src.scale)
+    aten.copy_.default(self.act_quant_scale, src.act_quant_scale)
     return self
 
 
@@ -90,8 +92,8 @@ def _scales_on(self: StaticFloat8Tensor, device) -> tuple[torch.Tensor, torch.Te
     scale = torch.empty((1, 1), dtype=torch.float32, device=device)
     act = torch.empty((1, 1), dtype=torch.float32, device=device)
     if not (scale.is_meta or self.scale.is_meta):
-        scale.copy_(self.scale)
-        act.copy_(self.act_quant_scale)
+        aten.copy_.default(scale, self.scale)  # the op, as in _copy
+        aten.copy_.default(act, self.act_quant_scale)
     return scale, act
 
 

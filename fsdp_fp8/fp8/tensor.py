@@ -156,7 +156,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
             else:
                 payload = torch.zeros(padded_shape, dtype=torch.uint8, device=codes.device)
                 if codes.numel() > 0:
-                    payload[: codes.shape[0]].copy_(codes.view(torch.uint8))
+                    payload.narrow(0, 0, codes.shape[0]).copy_(codes.view(torch.uint8))
         return (payload,), (tuple(outer_size),)
 
     def fsdp_post_all_gather(
@@ -171,7 +171,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
         _require_static(self, "fsdp_post_all_gather")
         (gathered,) = all_gather_outputs
         (outer_size,) = metadata
-        codes = gathered.view(E4M3)[: outer_size[0]]
+        codes = gathered.view(E4M3).narrow(0, 0, outer_size[0])  # narrow: fakeable, unlike [:n]
         if out is not None:
             _require_static(out, "fsdp_post_all_gather(out=)")
             if out.qdata.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr():
