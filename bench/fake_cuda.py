@@ -34,7 +34,9 @@ def _basic(index) -> tuple | None:
     for part in parts:
         if isinstance(part, bool) or not (part is None or part is Ellipsis or isinstance(part, (int, slice))):
             return None
-        if isinstance(part, slice) and not all(v is None or isinstance(v, int) for v in (part.start, part.stop, part.step)):
+        if isinstance(part, slice) and not all(
+            v is None or isinstance(v, int) for v in (part.start, part.stop, part.step)
+        ):
             return None
     if sum(part is Ellipsis for part in parts) > 1:
         return None

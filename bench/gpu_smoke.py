@@ -67,8 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # fake_cuda, as a script and as an imported module
 
 # Seconds per section: (--quick on one H200, full run). The quick ones sum to 315 s, under the
-# 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout is the full sum
-# (or the quick sum) plus TIMEOUT_MARGIN_S, so a section's budget always ends first.
+# 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
+# is their sum plus TIMEOUT_MARGIN_S, so a section's budget always ends first.
 BUDGETS = {
     "preflight": (15, 30),
     "versions": (15, 30),
@@ -88,6 +88,7 @@ DRY_GEMM_SHAPES = [(77, 64, 96)]
 # Under fake CUDA nothing is timed: every input layout a linear meets, at the smallest shapes
 # CUDA takes (K and N multiples of 16), is run once per mode instead.
 FAKE_GEMM_ROWS = (0, 1, 7, 16, 77)
+FAKE_GEMM_IN, FAKE_GEMM_OUT = 64, 96
 MODES = {  # variant -> (Float8StaticLinear.mode, fused, fast_accum); None: the BF16 nn.Linear
     "BF16": None,
     "W8A8": ("native", False, False),
@@ -130,7 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", help="comma-separated sections to run (default: all)")
     p.add_argument("--budget", action="append", default=[], metavar="SECTION=SECONDS", help="override a budget")
     p.add_argument("--demo-ranks", type=int, help="ranks for the demo (default: min(8, GPUs); 2 dry)")
-    p.add_argument("--total-budget", action="store_true", help="print the sum of the budgets in seconds and exit")
+    p.add_argument(
+        "--outer-timeout", action="store_true", help="print the budgets' sum plus a margin (seconds) and exit"
+    )
+    p.add_argument("--wheels-to-install", action="store_true", help="print the carried wheels this Python lacks")
     p.add_argument("--section", help=argparse.SUPPRESS)  # the child process of one section
     return p.parse_args(argv)
 
@@ -285,18 +289,19 @@ def section_preflight(ctx: Context) -> None:
     import importlib.util
 
     wheels = Path(ctx.args.wheels) if ctx.args else ROOT / "bench" / "wheels"
-    with ctx.variant("wheels") as r:
-        missing = missing_wheels(wheels)
-        r.update(directory=str(wheels), missing=missing, carried=len(carried_wheels()) - len(missing))
-        if missing:
-            r["status"] = "failed"
-            r["fix"] = "run bench/fetch_wheels.sh where the package index is reachable"
     with ctx.variant("modules") as r:
         needed = sorted({m for mods in NEEDS.values() for m in mods})
         absent = [m for m in needed if importlib.util.find_spec(m) is None]
         r.update(missing=absent, blocks={s: [m for m in mods if m in absent] for s, mods in NEEDS.items()})
         if absent:
             r["status"] = "failed"
+    with ctx.variant("wheels") as r:
+        # A missing wheel matters where its module is missing too; a box that has them all passes.
+        missing = missing_wheels(wheels)
+        r.update(directory=str(wheels), missing=missing, carried=len(carried_wheels()) - len(missing))
+        if missing and absent:
+            r["status"] = "failed"
+            r["fix"] = "run bench/fetch_wheels.sh where the package index is reachable, then bench/gpu_smoke.sh"
     with ctx.variant("compiler") as r:
         r["problems"] = compiler_problems()
         r["blocks"] = ["W8A8 fused quant", "W8A16 fused"]
@@ -311,7 +316,9 @@ def section_preflight(ctx: Context) -> None:
             r.update(status="failed", problems=["no CUDA device (torch.cuda.is_available() is False)"])
         else:
             caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-            low = [f"GPU {i}: capability {c[0]}.{c[1]} < 8.9 (no FP8)" for i, c in enumerate(caps) if c < MIN_CAPABILITY]
+            low = [
+                f"GPU {i}: capability {c[0]}.{c[1]} < 8.9 (no FP8)" for i, c in enumerate(caps) if c < MIN_CAPABILITY
+            ]
             r.update(count=len(caps), capabilities=[list(c) for c in caps], problems=low)
             if low:
                 r["status"] = "failed"
@@ -357,7 +364,7 @@ def section_tests(ctx: Context) -> None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
         cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
         if ctx.quick:
-            cmd += ["-k", "not every_gpu"]  # the demo at two worlds: the demo section runs it once
+            cmd += ["-k", "not demo_on_every_gpu"]  # the demo at two worlds: the demo section runs it once
         with ctx.variant("pytest") as r:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             r.update(exit=proc.returncode, tail=(proc.stdout + proc.stderr)[-3000:])
@@ -393,6 +400,14 @@ def _fp8_linear(weight, bias, dtype):
     return lin.eval()
 
 
+def _fused_problems(ctx: Context) -> str | None:
+    """Why the fused (compiled) variants cannot run here (None: they can)."""
+    if ctx.fake:
+        return FAKE_REFUSES_COMPILE
+    problems = compiler_problems()
+    return f"preflight: {'; '.join(problems)}" if problems else None
+
+
 def _set_mode(module, spec) -> None:
     from fsdp_fp8 import Float8StaticLinear
 
@@ -420,12 +435,13 @@ def section_gemm(ctx: Context) -> None:
 
     dtype = torch.bfloat16
     if ctx.fake:
-        shapes = [(rows, 64, 96) for rows in FAKE_GEMM_ROWS]
+        shapes = [(rows, FAKE_GEMM_IN, FAKE_GEMM_OUT) for rows in FAKE_GEMM_ROWS]
         inputs = [lambda m, k: (m, k), lambda m, k: (1, m, k), lambda m, k: (2, 1, m, k)]
     else:
         shapes = DRY_GEMM_SHAPES if ctx.dry else GEMM_SHAPES
         inputs = [lambda m, k: (m, k)]
     reps = 0 if ctx.fake else (2 if ctx.dry else (10 if ctx.quick else 50))
+    fused_problems = _fused_problems(ctx)
     for m, k, n in shapes:
         gen = torch.Generator().manual_seed(m * 31 + k + n)
         weight = ctx.place((torch.randn(n, k, generator=gen) / k**0.5).to(dtype))
@@ -438,8 +454,8 @@ def section_gemm(ctx: Context) -> None:
             ref = None
             for name, spec in MODES.items():
                 variant = f"{name} x{tuple(x.shape)}->{n}"
-                if spec is not None and spec[1] and ctx.fake:
-                    ctx.skip(variant, FAKE_REFUSES_COMPILE)
+                if spec is not None and spec[1] and fused_problems:
+                    ctx.skip(variant, fused_problems)
                     continue
                 with ctx.variant(variant) as r, torch.no_grad():
                     layer = bf16 if spec is None else fp8
@@ -599,7 +615,9 @@ def section_load(ctx: Context) -> None:
                 usable = {k: v for k, v in floors.items() if "pageable" not in k}
                 limit = min(usable, key=usable.get)
                 # The target: load GB/s per rank >= 80% of min(storage read, pinned H2D).
-                r.update(floor=limit, floor_gbps=usable[limit], load_vs_floor=round(load["read_gbps"] / usable[limit], 3))
+                r.update(
+                    floor=limit, floor_gbps=usable[limit], load_vs_floor=round(load["read_gbps"] / usable[limit], 3)
+                )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -682,9 +700,10 @@ def section_step(ctx: Context) -> None:
         layer(h, rope_l, None, phase="generate")
 
     times = {}
+    fused_problems = _fused_problems(ctx)
     for name, spec in MODES.items():
-        if spec is not None and spec[1] and ctx.fake:
-            ctx.skip(name, FAKE_REFUSES_COMPILE)
+        if spec is not None and spec[1] and fused_problems:
+            ctx.skip(name, fused_problems)
             continue
         layer = bf16 if spec is None else fp8
         with ctx.variant(name) as r, torch.no_grad():
@@ -755,6 +774,8 @@ def section_allgather(ctx: Context) -> None:
         r.update(backend=got["backend"], world=got["world"])
         r["cases"] = [{k: x.get(k) for k in ("rows", "cols", "padded_rows", "ms", "gbps")} for x in rank0]
         r["zero_row_ranks"] = sorted({x["rank"] for x in got["records"] if x["local_rows"] == 0})
+        # reported, not judged: tests/gpu/test_gpu_nccl.py asserts the bytes
+        r["bytes_equal_everywhere"] = all(x["bytes_equal"] and x["out_reused_equal"] for x in got["records"])
 
 
 def section_demo(ctx: Context) -> None:
@@ -877,8 +898,12 @@ def _blocked(name: str, pre: dict) -> str | None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     chosen = budgets(args)
-    if args.total_budget:
-        print(int(sum(chosen.values())))
+    if args.outer_timeout:
+        print(int(sum(chosen.values()) + TIMEOUT_MARGIN_S))
+        return 0
+    if args.wheels_to_install:
+        for wheel in wheels_to_install(Path(args.wheels)):
+            print(wheel)
         return 0
     if args.section:
         return _child(args)
