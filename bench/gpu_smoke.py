@@ -66,7 +66,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # fake_cuda, as a script and as an imported module
 
-# Seconds per section: (--quick on one H200, full run). The quick ones sum to 315 s, under the
+# Seconds per section: (--quick on one H200, full run). The quick ones sum to 320 s, under the
 # 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
 # is their sum plus TIMEOUT_MARGIN_S, so a section's budget always ends first.
 BUDGETS = {
@@ -74,10 +74,10 @@ BUDGETS = {
     "versions": (15, 30),
     "tests": (100, 600),
     "gemm": (20, 60),
-    "load": (30, 180),
-    "step": (50, 240),
+    "load": (25, 180),
+    "step": (40, 240),
     "allgather": (30, 90),
-    "demo": (55, 600),
+    "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
 }
 TIMEOUT_MARGIN_S = 60
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores (Ada, Hopper)
@@ -352,8 +352,12 @@ def section_versions(ctx: Context) -> None:
         )
 
 
+PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
 def section_tests(ctx: Context) -> None:
-    """pytest on tests/gpu in a child (its own budget is this section's), one record per test."""
+    """pytest on tests/gpu, one record per test as pytest reports it (a timeout keeps those),
+    then the same records again with their messages from the junit file."""
     import xml.etree.ElementTree as ET
 
     if ctx.fake:
@@ -361,18 +365,28 @@ def section_tests(ctx: Context) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
         cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
         if ctx.quick:
             cmd += ["-k", "not demo_on_every_gpu"]  # the demo at two worlds: the demo section runs it once
         with ctx.variant("pytest") as r:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            r.update(exit=proc.returncode, tail=(proc.stdout + proc.stderr)[-3000:])
-            if proc.returncode not in (0, 5):  # 5: nothing collected (every test skipped is 0)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail: list[str] = []
+            for line in proc.stdout:
+                tail = (tail + [line])[-60:]
+                hit = PYTEST_LINE.match(line)
+                if hit:
+                    outcome = hit[2]
+                    status = "failed" if outcome in ("FAILED", "ERROR") else "skipped" if outcome == "SKIPPED" else "ok"
+                    ctx.record(hit[1], status, outcome=outcome)
+            rc = proc.wait()
+            r.update(exit=rc, tail="".join(tail)[-3000:])
+            if rc not in (0, 5):  # 5: nothing collected
                 r["status"] = "failed"
         if junit.exists():
             for case in ET.parse(junit).getroot().iter("testcase"):
-                name = f"{case.get('classname', '')}::{case.get('name')}"
+                path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+                name = f"{path}::{case.get('name')}"
                 outcome = {c.tag: (c.get("message") or "")[:1500] for c in case}
                 status = "failed" if {"failure", "error"} & set(outcome) else "ok"
                 status = "skipped" if "skipped" in outcome else status
@@ -897,6 +911,7 @@ def _blocked(name: str, pre: dict) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out = str(Path(args.out).absolute())  # the children run in the checkout's root
     chosen = budgets(args)
     if args.outer_timeout:
         print(int(sum(chosen.values()) + TIMEOUT_MARGIN_S))
@@ -929,6 +944,8 @@ def main(argv=None) -> int:
         section = load_results(Path(args.out))["sections"].get(name, {"variants": {}})
         if status == "ok" and any(v["status"] == "failed" for v in section["variants"].values()):
             status = "failed"
+        if status == "ok" and not section["variants"]:
+            status, tail = "failed", f"the section wrote no records to {args.out}\n{tail}"
         statuses[name] = status
         seconds = round(time.perf_counter() - t0, 2)
         end = {"section": name, "variant": None, "status": status, "seconds": seconds, "budget_s": chosen[name]}
