@@ -109,6 +109,7 @@ BAD_LINES = re.compile(
 )
 # What each section imports from outside the standard library (preflight names the missing).
 NEEDS = {
+    "versions": ("torch",),
     "tests": ("torch", "torchao", "safetensors", "numpy", "pytest"),
     "gemm": ("torch", "torchao"),
     "load": ("torch", "torchao", "safetensors", "numpy"),
@@ -308,11 +309,12 @@ def section_preflight(ctx: Context) -> None:
         if r["problems"]:
             r["status"] = "failed"
     with ctx.variant("device") as r:
-        import torch
-
         if ctx.fake or ctx.dry:
             r.update(status="skipped", reason="--fake-cuda / --dry: no CUDA device is asked for")
-        elif not torch.cuda.is_available():
+            return
+        import torch  # inside the variant: a missing or broken torch is this record's error
+
+        if not torch.cuda.is_available():
             r.update(status="failed", problems=["no CUDA device (torch.cuda.is_available() is False)"])
         else:
             caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
@@ -846,12 +848,15 @@ def run_section(name: str, ctx: Context) -> None:
 
 
 def _child(args: argparse.Namespace) -> int:
+    results = Results(Path(args.out))
+    if args.section == "preflight":  # before torch: a box without a working torch is told so
+        section_preflight(Context("preflight", None, args.dry, args.fake_cuda, args.quick, results.write, args))
+        return 0
     import torch
 
-    results = Results(Path(args.out))
     if args.fake_cuda:
         device = torch.device("cuda", 0)
-    elif args.dry or args.section == "preflight":
+    elif args.dry:
         device = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
@@ -897,14 +902,14 @@ def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str,
         return status, rc, err.read()[-3000:]
 
 
-def _blocked(name: str, pre: dict) -> str | None:
+def _blocked(name: str, pre: dict, cuda: bool) -> str | None:
     """Why preflight says ``name`` cannot run (None: it can)."""
     modules = pre.get("variants", {}).get("modules", {})
     missing = modules.get("blocks", {}).get(name)
     if missing:
         return f"preflight: missing modules {', '.join(missing)}"
     device = pre.get("variants", {}).get("device", {})
-    if name != "versions" and device.get("status") == "failed":
+    if cuda and name != "versions" and device.get("status") == "failed":
         return f"preflight: {'; '.join(device.get('problems') or [device.get('error', 'no device')])}"
     return None
 
@@ -935,8 +940,9 @@ def main(argv=None) -> int:
     for name in ["preflight", *[s for s in SECTIONS if s != "preflight"]]:  # preflight always
         t0 = time.perf_counter()
         why = None if name == "preflight" or name in only else "not selected (--only)"
-        if why is None and name != "preflight" and not args.dry and not args.fake_cuda:
-            why = _blocked(name, load_results(Path(args.out))["sections"].get("preflight", {}))
+        if why is None and name != "preflight":
+            preflight = load_results(Path(args.out))["sections"].get("preflight", {})
+            why = _blocked(name, preflight, cuda=not (args.dry or args.fake_cuda))
         if why:
             status, rc, tail = "skipped", None, ""
         else:

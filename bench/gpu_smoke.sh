@@ -29,8 +29,13 @@ if "$vpy" -m pip --version >/dev/null 2>&1; then pip=("$vpy" -m pip); else pip=(
 mapfile -t todo < <(PYTHONPATH="$root" "$vpy" "$root/bench/gpu_smoke.py" --out /dev/null --wheels "$wheels" --wheels-to-install)
 if [ "${#todo[@]}" -gt 0 ]; then
     echo "installing ${#todo[@]} carried wheels into $venv"
-    "${pip[@]}" install --quiet --no-index --no-deps --find-links "$wheels" "${todo[@]}" \
-        || echo "pip install failed: the preflight section names what is still missing" >&2
+    if ! "${pip[@]}" install --quiet --no-index --no-deps --find-links "$wheels" "${todo[@]}"; then
+        # one wheel this Python cannot take (another Python version) must not stop the others
+        for wheel in "${todo[@]}"; do
+            "${pip[@]}" install --quiet --no-index --no-deps "$wheel" 2>/dev/null || echo "not installed: $(basename "$wheel")" >&2
+        done
+        echo "the preflight section names what is still missing" >&2
+    fi
 fi
 
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

@@ -158,3 +158,21 @@ def test_a_section_out_of_time_keeps_what_finished_and_the_run_says_so(tmp_path)
     not_skipped = {v: r for v, r in gpu_tests.items() if r["status"] != "skipped" or "GPU" not in r["skipped"]}
     assert gpu_tests and not_skipped == {}
     assert results["summary"]["ok"] is False and results["summary"]["statuses"]["gemm"] == "timeout"
+
+
+def test_what_preflight_finds_missing_skips_the_sections_that_need_it(tmp_path):
+    ctx = gpu_smoke.Context("preflight", None, dry=False, fake=False, quick=True, emit=lambda r: None)
+    ctx.args = gpu_smoke.parse_args(["--out", "x", "--wheels", str(tmp_path)])
+    gpu_smoke.section_preflight(ctx)
+    pre = {"variants": {r["variant"]: r for r in ctx.records}}
+    assert pre["variants"]["wheels"]["missing"] == gpu_smoke.carried_wheels()
+    # this machine has every module, so the missing wheels do not matter; a lacking one does
+    assert pre["variants"]["modules"]["missing"] == [] and pre["variants"]["wheels"]["status"] == "ok"
+    pre["variants"]["modules"]["blocks"]["demo"] = ["diffusers"]
+    assert gpu_smoke._blocked("demo", pre, cuda=False) == "preflight: missing modules diffusers"
+    assert gpu_smoke._blocked("gemm", pre, cuda=False) is None
+    pre["variants"]["device"] = {"status": "failed", "problems": ["GPU 0: capability 8.0 < 8.9 (no FP8)"]}
+    assert "8.0 < 8.9" in gpu_smoke._blocked("gemm", pre, cuda=True)
+    assert (
+        gpu_smoke._blocked("gemm", pre, cuda=False) is None and gpu_smoke._blocked("versions", pre, cuda=True) is None
+    )
