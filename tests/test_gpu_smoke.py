@@ -176,3 +176,19 @@ def test_what_preflight_finds_missing_skips_the_sections_that_need_it(tmp_path):
     assert (
         gpu_smoke._blocked("gemm", pre, cuda=False) is None and gpu_smoke._blocked("versions", pre, cuda=True) is None
     )
+
+
+def test_the_load_section_measures_load_model_against_the_read_floor_on_cpu():
+    ctx = gpu_smoke.Context("load", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    gpu_smoke.run_section("load", ctx)
+    by = {r["variant"]: r for r in ctx.records}
+    assert {v: r["status"] for v, r in by.items()} == {
+        "raw read": "ok",
+        "load_model": "ok",
+        "h2d": "skipped",
+        "vs floor": "ok",
+    }, {v: r.get("error") for v, r in by.items()}
+    load = by["load_model"]
+    # load_model read exactly the codes of every linear, 1 byte per element
+    assert load["bytes_read"] == load["fp8_linears"] * gpu_smoke.LOAD_ROWS * gpu_smoke.LOAD_COLS > 0
+    assert by["vs floor"]["floor"] == "raw read" and by["vs floor"]["load_vs_floor"] > 0
