@@ -80,6 +80,9 @@ BUDGETS = {
     "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
 }
 TIMEOUT_MARGIN_S = 60
+# After a section's budget: SIGTERM, this long for torchrun to stop its ranks, then SIGKILL. The
+# margin above covers it for all eight sections and the driver's own seconds.
+KILL_GRACE_S = 5
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores (Ada, Hopper)
 # The 64B model's projection shapes (M tokens, K in, N out): attention (5120 -> 5120) and the
 # MLP's up (5120 -> 20480) and down (20480 -> 5120), 4096 latent tokens.
@@ -161,7 +164,11 @@ def load_results(path: Path) -> dict:
     """``{"sections": {name: {"status", "variants": {variant: record}, ...}}, "summary": ...}``."""
     out: dict = {"sections": {}, "summary": None}
     for line in Path(path).read_text().splitlines():
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a process killed while writing it
+            out["unreadable_lines"] = out.get("unreadable_lines", 0) + 1
+            continue
         if record.get("section") == "summary":
             out["summary"] = record
             continue
@@ -882,6 +889,23 @@ def budgets(args: argparse.Namespace) -> dict[str, float]:
     return chosen
 
 
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, wait until every member is gone (a torchrun agent
+    leaves once it has stopped its ranks), SIGKILL what is left after ``KILL_GRACE_S``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or it stays in the group as a zombie
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str, int | None, str]:
     """The section in its own process group, killed (with its torchrun ranks) at its budget."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", args.out, "--wheels", args.wheels]
@@ -895,8 +919,10 @@ def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str,
             rc = proc.wait(timeout=budget)
             status = "ok" if rc == 0 else "crashed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # SIGTERM first: torchrun starts its ranks in sessions of their own, out of this
+            # group's reach, and stops them itself on SIGTERM; a SIGKILL would leave them
+            # holding the GPUs for the next section.
+            _stop_group(proc)
             rc, status = None, "timeout"
         err.seek(0)
         return status, rc, err.read()[-3000:]
