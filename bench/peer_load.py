@@ -522,6 +522,38 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """The same results as Markdown tables (what docs/benchmarks.md holds)."""
+    lines = []
+    for (ckpt, world, cache), group in _groups(rows).items():
+        ok = [r for r in group if "error" not in r]
+        base = next((r for r in ok if r["method"] == "fsdp_fp8"), None)
+        head = group[0]
+        lines += [
+            "",
+            f"**{ckpt}** ({common.mib(head['checkpoint_bytes'])} MiB, {head['files']} files), world size {world}, "
+            f"{cache} cache (evicted: {all(r.get('cold_cache') for r in ok)}), {head['reps']} trials, "
+            f"load average {head['load_average']}",
+            "",
+            "| method | median s | load_model / this | asked / rank MiB | from disk / rank MiB "
+            "| peak RSS growth / rank MiB | phases, slowest rank, median s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            if "error" in r:
+                lines.append(f"| {r['method']} | failed: {r['error'].strip().splitlines()[-1]} | | | | | |")
+                continue
+            ratio = r["seconds_median"] / base["seconds_median"] if base else float("nan")
+            phases = ", ".join(f"{n} {v:.3f}" for n, v in r["phases_median"].items() if v >= 0.0005)
+            lines.append(
+                f"| {r['method']} | {r['seconds_median']:.3f} | {1 / ratio:.2f} | "
+                f"{'/'.join(common.mib(b) for b in r['bytes_asked_per_rank'])} | "
+                f"{'/'.join(common.mib(b) for b in r['disk_read_per_rank'])} | "
+                f"{'/'.join(common.mib(b) for b in r['rss_growth_per_rank'])} | {phases} |"
+            )
+    return "\n".join(lines)
+
+
 def _groups(rows):
     out: dict = {}
     for r in rows:
@@ -530,6 +562,18 @@ def _groups(rows):
 
 
 # --- driver ------------------------------------------------------------------------------
+
+
+def profile_summary(path: str, top: int) -> str:
+    import pstats
+
+    stats = pstats.Stats(path)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)
+    out = [f"  total {sum(v[2] for _, v in rows):.3f} s own time, {sum(v[1] for _, v in rows):,} calls"]
+    for (file, line, fn), (_, nc, tt, ct, _) in rows[:top]:
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if file != "~" else "(C)"
+        out.append(f"  {tt:7.3f} s own {ct:7.3f} s cum {nc:>8,} calls  {fn}  {where}")
+    return "\n".join(out)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -544,6 +588,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--markdown", action="store_true", help="also print the results as Markdown tables")
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -629,11 +674,14 @@ def main(argv=None) -> int:
                             (x.get("profile") for r in trials[m] for x in r if x.get("profile")), None
                         )
     print(format_table(rows), flush=True)
+    if args.markdown:
+        print(markdown(rows), flush=True)
     for r in rows:
         if "error" in r:
             print(f"{r['checkpoint']} w{r['world_size']} {r['cache']} {r['method']}:\n{r['error']}", file=sys.stderr)
         if r.get("profile"):
-            print(f"profile of {r['method']} (rank 0): {r['profile']}")
+            print(f"\ncProfile of {r['method']}, rank 0, main thread ({r['profile']}), by own time:")
+            print(profile_summary(r["profile"], 15))
     common.append_jsonl(args.results, rows)
     return 1 if any("error" in r for r in rows) else 0
 
