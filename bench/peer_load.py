@@ -22,6 +22,10 @@ two barriers; what a method imports is imported before its measured block):
             (rank r takes the r-th span of the files' concatenation), in 8 MiB requests, one
             thread, into a buffer touched before the timer; no model, no collective
 
+What-ifs (not run by default): ``fsdp_fp8+noprefetch``, ``+threads1``, ``+threads2``, ``+nocheck``
+(no FP8 NaN-code check), combinable (``fsdp_fp8+noprefetch+nocheck``): the same load with one
+tunable of the tree changed in the trial's processes, to see what each part costs.
+
 Checkpoints: ``mot`` is this repo's generator (``bench/common.py``, ``--size``), ``llama`` a
 Llama-shaped ModelOpt FP8 checkpoint written independently (``bench/peer_checkpoints.py``,
 ``--llama-size``); any other value is a checkpoint directory.
@@ -149,6 +153,38 @@ def _timed_architecture(phases: Phases, resolve):
         return dataclasses.replace(arch, model_fn=phases.wrap("meta build", arch.model_fn))
 
     return timed
+
+
+# What-if variants of fsdp_fp8 (``--methods fsdp_fp8+noprefetch+nocheck``): where the time goes,
+# by taking one thing away. Each sets a tunable of the current tree in this trial's processes.
+def _no_check(self, request, buffers) -> None:
+    return None
+
+
+EXPERIMENTS = {
+    "noprefetch": [("fsdp_fp8.format.read_schedule", "PREFETCH_BYTES", 0)],
+    "threads1": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 1)],
+    "threads2": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 2)],
+    "nocheck": [("fsdp_fp8.load.loader.CodeCheck", "__call__", _no_check)],  # the FP8 NaN-code check off
+}
+
+
+def apply_experiments(method: str) -> None:
+    import importlib
+
+    for name in method.split("+")[1:]:
+        for target, attr, value in EXPERIMENTS[name]:
+            module_name, _, cls = target.rpartition(".") if target.endswith("CodeCheck") else (target, "", "")
+            owner = importlib.import_module(module_name)
+            owner = getattr(owner, cls) if cls else owner
+            if not hasattr(owner, attr):
+                raise AttributeError(f"what-if {name!r}: {target} has no {attr} in this tree")
+            setattr(owner, attr, value)
+
+
+def _known(method: str) -> bool:
+    base, *extra = method.split("+")
+    return base in METHODS and (not extra or base == "fsdp_fp8") and all(e in EXPERIMENTS for e in extra)
 
 
 # --- the peer's model: the checkpoint's class with plain float8 parameters -----------------
@@ -370,7 +406,9 @@ def _rank_child(method: str, rank: int, world: int, store: str, directory: str, 
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         directory = Path(directory)
         phases = Phases()
-        fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast, "floor": method_floor}.get(method, method_dcp)
+        fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast, "floor": method_floor}.get(
+            method.split("+")[0], method_dcp
+        )
         if method.startswith("dcp-"):
             opts = {**opts, "threads": int(method.split("-")[1])}
         if method == "floor":  # the pre-touched buffer and the span, outside the block
@@ -381,7 +419,8 @@ def _rank_child(method: str, rank: int, world: int, store: str, directory: str, 
                 "_buffer": torch.ones(n, dtype=torch.uint8),
                 "_pieces": floor_span(files, sum(opts["row_bytes"][:rank]), n),
             }
-        if method == "fsdp_fp8":  # the timed wrappers, outside the block
+        if method.startswith("fsdp_fp8"):  # the what-ifs and the timed wrappers, outside the block
+            apply_experiments(method)
             opts = {**opts, "_missing": instrument_fsdp_fp8(phases)}
         profiler = None
         if opts.get("profile") and rank == 0:
@@ -621,9 +660,12 @@ def _load_average() -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if not _known(m)]
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        raise SystemExit(
+            f"unknown methods {unknown}; known: {', '.join(METHODS)}, and fsdp_fp8+WHAT-IF with WHAT-IF in "
+            f"{', '.join(EXPERIMENTS)}"
+        )
     worlds = [int(w) for w in args.worlds.split(",")]
     caches = [c for c in args.cache.split(",") if c]
     ctx = mp.get_context("forkserver")

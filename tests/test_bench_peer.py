@@ -88,10 +88,17 @@ def test_the_strict_floor_reads_every_byte_once_across_the_ranks():
 def test_the_bench_runs_every_method_with_the_forecast_bytes(tiny_llama, tmp_path):
     peer = _bench("peer_load")
     results = tmp_path / "r.jsonl"
+    whatif = "fsdp_fp8+noprefetch+nocheck"
+    methods = [*peer.METHODS, whatif]
     argv = ["--checkpoints", str(tiny_llama), "--worlds", "1,2", "--cache", "cold", "--reps", "1"]
-    assert peer.main([*argv, "--results", str(results)]) == 0
+    assert peer.main([*argv, "--methods", ",".join(methods), "--results", str(results)]) == 0
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert {(r["world_size"], r["method"]) for r in rows} == {(w, m) for w in (1, 2) for m in peer.METHODS}
+    assert {(r["world_size"], r["method"]) for r in rows} == {(w, m) for w in (1, 2) for m in methods}
+    for r in rows:  # the what-if took the prefetch away; the default hints every row of the rank
+        if r["method"] == whatif:
+            assert r["prefetch_bytes_per_rank"] == [0] * r["world_size"]
+        elif r["method"] == "fsdp_fp8":
+            assert r["prefetch_bytes_per_rank"] == r["row_bytes_per_rank"] and r["code_check_thread_s_median"] > 0
     files = _file_tensors(tiny_llama)
     total = sum(t.numel() * t.element_size() for t in files.values())
     scales = sum(4 for t in files.values() if t.ndim == 0)
@@ -101,7 +108,7 @@ def test_the_bench_runs_every_method_with_the_forecast_bytes(tiny_llama, tmp_pat
         asked = r["bytes_asked_per_rank"]
         if r["method"] == "floor":
             assert asked == rows_bytes
-        elif r["method"] == "fsdp_fp8" or r["method"].startswith("dcp"):  # + every 0-d scale, on every rank
+        elif r["method"].startswith(("fsdp_fp8", "dcp")):  # + every 0-d scale, on every rank
             assert asked == [b + scales for b in rows_bytes], r["method"]
         else:  # bcast: rank 0 reads everything
             assert asked == [total] + [0] * (r["world_size"] - 1)
