@@ -698,6 +698,7 @@ def main(argv=None) -> int:
                             flush=True,
                         )
                 load = f"{load_before} -> {_load_average()}"
+                group = len(rows)
                 for m in methods:
                     rows.append(
                         {
@@ -721,7 +722,9 @@ def main(argv=None) -> int:
                         rows[-1]["profile"] = next(
                             (x.get("profile") for r in trials[m] for x in r if x.get("profile")), None
                         )
-    print(format_table(rows), flush=True)
+                common.append_jsonl(args.results, rows[group:])  # group by group: a long run keeps what it has
+                print(format_table(rows[group:]), flush=True)
+    print("\nall groups:" + format_table(rows), flush=True)
     if args.markdown:
         print(markdown(rows), flush=True)
     for r in rows:
@@ -730,7 +733,6 @@ def main(argv=None) -> int:
         if r.get("profile"):
             print(f"\ncProfile of {r['method']}, rank 0, main thread ({r['profile']}), by own time:")
             print(profile_summary(r["profile"], 15))
-    common.append_jsonl(args.results, rows)
     return 1 if any("error" in r for r in rows) else 0
 
 
