@@ -632,6 +632,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", action="store_true", help="also print the results as Markdown tables")
+    p.add_argument("--report", metavar="JSONL", help="run nothing: print the Markdown tables of a results file's runs")
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -657,8 +658,16 @@ def _load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def report(path: str) -> str:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return markdown([r for r in rows if r.get("bench") == "peer_load"])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if not _known(m)]
     if unknown:
