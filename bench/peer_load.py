@@ -551,7 +551,7 @@ def format_table(rows: list[dict]) -> str:
         for r in rows_ok:
             lines.append(
                 f"  {r['method']} phases (slowest rank, median s): "
-                + ", ".join(f"{n} {s:.3f}" for n, s in r["phases_median"].items())
+                + ", ".join(f"{n} {s:.3f}" for n, s in ordered(r["phases_median"]))
                 + (f" [not timed: {', '.join(r['phases_missing'])}]" if r["phases_missing"] else "")
             )
             if any(b is not None for b in r["prefetch_bytes_per_rank"]):
@@ -563,6 +563,35 @@ def format_table(rows: list[dict]) -> str:
                     + f" MiB per rank; FP8 NaN-code check {r['code_check_thread_s_median']:.3f} thread-s (slowest rank)"
                 )
     return "\n".join(lines)
+
+
+PHASE_ORDER = [
+    "side group",
+    "open",
+    "resolve architecture",
+    "meta build",
+    "plan",
+    "agreement (plan)",
+    "swap",
+    "fully_shard",
+    "to_empty",
+    "state_dict",
+    "dcp read_metadata",
+    "dcp plan",
+    "dcp read_data",
+    "dcp close",
+    "load_file (rank 0)",
+    "set_model_state_dict",
+    "reads",
+    "agreement (outcome)",
+    "read",
+]
+
+
+def ordered(phases: dict[str, float]) -> list[tuple[str, float]]:
+    """In the order the steps run (a results file's JSON keys come back sorted)."""
+    rank = {n: i for i, n in enumerate(PHASE_ORDER)}
+    return sorted(phases.items(), key=lambda kv: rank.get(kv[0], len(rank)))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -587,7 +616,7 @@ def markdown(rows: list[dict]) -> str:
                 lines.append(f"| {r['method']} | failed: {r['error'].strip().splitlines()[-1]} | | | | | |")
                 continue
             ratio = r["seconds_median"] / base["seconds_median"] if base else float("nan")
-            phases = ", ".join(f"{n} {v:.3f}" for n, v in r["phases_median"].items() if v >= 0.0005)
+            phases = ", ".join(f"{n} {v:.3f}" for n, v in ordered(r["phases_median"]) if v >= 0.0005)
             lines.append(
                 f"| {r['method']} | {r['seconds_median']:.3f} | {1 / ratio:.2f} | "
                 f"{'/'.join(common.mib(b) for b in r['bytes_asked_per_rank'])} | "
