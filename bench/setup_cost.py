@@ -11,6 +11,9 @@ Each repetition sets the same stack up twice, interleaved:
         ``shard_model`` (``fully_shard`` per block, then the root), ``to_empty``
   bf16  what a plain BF16 FSDP2 user does: the model built under ``torch.device("meta")``,
         ``shard_model``, ``to_empty``
+  plain fp8   bf16 with the planned linears' weights replaced by plain ``float8_e4m3fn``
+        parameters and 0-d scale buffers ("swap"): what sharding the FP8 bytes costs without
+        a tensor subclass (the model bench/peer_load.py hands DCP)
 
 No collective runs at set-up, so a ``fake`` process group stands in for 8 ranks and nothing
 needs 64 GB (``to_empty`` stays on meta). Reported: medians of process CPU time per phase (CPU,
@@ -105,6 +108,7 @@ def _fp8(directory: Path, mesh, profile: bool = False) -> _Clock:
     clock.run("fully_shard", lambda: shard_model(model, mesh))
     clock.run("to_empty", lambda: model.to_empty(device="meta"))
     clock.fp8_linears = len(plan.fp8)
+    clock.fp8_modules = [t.module for t in plan.fp8]
     ckpt.close()
     return clock
 
@@ -120,6 +124,35 @@ def _bf16(config: MoTConfig, mesh, profile: bool = False) -> _Clock:
             return build_model(config, device="meta")
 
     model = clock.run("meta build", build)
+    clock.run("fully_shard", lambda: shard_model(model, mesh))
+    clock.run("to_empty", lambda: model.to_empty(device="meta"))
+    return clock
+
+
+def _plain_fp8(config: MoTConfig, modules: list[str], mesh) -> _Clock:
+    """The BF16 set-up with the planned linears' weights made plain ``float8_e4m3fn`` parameters
+    and their scales 0-d buffers (the model bench/peer_load.py hands DCP): what sharding FP8
+    bytes costs without a tensor subclass."""
+    clock = _Clock()
+    clock.cpu["open"] = clock.cpu["plan"] = 0.0
+    clock.wall["open"] = clock.wall["plan"] = 0.0
+
+    def build():
+        with torch.device("meta"):
+            return build_model(config, device="meta")
+
+    def cast():
+        for name in modules:
+            linear = model.get_submodule(name)
+            shape = linear.weight.shape
+            linear._parameters["weight"] = torch.nn.Parameter(
+                torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta"), requires_grad=False
+            )
+            linear.register_buffer("weight_scale", torch.empty((), device="meta"))
+            linear.register_buffer("input_scale", torch.empty((), device="meta"))
+
+    model = clock.run("meta build", build)
+    clock.run("swap", cast)
     clock.run("fully_shard", lambda: shard_model(model, mesh))
     clock.run("to_empty", lambda: model.to_empty(device="meta"))
     return clock
@@ -152,11 +185,18 @@ def run(args) -> dict:
             mesh = init_device_mesh("cpu", (args.world_size,))
             warm = _fp8(directory, mesh)  # warm-up: first-call costs out of the medians
             _bf16(config, mesh)
-            runs: dict[str, list[_Clock]] = {"bf16": [], "fp8": []}
+            modules = warm.fp8_modules
+            runs: dict[str, list[_Clock]] = {"bf16": [], "fp8": [], "plain fp8": []}
+            kinds = list(runs)
             for rep in range(args.reps):
-                for kind in ("bf16", "fp8") if rep % 2 == 0 else ("fp8", "bf16"):  # alternate who goes first
+                for kind in kinds[rep % 3 :] + kinds[: rep % 3]:  # rotate who goes first
                     gc.collect()
-                    runs[kind].append(_bf16(config, mesh) if kind == "bf16" else _fp8(directory, mesh))
+                    if kind == "bf16":
+                        runs[kind].append(_bf16(config, mesh))
+                    elif kind == "fp8":
+                        runs[kind].append(_fp8(directory, mesh))
+                    else:
+                        runs[kind].append(_plain_fp8(config, modules, mesh))
             if args.profile:
                 gc.collect()
                 profiles = {"fp8": _fp8(directory, mesh, profile=True).profiles}
@@ -180,6 +220,7 @@ def run(args) -> dict:
         "median_cpu_s": med,
         "median_wall_s": wall,
         "ratios_cpu": ratios(med["fp8"], med["bf16"]),
+        "plain_fp8_fully_shard_vs_bf16_cpu": med["plain fp8"]["fully_shard"] / med["bf16"]["fully_shard"],
         "ratios_wall": ratios(wall["fp8"], wall["bf16"]),
         "load_average": " ".join(f"{x:.2f}" for x in __import__("os").getloadavg()),
     }
@@ -227,16 +268,20 @@ def main(argv=None) -> int:
         f"{args.preset}, rank 0 of {args.world_size} (fake process group, meta), {out['fp8_linears']} FP8 linears, "
         f"medians of {args.reps} interleaved runs, process CPU seconds (load average {out['load_average']})"
     )
-    print(f"{'':6}" + "".join(f"{p:>12}" for p in PHASES) + f"{'set-up':>10}")
-    for kind in ("bf16", "fp8"):
+    print(f"{'':10}" + "".join(f"{p:>12}" for p in PHASES) + f"{'set-up':>10}")
+    for kind in ("bf16", "fp8", "plain fp8"):
         m = out["median_cpu_s"][kind]
-        print(f"{kind:6}" + "".join(f"{m[p]:12.3f}" for p in PHASES) + f"{sum(m[p] for p in SETUP):10.3f}")
+        print(f"{kind:10}" + "".join(f"{m[p]:12.3f}" for p in PHASES) + f"{sum(m[p] for p in SETUP):10.3f}")
     r, w = out["ratios_cpu"], out["ratios_wall"]
     print(
         f"set-up ratio fp8 (open + meta build + plan + swap + fully_shard) / bf16 (meta build + fully_shard) = "
         f"{r['setup_ratio']:.2f} (wall {w['setup_ratio']:.2f}; target <= 1.3); / bf16 fully_shard alone = "
         f"{r['setup_vs_bf16_fully_shard']:.2f}; fp8 swap + fully_shard / bf16 fully_shard = "
         f"{r['swap_plus_fully_shard']:.2f}; everything incl. to_empty = {r['all_with_to_empty']:.2f}"
+    )
+    print(
+        "plain fp8 (the planned weights as plain float8_e4m3fn parameters, scales as buffers: no tensor "
+        f"subclass): fully_shard / bf16 fully_shard = {out['plain_fp8_fully_shard_vs_bf16_cpu']:.2f}"
     )
     if profiles:
         print("\ncProfile of one FP8 set-up (own time per function; cProfile inflates Python-heavy phases):")

@@ -91,6 +91,8 @@ def test_the_setup_bench_times_every_phase_of_both_set_ups(tmp_path):
     assert all(fp8[p] > 0 for p in setup_cost.PHASES), fp8
     # a plain BF16 user opens, plans and swaps nothing; it builds, shards and materializes
     assert [p for p in setup_cost.PHASES if bf16[p] > 0] == ["meta build", "fully_shard", "to_empty"]
+    plain = row["median_cpu_s"]["plain fp8"]  # BF16's set-up plus the cast to plain float8 parameters
+    assert [p for p in setup_cost.PHASES if plain[p] > 0] == ["meta build", "swap", "fully_shard", "to_empty"]
     setup = sum(fp8[p] for p in setup_cost.SETUP)
     assert row["ratios_cpu"]["setup_ratio"] == pytest.approx(setup / (bf16["meta build"] + bf16["fully_shard"]))
 
