@@ -24,7 +24,8 @@ two barriers; what a method imports is imported before its measured block):
 
 What-ifs (not run by default): ``fsdp_fp8+noprefetch``, ``+threads1``, ``+threads2``, ``+nocheck``
 (no FP8 NaN-code check), combinable (``fsdp_fp8+noprefetch+nocheck``): the same load with one
-tunable of the tree changed in the trial's processes, to see what each part costs.
+tunable of the tree changed in the trial's processes, to see what each part costs; ``floor-T``
+reads the floor's span in T contiguous parts on T threads.
 
 Checkpoints: ``mot`` is this repo's generator (``bench/common.py``, ``--size``), ``llama`` a
 Llama-shaped ModelOpt FP8 checkpoint written independently (``bench/peer_checkpoints.py``,
@@ -183,6 +184,8 @@ def apply_experiments(method: str) -> None:
 
 
 def _known(method: str) -> bool:
+    if method.startswith("floor-"):
+        return method[6:].isdigit()
     base, *extra = method.split("+")
     return base in METHODS and (not extra or base == "fsdp_fp8") and all(e in EXPERIMENTS for e in extra)
 
@@ -348,25 +351,54 @@ def floor_span(files: list[tuple[str, int]], start: int, nbytes: int) -> list[tu
     return out
 
 
+def _read_span(pieces, view, at: int) -> int:
+    """Read ``pieces`` (path, offset, length) in order into ``view`` from ``at``; the end."""
+    for path, offset, n in pieces:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < n:
+                step = min(REQUEST_BYTES, n - done)
+                got = os.preadv(fd, [view[at + done : at + done + step]], offset + done)
+                if got <= 0:
+                    raise OSError(f"{path}: short read at {offset + done}")
+                done += got
+        finally:
+            os.close(fd)
+        at += n
+    return at
+
+
 def method_floor(directory: Path, phases: Phases, opts: dict) -> dict:
-    buffer, pieces = opts["_buffer"], opts["_pieces"]
+    """The strict floor; ``floor-T`` (not a default method) splits the span into T contiguous
+    parts read by T threads, to see whether one synchronous stream is the disk's limit."""
+    buffer, pieces, threads = opts["_buffer"], opts["_pieces"], opts.get("threads", 1)
     view = memoryview(buffer.numpy())
-    at = 0
     with phases("read"):
-        for path, offset, n in pieces:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < n:
-                    step = min(REQUEST_BYTES, n - done)
-                    got = os.preadv(fd, [view[at + done : at + done + step]], offset + done)
-                    if got <= 0:
-                        raise OSError(f"{path}: short read at {offset + done}")
-                    done += got
-            finally:
-                os.close(fd)
-            at += n
+        if threads <= 1:
+            at = _read_span(pieces, view, 0)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            total = sum(n for _, _, n in pieces)
+            files = [(p, o, n) for p, o, n in pieces]
+            cuts = [total * i // threads for i in range(threads + 1)]
+            parts = [(_sub_span(files, cuts[i], cuts[i + 1] - cuts[i]), cuts[i]) for i in range(threads)]
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda part: _read_span(part[0], view, part[1]), parts))
+            at = total
     return {"bytes_asked": at, "_keep": buffer}
+
+
+def _sub_span(pieces, start: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """Bytes [start, start + nbytes) of a list of (path, offset, length) pieces."""
+    out, at = [], 0
+    for path, offset, n in pieces:
+        lo, hi = max(start, at), min(start + nbytes, at + n)
+        if hi > lo:
+            out.append((path, offset + lo - at, hi - lo))
+        at += n
+    return out
 
 
 def rank_row_bytes(directory: Path, world: int) -> list[int]:
@@ -406,12 +438,12 @@ def _rank_child(method: str, rank: int, world: int, store: str, directory: str, 
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         directory = Path(directory)
         phases = Phases()
-        fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast, "floor": method_floor}.get(
-            method.split("+")[0], method_dcp
-        )
-        if method.startswith("dcp-"):
+        fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast}.get(method.split("+")[0], method_dcp)
+        if method.startswith("floor"):
+            fn = method_floor
+        if method.startswith(("dcp-", "floor-")):
             opts = {**opts, "threads": int(method.split("-")[1])}
-        if method == "floor":  # the pre-touched buffer and the span, outside the block
+        if method.startswith("floor"):  # the pre-touched buffer and the span, outside the block
             n = opts["row_bytes"][rank]
             files = [(str(p), p.stat().st_size) for p in common.checkpoint_files(directory)]
             opts = {
