@@ -591,6 +591,18 @@ def format_table(rows: list[dict]) -> str:
                 f"{'/'.join(common.mib(b) for b in r['disk_read_per_rank']):>20} "
                 f"{'/'.join(common.mib(b) for b in r['rss_growth_per_rank']):>26}  {r['seconds_all']}"
             )
+        t = targets(group)
+        if t:
+            lines.append(
+                "targets: "
+                + (
+                    f"load_model / best DCP ({t['best_dcp']}) = {t['vs_best_dcp']:.2f} (<= 0.8); "
+                    if "best_dcp" in t
+                    else ""
+                )
+                + (f"load_model / floor = {t['vs_floor']:.2f} (<= 1.3 at W=2); " if "vs_floor" in t else "")
+                + f"peak RSS growth - rows = {t['rss_over_rows_mib']:.1f} MiB (<= 64)"
+            )
         for r in rows_ok:
             lines.append(
                 f"  {r['method']} phases (slowest rank, median s): "
@@ -669,6 +681,42 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def targets(group: list[dict]) -> dict | None:
+    """The issue's targets for one (checkpoint, world size, cache) group; None without fsdp_fp8."""
+    ok = {r["method"]: r for r in group if "error" not in r}
+    base = ok.get("fsdp_fp8")
+    if base is None:
+        return None
+    out: dict = {}
+    dcps = {m: r["seconds_median"] for m, r in ok.items() if m.startswith("dcp-")}
+    if dcps:
+        best = min(dcps, key=dcps.get)
+        out["best_dcp"] = best
+        out["vs_best_dcp"] = base["seconds_median"] / dcps[best]  # target <= 0.8
+    if "floor" in ok:
+        out["vs_floor"] = base["seconds_median"] / ok["floor"]["seconds_median"]  # target <= 1.3 (1.1)
+    out["rss_over_rows_mib"] = max(
+        (g - b) / 2**20 for g, b in zip(base["rss_growth_per_rank"], base["row_bytes_per_rank"])
+    )  # target <= 64
+    return out
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| checkpoint | world size | cache | load_model / best DCP (target <= 0.8) | load_model / floor "
+        "(target <= 1.3 at W=2) | peak RSS growth - rows, MiB (target <= 64) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (ckpt, world, cache), group in _groups(rows).items():
+        t = targets(group)
+        if t is None:
+            continue
+        dcp = f"{t['vs_best_dcp']:.2f} ({t['best_dcp']})" if "vs_best_dcp" in t else "-"
+        floor = f"{t['vs_floor']:.2f}" if "vs_floor" in t else "-"
+        lines.append(f"| {ckpt} | {world} | {cache} | {dcp} | {floor} | {t['rss_over_rows_mib']:.1f} |")
+    return "\n".join(lines)
+
+
 def _groups(rows):
     out: dict = {}
     for r in rows:
@@ -732,7 +780,8 @@ def _load_average() -> str:
 
 def report(path: str) -> str:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return markdown([r for r in rows if r.get("bench") == "peer_load"])
+    rows = [r for r in rows if r.get("bench") == "peer_load"]
+    return targets_markdown(rows) + "\n" + markdown(rows)
 
 
 def main(argv=None) -> int:
@@ -807,7 +856,7 @@ def main(argv=None) -> int:
                 print(format_table(rows[group:]), flush=True)
     print("\nall groups:" + format_table(rows), flush=True)
     if args.markdown:
-        print(markdown(rows), flush=True)
+        print(targets_markdown(rows) + "\n" + markdown(rows), flush=True)
     for r in rows:
         if "error" in r:
             print(f"{r['checkpoint']} w{r['world_size']} {r['cache']} {r['method']}:\n{r['error']}", file=sys.stderr)

@@ -116,3 +116,5 @@ def test_the_bench_runs_every_method_with_the_forecast_bytes(tiny_llama, tmp_pat
     fsdp = next(r for r in rows if r["method"] == "fsdp_fp8" and r["world_size"] == 2)
     assert {"open", "plan", "fully_shard", "reads"} <= set(fsdp["phases_median"]), fsdp["phases_median"]
     assert fsdp["phases_missing"] == []
+    table = peer.report(str(results))  # the Markdown that docs/benchmarks.md holds
+    assert "| fsdp_fp8 |" in table and f"| {tiny_llama} | 2 | cold |" in table
