@@ -20,9 +20,21 @@ ALLOWED = {
     "load": {"errors", "format", "collective", "fp8", "models"},
     "export": {"errors", "format", "collective", "fp8"},
     "runtime": {"errors", "format", "collective", "fp8", "load", "models"},
+    "checkpoint": {"errors", "format", "collective", "fp8", "load", "models", "export"},
     "interop": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export"},
-    "cli": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"},
-    "testing": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"},
+    "cli": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop", "checkpoint"},
+    "testing": {
+        "errors",
+        "format",
+        "collective",
+        "fp8",
+        "load",
+        "models",
+        "runtime",
+        "export",
+        "interop",
+        "checkpoint",
+    },
 }
 # third-party modules a layer must never import (prefix match)
 FORBIDDEN_EXTERNAL = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format import sharding
@@ -165,19 +166,40 @@ def _run(argv: list[str], prog: str) -> int:
     return code  # not reached
 
 
+def _clean(args) -> int:
+    """Remove the leftovers of dead saves next to DESTINATION; say what was removed and kept."""
+    import os
+
+    from fsdp_fp8.checkpoint.temp_dir import clean_leftovers
+
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 cleans, once
+        return 0
+    target = Path(args.source)
+    cleaning = clean_leftovers(target.absolute().parent)
+    for line in cleaning.lines():
+        print(line)
+    if not cleaning.lines():
+        print(f"nothing to clean next to {target}")
+    return 1 if cleaning.failed else 0
+
+
 def _save(args) -> int:
     """Load SOURCE (sharded under torchrun) and write it to DESTINATION; exit 0 on success."""
+    if args.clean:
+        return _clean(args)
     import torch.distributed as dist
 
+    from fsdp_fp8.checkpoint.destination import check_destination
+    from fsdp_fp8.checkpoint.save import save_checkpoint
     from fsdp_fp8.cli.runner import init_distributed
     from fsdp_fp8.cli.shutdown import shutdown_distributed
     from fsdp_fp8.load.api import default_device, load_model
-    from fsdp_fp8.load.save import save_checkpoint
 
     init_distributed(args.timeout)  # a process group only under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0
     code = 0
     try:
+        check_destination(args.destination, args.timeout)  # before anything is loaded
         loaded = load_model(None, args.source, device=default_device())
         report = save_checkpoint(loaded, args.destination, max_shard_size=args.max_shard_size)
         if rank == 0:
@@ -240,7 +262,13 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing",
     )
     save.add_argument("source", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    save.add_argument("destination")
+    save.add_argument("destination", nargs="?")
+    save.add_argument(
+        "--clean",
+        action="store_true",
+        help="save --clean DESTINATION: only remove what saves that died left next to DESTINATION "
+        "(their hidden temporary directories) and say what was removed; loads nothing",
+    )
     save.add_argument(
         "--max-shard-size",
         type=_positive,
@@ -275,6 +303,10 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "save":
+        if args.clean and args.destination is not None:
+            parser.error("save --clean takes one path: the DESTINATION whose leftovers to remove")
+        if not args.clean and args.destination is None:
+            parser.error("save needs SOURCE and DESTINATION")
         return _save(args)
     if args.device is None:
         import torch
