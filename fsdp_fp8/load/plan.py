@@ -136,18 +136,18 @@ def _fused_experts(target: str, modules: dict[str, nn.Module]) -> str | None:
     return match["experts"] if any(p.ndim == 3 for p in holder.parameters(recurse=False)) else None
 
 
-def _dtype_fix(mismatches: list[tuple[torch.dtype, torch.dtype]]) -> list[str]:
-    """One line saying how to fix the dtype refusals at once, when there are several (a model
-    built in another dtype: every high-precision tensor is refused, and one fix covers them)."""
+def _dtype_fix(mismatches: list[tuple[torch.dtype, torch.dtype]]) -> str:
+    """How to fix the dtype refusals at once, said once when there are several (a model built
+    in another dtype: every high-precision tensor is refused, and one fix covers them all)."""
     if len(mismatches) < 2:
-        return []
+        return ""
     wanted = max({c for c, _ in mismatches}, key=[c for c, _ in mismatches].count)
     built = sorted({str(m) for _, m in mismatches})
-    return [
-        f"how to fix the {len(mismatches)} dtype refusals: build the model in the checkpoint's dtype "
+    return (
+        f"; to fix all {len(mismatches)} dtype refusals: build the model in the checkpoint's dtype "
         f"({wanted}, not {', '.join(built)}: e.g. `model.to({wanted})` in model_fn, or `torch_dtype={wanted}` "
         "for a transformers / diffusers class), or pass model_fn=None to build the class config.json names"
-    ]
+    )
 
 
 @dataclass
@@ -161,6 +161,7 @@ class _Planning:
     owner: dict[int, str] = field(default_factory=dict)  # id(model tensor) -> checkpoint key; catches ties
     problems: list[str] = field(default_factory=list)
     dtype_mismatches: list[tuple[torch.dtype, torch.dtype]] = field(default_factory=list)  # (checkpoint, model)
+    dtype_problem_at: list[int] = field(default_factory=list)  # where in ``problems`` each refusal is
     fp8: list[Fp8Target] = field(default_factory=list)
     tensors: list[TensorTarget] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -234,6 +235,7 @@ class _Planning:
                 f"{have.dtype}; refusing to cast silently"
             )
             self.dtype_mismatches.append((entry.torch_dtype, have.dtype))
+            self.dtype_problem_at.append(len(self.problems) - 1)
         if self.claim(mapped, key):
             self.tensors.append(TensorTarget(mapped, entry, replicated=not isinstance(have, nn.Parameter)))
 
@@ -302,7 +304,9 @@ def plan_load(
         p.fp8_linear(name, m)
     for key, entry in sorted({**checkpoint.high_precision, **checkpoint.kv_scales}.items()):
         p.tensor(key, entry)
-    problems = p.problems + _dtype_fix(p.dtype_mismatches) + p.fused_problems() + p.kv_scale_problems(strict_kv_scales)
+    if p.dtype_problem_at:  # the fix, once, on the first refusal (one line per problem stays)
+        p.problems[p.dtype_problem_at[0]] += _dtype_fix(p.dtype_mismatches)
+    problems = p.problems + p.fused_problems() + p.kv_scale_problems(strict_kv_scales)
     covered = set(p.owner)
     missing = sorted(k for k, v in p.state.items() if id(v) not in covered)
     if strict:
