@@ -66,6 +66,8 @@ def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) 
         + (f" ({plural(len(ckpt.kv_scales), 'k/v scale')})" if ckpt.kv_scales else ""),
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
+    # A long value wraps under its own column (17: the labels' width), not past the terminal.
+    lines = [w for line in lines for w in textwrap.wrap(line, width=100, subsequent_indent=" " * 17)]
     if world_size:
         lines += _forecast_lines(ckpt, world_size, replicas)
     return "\n".join(lines)

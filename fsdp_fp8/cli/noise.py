@@ -18,6 +18,11 @@ QUIET: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "TorchAO's optional CUDA kernels (_C_mxfp8, cutlass) do not load on this build; fsdp_fp8 uses none",
     ),
     (
+        ("torchao.kernel.intmm",),
+        "Detected no triton",
+        "TorchAO's int8 matmul kernels need Triton; fsdp_fp8 never calls them",
+    ),
+    (
         ("torch.utils._pytree",),
         "is an Enum subclass and is now natively supported",
         "a deprecation aimed at TorchAO's own Enum registrations, not at anything fsdp_fp8 calls",

@@ -27,6 +27,13 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code or 1
 
 
+def _quiet_agent() -> None:
+    """Each of the agent's modules sets its own logger's level: set every one, not only the parents."""
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(AGENT_LOGGERS)]
+    for name in {*AGENT_LOGGERS, *names}:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_ranks(nproc: int, run_argv: list[str]) -> int:
     """Run ``python -m fsdp_fp8 run RUN_ARGV`` as ``nproc`` ranks on this machine; the exit status:
     0 when every rank succeeded, else the first failed rank's own."""
@@ -36,8 +43,7 @@ def launch_ranks(nproc: int, run_argv: list[str]) -> int:
 
     import fsdp_fp8
 
-    for name in AGENT_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    _quiet_agent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
     # The ranks import this very fsdp_fp8, wherever it lies (a checkout is not always installed).
     root = str(Path(fsdp_fp8.__file__).resolve().parent.parent)
@@ -45,6 +51,7 @@ def launch_ranks(nproc: int, run_argv: list[str]) -> int:
     config = torchrun.parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "fsdp_fp8", "run", *run_argv]
     )
+    _quiet_agent()  # the loggers parse_args' imports made
     try:
         torchrun.run(config)
     except ChildFailedError as exc:
