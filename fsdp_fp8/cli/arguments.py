@@ -24,7 +24,7 @@ prints a report.
 
 Without --checkpoint it runs the embedded demo (built and cached on first use). A
 transformers causal LM generates --new-tokens greedily from --prompt-ids (or the prompt);
-a diffusers transformer runs one forward on --seed-ed inputs; a diffusers pipeline root
+a diffusers transformer runs one forward on inputs drawn from --seed; a diffusers pipeline root
 runs the pipeline."""
 
 EPILOG = """\
@@ -70,7 +70,7 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
         (("--checkpoint",), dict(help="ModelOpt static-FP8 checkpoint directory, pipeline root or hub repo id "
                                  "(default: the embedded demo)")),
         (("--nproc-per-node",), dict(type=int, metavar="N", help="start N ranks on this machine and report "
-                                     "their outcome quietly (instead of torchrun --standalone --nproc-per-node N)")),
+                                     "their outcome quietly: what torchrun --standalone does, without its failure report")),
         (("--steps",), dict(type=int, default=20, help="denoising steps (default 20)")),
         (("--seed",), dict(type=int, default=0, help="noise seed (default 0)")),
         (("--prompt",), dict(default=DEFAULT_PROMPT, help="prompt text (a pipeline's tokenizer, else its bytes "
