@@ -253,10 +253,8 @@ def test_overwrite_lets_existing_outputs_through(tmp_path):
     [
         (["--steps", "1000000000000000"], "--steps must be <= 10,000, got 1,000,000,000,000,000"),
         (["--frames", "100000"], "--frames must be <= 1,024, got 100,000"),
-        (["--height", "0"], "--height must be >= 1, got 0"),
+        (["--height", "20000"], "--height must be <= 16,384, got 20,000"),
         (["--width", "99999"], "--width must be <= 16,384, got 99,999"),
-        (["--fps", "0"], "--fps must be > 0, got 0.0"),
-        (["--fps", "nan"], "--fps must be > 0, got nan"),
         (["--fps", "1e9"], "--fps must be <= 1000, got 1e+09"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
     ],

@@ -67,7 +67,14 @@ def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) 
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
     # A long value wraps under its own column (17: the labels' width), not past the terminal.
-    lines = [w for line in lines for w in textwrap.wrap(line, width=100, subsequent_indent=" " * 17)]
+    # Only at spaces, and never the checkpoint's path: a path or a tensor name is never cut.
+    lines = lines[:1] + [
+        w
+        for line in lines[1:]
+        for w in textwrap.wrap(
+            line, width=100, subsequent_indent=" " * 17, break_on_hyphens=False, break_long_words=False
+        )
+    ]
     if world_size:
         lines += _forecast_lines(ckpt, world_size, replicas)
     return "\n".join(lines)
@@ -92,7 +99,14 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int) -> list[st
         f"staging ring: host buffers that reads into an accelerator go through, budget {_mib(STAGING_BYTES)}",
         f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(read_schedule.PREFETCH_BYTES)}{here}",
     ):
-        lines += textwrap.wrap(text, width=100, initial_indent="  ", subsequent_indent="    ")
+        lines += textwrap.wrap(
+            text,
+            width=100,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
     groups = shard_groups(world_size, replicas)
     for shard, ranks in groups:
         f = rank_forecast(fp8, other, len(groups), shard, STAGING_BYTES, staged_entries=read)

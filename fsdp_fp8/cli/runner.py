@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None, prog: str = "launch/infer.py") -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Run the parsed ``args`` on this rank and print the outcome once (rank 0, or the rank that
-    alone knows of its failure). Not over 60 lines only because each outcome is one branch here."""
+    alone knows of its failure); the exit status."""
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="[fsdp_fp8] %(message)s")
     try:
