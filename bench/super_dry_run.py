@@ -2,10 +2,19 @@
 the meta device and inspected for 8 ranks, in seconds and small memory.
 
     python bench/super_dry_run.py [--dir DIR] [--preset super] [--world-size 8]
+    python bench/super_dry_run.py --load [--rank 0]       # + rank 0's load, open to ready, by phase
 
 The checkpoint's data regions are holes (see fsdp_fp8/testing/sparse_checkpoint.py): apparent size
-~65 GB, a few MB on disk. Nothing is loaded; what is shown is that everything before the
-first data read scales, and the per-rank forecast the loader will follow.
+~65 GB, a few MB on disk. Without ``--load`` nothing is loaded; what is shown is that everything
+before the first data read scales, and the per-rank forecast the loader will follow.
+
+``--load`` then runs one rank's load from open to ready as ``load_model`` runs it, in this one
+process, as rank ``--rank`` of ``--world-size`` on a ``fake`` process group, wall time per phase:
+open, meta build, plan, swap, ``shard_model``, ``to_empty`` onto the CPU (the rank's shard for
+real: 8.1 GB for rank 0 of 8 at Super scale) and the rank-slice reads (``loader._load_local``:
+every pread of its rows, the holes reading as zeros, and the FP8 NaN-code check). The two
+agreements need live peers and are not run; neither is the prefetch (the page cache holds no
+hole). Refused, with what it would need, when ``MemAvailable`` is below the shard + 1 GiB.
 """
 
 from __future__ import annotations
@@ -32,12 +41,106 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
+    """One rank's load from open to ready, as load_model runs its steps; wall seconds per phase."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.load import loader
+    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.load.fsdp_wrap import shard_model
+    from fsdp_fp8.load.meta_build import materialize, meta_init
+    from fsdp_fp8.load.swap import swap_fp8_linears
+
+    out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes, "phases_s": {}, "phases_cpu_s": {}}
+    available = _mem_available()
+    out["mem_available_bytes"] = available
+    phases, cpu = out["phases_s"], out["phases_cpu_s"]
+
+    def phase(name, fn):  # wall and process CPU (every thread, user + system) seconds
+        t, c = time.perf_counter(), time.process_time()
+        result = fn()
+        phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
+        return result
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ckpt = phase("open", lambda: open_checkpoint(directory))
+
+        def build():
+            with meta_init():
+                return resolve_architecture(ckpt.config).model_fn(ckpt.config)
+
+        model = phase("meta build", build)
+        plan = phase("plan", lambda: plan_load(ckpt, model))
+        phase("swap", lambda: swap_fp8_linears(model, plan))
+        phase("fully_shard", lambda: shard_model(model, mesh))
+        if available < held_bytes + (1 << 30):
+            out["stopped"] = (
+                f"to_empty onto the CPU needs this rank's {held_bytes / 2**30:.1f} GiB + 1 GiB; "
+                f"MemAvailable is {available / 2**30:.1f} GiB"
+            )
+            return out
+        phase("to_empty (cpu)", lambda: materialize(model, torch.device("cpu")))
+        slice_reader.reset_bytes_read()
+        try:
+            with torch.no_grad():
+                held, _, checked_s = phase("reads", lambda: loader._load_local(model, plan))
+        finally:  # reading a hole puts a zero page in the page cache: 8 GB of them at Super scale
+            for path in directory.glob("*.safetensors"):
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        out["bytes_read"] = slice_reader.bytes_read()
+        out["bytes_held"] = held
+        out["code_check_thread_s"] = checked_s
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["cpus"] = os.cpu_count()
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def print_rank_load(load: dict, args) -> None:
+    phases = load["phases_s"]
+    print(
+        f"\nrank {load['rank']} of {load['world_size']}: open to ready, wall s (fake process group; "
+        "the agreements and the prefetch are not run)"
+    )
+    cpu = load["phases_cpu_s"]
+    print(f"  {'phase':<16} {'wall s':>8} {'CPU s':>8}")
+    for name, seconds in phases.items():
+        print(f"  {name:<16} {seconds:8.3f} {cpu[name]:8.3f}")
+    print(f"  {'total':<16} {sum(phases.values()):8.3f} {sum(cpu.values()):8.3f}")
+    if "stopped" in load:
+        print(f"  stopped before to_empty: {load['stopped']}")
+        return
+    gb = load["bytes_read"] / 1e9
+    print(
+        f"  read {gb:.2f} GB ({gb / phases['reads']:.2f} GB/s over the reads, holes: no disk), held "
+        f"{load['bytes_held'] / 1e9:.2f} GB, FP8 NaN-code check {load['code_check_thread_s']:.2f} thread-s, "
+        f"peak RSS {load['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
     p.add_argument("--preset", default="super", choices=sorted(PRESETS))
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--load", action="store_true", help="also run one rank's load, open to ready, by phase")
+    p.add_argument("--rank", type=int, default=0, help="the rank --load runs as")
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fsdp_fp8-super-"))
@@ -107,6 +210,9 @@ def main(argv=None) -> int:
                 f"{f.rank:>4} {f.fp8_bytes / gb:>10.3f} {f.high_precision_bytes / gb:>14.3f} "
                 f"{f.held_bytes / gb:>10.3f} {f.staging_peak_bytes / 2**20:>17.2f}"
             )
+        if args.load:
+            out["load"] = rank_load(directory, args.world_size, args.rank, forecasts[args.rank].held_bytes)
+            print_rank_load(out["load"], args)
         with open(args.results, "a") as fh:
             fh.write(json.dumps(out, sort_keys=True) + "\n")
     finally:

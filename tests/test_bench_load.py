@@ -76,3 +76,41 @@ def test_the_reader_bench_runs_every_variant_on_the_same_bytes(tmp_path):
     ckpt = open_checkpoint(path)
     expected = sum(entry_rank_bytes(e, 2, 1) for e in ckpt.tensors.values() if e.shape)
     assert all(r["bytes"] == expected and len(r["seconds_all"]) == 2 for r in rows)
+
+
+def test_the_setup_bench_times_every_phase_of_both_set_ups(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import setup_cost
+
+    results = tmp_path / "r.jsonl"
+    argv = ["--preset", "tiny", "--world-size", "3", "--reps", "1", "--profile", "--dir", str(tmp_path)]
+    assert setup_cost.main([*argv, "--results", str(results)]) == 0
+    row = json.loads(results.read_text())
+    fp8, bf16 = row["median_cpu_s"]["fp8"], row["median_cpu_s"]["bf16"]
+    assert row["fp8_linears"] == 2 * 14  # per layer: 8 attention + 2 x 3 MLP linears
+    assert all(fp8[p] > 0 for p in setup_cost.PHASES), fp8
+    # a plain BF16 user opens, plans and swaps nothing; it builds, shards and materializes
+    assert [p for p in setup_cost.PHASES if bf16[p] > 0] == ["meta build", "fully_shard", "to_empty"]
+    plain = row["median_cpu_s"]["plain fp8"]  # BF16's set-up plus the cast to plain float8 parameters
+    assert [p for p in setup_cost.PHASES if plain[p] > 0] == ["meta build", "swap", "fully_shard", "to_empty"]
+    setup = sum(fp8[p] for p in setup_cost.SETUP)
+    assert row["ratios_cpu"]["setup_ratio"] == pytest.approx(setup / (bf16["meta build"] + bf16["fully_shard"]))
+
+
+def test_the_super_dry_run_loads_one_rank_from_open_to_ready(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    import super_dry_run
+
+    results = tmp_path / "r.jsonl"
+    argv = ["--preset", "tiny", "--world-size", "3", "--rank", "1", "--load", "--dir", str(tmp_path)]
+    assert super_dry_run.main([*argv, "--results", str(results)]) == 0
+    out = json.loads(results.read_text())
+    import peer_load
+
+    load = out["load"]
+    assert "stopped" not in load
+    # its rows of every tensor with a shape, once (the 0-d scales come from memory)
+    assert load["bytes_read"] == peer_load.rank_row_bytes(tmp_path / "tiny-sparse", 3)[1]
+    phases = {"open", "meta build", "plan", "swap", "fully_shard", "to_empty (cpu)", "reads"}
+    assert set(load["phases_s"]) == phases and all(load["phases_s"][p] > 0 for p in phases)
+    assert "rank 1 of 3: open to ready" in capsys.readouterr().out
