@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 launch/infer.py            # the embedded demo
     torchrun --nproc-per-node 8 launch/infer.py --checkpoint DIR --steps 50
+    python launch/infer.py --nproc-per-node 8 --checkpoint DIR   # starts the 8 ranks itself
 
 The same as ``torchrun ... -m fsdp_fp8 run`` (an installed package needs no checkout);
 everything happens in fsdp_fp8.cli.runner, see docs/usage.md.

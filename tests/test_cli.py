@@ -153,3 +153,72 @@ def test_the_hsdp_forecast_is_one_line_per_shard_with_its_ranks(checkpoints, cap
     assert "HSDP 2 x 2 (replicate x shard)" in hsdp
     assert "shard 0 (ranks 0, 2)" in hsdp and "shard 1 (ranks 1, 3)" in hsdp
     assert len(_figures(hsdp)) == 2 and _figures(hsdp) == _figures(flat)
+
+
+def _without_torch(argv: list[str]) -> tuple[int, str, str, list[str]]:
+    """``fsdp-fp8 ARGV`` in a fresh interpreter: (exit code, stdout, stderr, torch modules imported)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import io, json, sys\n"
+        "from contextlib import redirect_stdout\n"
+        "from fsdp_fp8.cli.commands import main\n"
+        "out = io.StringIO()\n"
+        "try:\n    with redirect_stdout(out):\n        code = main(sys.argv[1:])\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "torch = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchao', 'numpy'))\n"
+        "print(json.dumps([code, out.getvalue(), torch[:3]]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    exit_code, out, modules = json.loads(proc.stdout.strip().splitlines()[-1])
+    return exit_code, out, proc.stderr, modules
+
+
+@pytest.mark.parametrize(
+    "argv, exit_code",
+    [
+        (["--help"], 0),
+        (["run", "--help"], 0),
+        (["inspect", "--help"], 0),
+        (["verify", "--help"], 0),
+        (["save", "--help"], 0),
+        (["inspect", "x", "--world-size", "0"], 2),
+        (["frobnicate"], 2),
+        (["run", "--steps", "0", "--output", "x.gif"], 2),
+        (["run", "--frobnicate"], 2),
+    ],
+)
+def test_help_and_usage_errors_do_not_import_torch(argv, exit_code):
+    code, out, err, modules = _without_torch(argv)
+    assert code == exit_code, (out, err)
+    assert modules == [], modules
+    text = out + err
+    assert text.strip() and "docs/usage.md" not in text and "``" not in text, text  # self-contained plain text
+
+
+def test_verify_warns_on_a_checkpoint_without_fp8_and_fails_behind_a_flag(tmp_path, capsys):
+    from fsdp_fp8.export.modelopt import export_bf16
+    from fsdp_fp8.models import PRESETS, build_model, init_weights
+
+    model = init_weights(build_model(PRESETS["tiny"], device="cpu"), seed=0)
+    plain = export_bf16(model, tmp_path / "bf16", config=model.config.to_config_dict())
+    assert cli.main(["verify", str(plain), "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "0 FP8 linears" in out and f"warning: {plain} has no FP8 linear" in err
+    assert " 1 files" not in out and "in 1 file" in out
+    assert cli.main(["verify", str(plain), "--device", "cpu", "--require-fp8"]) == cli.NO_FP8_EXIT == 3
+    capsys.readouterr()
+
+
+def test_verify_and_inspect_wording(checkpoints, capsys):
+    """Plurals, zero counts left out, no line longer than a terminal except the per-rank rows."""
+    assert cli.main(["verify", str(checkpoints["mot-tiny"]), "--device", "cpu", "--require-fp8"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "KV-cache" not in out
+    assert cli.main(["inspect", str(checkpoints["mot-tiny"]), "--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "k/v scale" not in out and "1 files" not in out
+    assert all(len(line) <= 100 for line in out.splitlines() if ": reads " not in line), out
+    assert "staging ring: host buffers" in out and "prefetch: page-cache hints" in out

@@ -91,3 +91,83 @@ def test_a_bad_checkpoint_is_one_clear_message_and_a_failing_exit(tmp_path, cach
     assert len(errors) == 1, proc.stderr[-3000:]  # rank 0 only
     assert "pytorch_model.bin" in errors[0] or "pickle" in proc.stderr
     assert "Traceback" not in proc.stderr.split("error:")[0]
+
+
+# --- clean failures at 2 ranks: one line per problem, once; the exit status says which kind ----
+
+
+def _spawn(*args, timeout=240, **popen):
+    """``launch/infer.py --nproc-per-node 2 ARGS``: the launcher starts its own two ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("FSDP_FP8_TRACEBACK", None)
+    env.update(popen.pop("env", {}))
+    cmd = [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_failure_at_two_ranks_is_its_error_lines_and_nothing_else(tmp_path):
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    proc = _spawn("--checkpoint", str(bad))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: cannot load {bad}: 1 problem:",
+        f"  - all 2 ranks: {bad}: only pickle checkpoint files ['pytorch_model.bin']; they are never unpickled "
+        "(arbitrary code), convert them to safetensors",
+    ]
+    assert proc.stdout == ""
+
+
+def test_a_usage_error_at_two_ranks_is_printed_once_and_exits_2(tmp_path):
+    proc = _spawn("--steps", "0")  # refused before any rank starts
+    assert proc.returncode == 2 and proc.stderr.count("usage:") == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "launch/infer.py: error: --steps must be >= 1, got 0"
+    # Plain torchrun: each rank parses; rank 0 alone prints (torchrun then adds its own summary).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "launch" / "infer.py"), "--steps", "0"]
+    plain = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert plain.returncode != 0 and plain.stderr.count("usage: launch/infer.py") == 1, plain.stderr[-3000:]
+    assert plain.stderr.count("error: --steps must be >= 1, got 0") == 1
+
+
+@pytest.mark.parametrize("signum, name", [(2, "SIGINT"), (15, "SIGTERM")])
+def test_a_signal_ends_every_rank_with_one_line(tmp_path, cache, signum, name):
+    """Ctrl-C sends SIGINT to the whole job (the launcher and both ranks); SIGTERM to the
+    launcher alone is passed on to the ranks by torch's agent."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(cache)}
+    cmd = [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", "--steps", "5000"]
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        deadline = time.monotonic() + 240  # a hang guard: the demo may have to be built first
+        while "step 2/5000" not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # what a terminal's Ctrl-C does
+        else:
+            proc.send_signal(signum)
+        code = proc.wait(timeout=120)
+    stderr = err_path.read_text()
+    assert code == 128 + signum, stderr[-3000:]
+    tail = [line for line in stderr.splitlines() if not line.startswith("[fsdp_fp8] ")]
+    assert tail == [f"error: stopped by {name}"], stderr[-3000:]
+
+
+def test_a_run_prints_no_third_party_noise(tmp_path):
+    """Every stderr line of a run that builds the demo (diffusers' float32 notice), loads a
+    pipeline (its accelerate advice) and imports TorchAO (its kernel warnings) is our own."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "infer.py"), "--steps", "1"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(tmp_path / "fresh-cache")},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("[fsdp_fp8] ")] == []

@@ -178,3 +178,162 @@ def test_options_the_model_ignores_are_named_and_the_digest_names_its_platform(b
         f"computed with   torch {torch.__version__} on cpu, {cpu_model()}; digests compare only "
         "with runs on the same torch build and device model"
     )
+
+
+# --- outputs, bounds and the prompts file: refused before anything loads -----------------
+
+
+def _refusal_without_torch(argv: list[str], env: dict | None = None) -> tuple[int, str, list[str]]:
+    """``python -m fsdp_fp8 run ARGV`` in a fresh interpreter: (exit code, stderr, the heavy
+    modules imported by then). A refusal that comes before torch is imported comes before any
+    checkpoint is opened, let alone a weight read."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from fsdp_fp8.cli.commands import main\n"
+        "try:\n    main(['run', *sys.argv[1:]])\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'diffusers'))\n"
+        "print(json.dumps([code, heavy[:3]]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    exit_code, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    return exit_code, proc.stderr, heavy
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_torch_loads(tmp_path):
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-sharded"
+    existing = tmp_path / "done.png"
+    existing.write_bytes(b"a result from yesterday")
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "shot-001.png").write_bytes(b"prompt 1's result")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    cases = {
+        "dir": (["--output", str(tmp_path)], f"--output {tmp_path}: write .png"),
+        "dir.png": (["--output", str(tmp_path / "sub.png")], f"--output {tmp_path / 'sub.png'} is a directory"),
+        "existing": (["--output", str(existing)], f"--output {existing} already exists; pass --overwrite"),
+        "report": (["--report", str(tmp_path / "report.json")], "--report " + str(tmp_path / "report.json")),
+        "per-prompt": (
+            ["--prompts", str(prompts), "--output", str(tmp_path / "shot.png")],
+            f"--output {tmp_path / 'shot-001.png'} already exists",
+        ),
+    }
+    (tmp_path / "sub.png").mkdir()
+    for name, (argv, message) in cases.items():
+        code, err, heavy = _refusal_without_torch(["--checkpoint", str(fixture), *argv])
+        assert code == 2 and message in err, (name, err)
+        assert err.count("error:") == 1 and heavy == [], (name, err, heavy)
+    assert existing.read_bytes() == b"a result from yesterday"
+
+
+def test_overwrite_lets_existing_outputs_through(tmp_path):
+    existing = tmp_path / "done.png"
+    existing.write_bytes(b"old")
+    (tmp_path / "r.json").write_text("{}")
+    args = parse_args(["--output", str(existing), "--report", str(tmp_path / "r.json"), "--overwrite"])
+    assert args.overwrite and args.output == str(existing)
+    with pytest.raises(SystemExit):
+        parse_args(["--output", str(existing)])
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--steps", "1000000000000000"], "--steps must be <= 10,000, got 1,000,000,000,000,000"),
+        (["--frames", "100000"], "--frames must be <= 1,024, got 100,000"),
+        (["--height", "20000"], "--height must be <= 16,384, got 20,000"),
+        (["--width", "99999"], "--width must be <= 16,384, got 99,999"),
+        (["--fps", "1e9"], "--fps must be <= 1000, got 1e+09"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+    ],
+)
+def test_values_out_of_their_documented_bounds_are_usage_errors(argv, problem, capsys):
+    assert problem in _usage_error(argv, capsys)
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_file_the_line_and_the_offset(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("a red fox\nun caf\u00e9 \n".encode() + b"a \xff lighthouse\n")
+    err = _usage_error(["--prompts", str(prompts)], capsys)
+    offset = prompts.read_bytes().index(b"\xff")
+    assert f"--prompts {prompts}: not UTF-8 text: line 3, byte offset {offset} (byte 0xff)" in err
+
+
+def test_a_usage_error_is_printed_by_rank_0_only(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert _usage_error(["--steps", "0"], capsys) == ""  # exit 2, silently
+    monkeypatch.setenv("RANK", "0")
+    err = _usage_error(["--steps", "0"], capsys)
+    assert err.count("usage:") == 1 and "--steps must be >= 1, got 0" in err
+
+
+def test_the_choices_parsed_without_torch_are_the_librarys():
+    from fsdp_fp8.cli.arguments import QUANTIZE_METHODS, RESIDENT_POLICIES
+    from fsdp_fp8.load.residency import POLICIES
+    from fsdp_fp8.runtime.ptq import METHODS
+
+    assert (RESIDENT_POLICIES, QUANTIZE_METHODS) == (POLICIES, METHODS)
+
+
+# --- the report: typed, worded for a reader ----------------------------------------------
+
+
+def _causal_lm_report(kv_scales_unused: int, bytes_read: int):
+    from fsdp_fp8.cli.reports import CausalLMReport, RankRow
+
+    row = RankRow(
+        rank=0,
+        bytes_held=bytes_read,
+        bytes_read=bytes_read,
+        load_seconds=0.2,
+        read_seconds=0.1,
+        read_gb_per_s=bytes_read / 0.1 / 1e9,
+        peak_rss_bytes=None,
+        peak_device_bytes=None,
+    )
+    common = dict(checkpoint="ckpt", world_size=1, mesh=[1, 1], device="cpu", fp8_linears=14, load_seconds=1.5)
+    return CausalLMReport(
+        **common,
+        ranks=[row],
+        architecture="LlamaForCausalLM",
+        kv_scales_unused=kv_scales_unused,
+        run_seconds=0.5,
+        prompt_ids=[1, 2],
+        prompt_source="--prompt-ids",
+        generated_ids=[5],
+        logits_sha256="0" * 64,
+    )
+
+
+def test_the_report_leaves_out_zero_counts_and_says_what_its_times_are():
+    quiet, noisy = _causal_lm_report(0, 4096).text(), _causal_lm_report(2, 8 << 20).text()
+    assert "KV-cache" not in quiet and "2 KV-cache scales unused" in noisy
+    assert "1 token generated" in quiet
+    assert "load            1.50 s for the job" in quiet and "load s: the rank's own load_model" in quiet
+
+    def rate(text: str) -> str:  # the GB/s cell of rank 0's row: rank, held (2 words), read (2), load s, read s
+        return next(line for line in text.splitlines() if line.startswith("   0  ")).split()[7]
+
+    assert (rate(quiet), rate(noisy)) == ("-", "0.08")  # from 4 KiB read a rate says nothing; 8 MiB in 0.1 s
+
+
+def test_each_kind_of_report_is_its_own_type_and_its_json_keeps_the_fields(bf16_mot, tmp_path, caplog, capsys):
+    from fsdp_fp8.cli import reports
+
+    result = _run(["--checkpoint", str(bf16_mot), "--steps", "2", "--latent-tokens", "4"], tmp_path, caplog)
+    fields = {f.name for f in reports.MoTReport.__dataclass_fields__.values()}
+    assert set(result) == fields and set(result["ranks"][0]) == set(reports.RankRow.__dataclass_fields__)
+    out = capsys.readouterr().out
+    assert "resident        " in out and "of 0 blocks" not in out and "sampling        2 steps" in out

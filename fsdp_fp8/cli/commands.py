@@ -3,20 +3,27 @@
 ``inspect`` and ``verify`` look at a checkpoint without loading it: ``inspect`` summarises
 headers and scales; ``verify`` decides as ``load_model`` would (docs/usage.md). ``save``
 loads a checkpoint (sharded under torchrun) and writes it back with ``save_checkpoint``.
+
+Nothing that imports torch is imported before the options are parsed and checked: ``--help``
+and a usage error answer at once (each subcommand imports what it needs when it runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fsdp_fp8.cli import interrupts, noise
+from fsdp_fp8.cli.arguments import RankZeroParser
+from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
-from fsdp_fp8.format import sharding
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
-from fsdp_fp8.format.sharding import entry_rank_bytes, rank_forecast
+
+if TYPE_CHECKING:
+    from fsdp_fp8.format.checkpoint import Checkpoint
 
 
 def _mib(n: int) -> str:
@@ -25,6 +32,8 @@ def _mib(n: int) -> str:
 
 def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
     """``fsdp_fp8.format.sharding.shard_groups`` (the rank-row arithmetic lives there)."""
+    from fsdp_fp8.format import sharding  # imports torch: not before the options are checked
+
     return sharding.shard_groups(world_size, replicas)
 
 
@@ -41,6 +50,7 @@ def _mesh_words(world_size: int, replicas: int) -> str:
 def summary(
     ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1, options: ReadOptions = DEFAULT_READ_OPTIONS
 ) -> str:
+    """``inspect``'s report: the checkpoint's make-up, and with ``world_size`` each rank's share."""
     q = ckpt.quant
     fp8_weights = sum(m.weight.nbytes for m in ckpt.fp8_modules.values())
     scales = sum(m.weight_scale.nbytes + m.input_scale.nbytes for m in ckpt.fp8_modules.values())
@@ -50,38 +60,66 @@ def summary(
         f"format:          {'ModelOpt static FP8' if q.is_modelopt_fp8 else 'plain (no quantization config)'}"
         + (f" via {', '.join(q.spellings)}" if q.spellings else ""),
         f"producer:        {q.producer or 'unknown'}",
-        f"files:           {len(ckpt.files)} ({ckpt.index_file or 'single file'}), "
+        f"files:           {len(ckpt.files)} ({ckpt.index_file or 'a single file'}), "
         f"{_mib(sum(f.size for f in ckpt.files.values()))}",
-        f"FP8 linears:     {len(ckpt.fp8_modules)}, weights {_mib(fp8_weights)}, scales {scales} bytes",
-        f"high precision:  {len(ckpt.high_precision)} tensors, {_mib(high)}",
+        f"FP8 linears:     {len(ckpt.fp8_modules)}"
+        + (f", weights {_mib(fp8_weights)}, scales {scales:,} bytes" if ckpt.fp8_modules else ""),
+        f"high precision:  {plural(len(ckpt.high_precision), 'tensor')}, {_mib(high)}",
         f"ignore list:     {', '.join(q.ignore) or '(none)'}",
         f"KV cache:        {q.kv_cache_quant_algo or 'not quantized'}"
-        + (f" ({len(ckpt.kv_scales)} k/v scales)" if ckpt.kv_scales else ""),
+        + (f" ({plural(len(ckpt.kv_scales), 'k/v scale')})" if ckpt.kv_scales else ""),
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
-    if world_size:
-        from fsdp_fp8.load.prefetch import prefetch_budget
-
-        fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
-        other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
-        read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
-        prefetch = prefetch_budget(options.prefetch_bytes)
-        lines.append(
-            f"{_mesh_words(world_size, replicas)} (every tensor Shard(0), 0-d scales replicated; "
-            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(options.staging_bytes)}; "
-            f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(options.prefetch_bytes)}"
-            f"{'' if prefetch == options.prefetch_bytes else f', {_mib(prefetch)} here (a per-rank share of half the available memory)'}):"
+    # A long value wraps under its own column (17: the labels' width), not past the terminal.
+    # Only at spaces, and never the checkpoint's path: a path or a tensor name is never cut.
+    lines = lines[:1] + [
+        w
+        for line in lines[1:]
+        for w in textwrap.wrap(
+            line, width=100, subsequent_indent=" " * 17, break_on_hyphens=False, break_long_words=False
         )
-        groups = shard_groups(world_size, replicas)
-        for shard, ranks in groups:
-            f = rank_forecast(fp8, other, len(groups), shard, options.staging_bytes, staged_entries=read)
-            reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
-            lines.append(
-                f"  {_who(shard, ranks)}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
-                f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
-                f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
-            )
+    ]
+    if world_size:
+        lines += _forecast_lines(ckpt, world_size, replicas, options)
     return "\n".join(lines)
+
+
+def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: ReadOptions) -> list[str]:
+    """``inspect --world-size``: how the ranks share the tensors, then each rank's (or shard's) bytes."""
+    from fsdp_fp8.format.sharding import entry_rank_bytes, rank_forecast
+    from fsdp_fp8.load.prefetch import prefetch_budget
+
+    fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
+    other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
+    read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
+    prefetch = prefetch_budget(options.prefetch_bytes)
+    here = ""
+    if prefetch != options.prefetch_bytes:
+        here = f", {_mib(prefetch)} here (a per-rank share of half the available memory)"
+    lines = [f"{_mesh_words(world_size, replicas)}:"]
+    for text in (
+        "sharding: every tensor Shard(0) (rows split like torch.chunk), 0-d scales replicated",
+        f"staging ring: host buffers that reads into an accelerator go through, budget {_mib(options.staging_bytes)}",
+        f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(options.prefetch_bytes)}{here}",
+    ):
+        lines += textwrap.wrap(
+            text,
+            width=100,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    groups = shard_groups(world_size, replicas)
+    for shard, ranks in groups:
+        f = rank_forecast(fp8, other, len(groups), shard, options.staging_bytes, staged_entries=read)
+        reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
+        lines.append(
+            f"  {_who(shard, ranks)}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
+            f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
+            f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
+        )
+    return lines
 
 
 def _prefetch_budget(budget: int) -> str:
@@ -89,6 +127,8 @@ def _prefetch_budget(budget: int) -> str:
 
 
 def _open(directory: str) -> Checkpoint | None:
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+
     try:
         return open_checkpoint(directory)
     except (CheckpointError, OSError) as exc:
@@ -123,6 +163,7 @@ def _verify(args: argparse.Namespace) -> int:
     tensor data: open, resolve the class ``config.json`` names, build it on meta, plan."""
     import torch
 
+    from fsdp_fp8.format.files import file_sha256
     from fsdp_fp8.load.api import plan_model_load
 
     device = torch.device(args.device)
@@ -133,11 +174,19 @@ def _verify(args: argparse.Namespace) -> int:
     ckpt, plan, arch = planned.checkpoint, planned.plan, planned.architecture
     print(
         f"OK: {ckpt.directory} loads onto {device.type} as {arch.name} ({arch.kind}): "
-        f"{len(plan.fp8)} FP8 linears, {len(plan.tensors)} other tensors, "
-        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} files"
+        f"{plural(len(plan.fp8), 'FP8 linear')}\n    and {plural(len(plan.tensors), 'other tensor')} to load; "
+        f"the checkpoint holds {plural(len(ckpt.tensors), 'tensor')} in {plural(len(ckpt.files), 'file')}"
     )
     if plan.kv_scales:
-        print(f"note: {len(plan.kv_scales)} FP8 KV-cache scales have no place in {arch.name} and are not loaded")
+        print(
+            f"note: {plural(len(plan.kv_scales), 'FP8 KV-cache scale')} have no place in {arch.name} and are not loaded"
+        )
+    if not plan.fp8:
+        print(
+            f"warning: {ckpt.directory} has no FP8 linear: load_model loads it, but every linear runs in high "
+            "precision (a plain checkpoint, not a ModelOpt static-FP8 one)",
+            file=sys.stderr,
+        )
     if args.world_size:
         groups = shard_groups(args.world_size, args.replicas)
         if args.replicas > 1:
@@ -148,22 +197,47 @@ def _verify(args: argparse.Namespace) -> int:
     if args.sha256:
         for name, shard in ckpt.files.items():
             print(f"{file_sha256(shard.path)}  {name}")
-    return 0
+    return NO_FP8_EXIT if args.require_fp8 and not plan.fp8 else 0
 
 
 def _run(argv: list[str], prog: str) -> int:
-    """``run``: the launcher (``fsdp_fp8.cli.runner``); leaves through ``shutdown_distributed``
-    (never returns), as torchrun's ranks must (docs/shutdown.md)."""
-    from fsdp_fp8.cli.runner import main as run_main
+    """``run``: the launcher. Parse and check every option first (no torch yet); with
+    ``--nproc-per-node`` start the ranks (``fsdp_fp8.cli.spawn``), else run this rank
+    (``fsdp_fp8.cli.runner``) and leave through ``shutdown_distributed`` (never returns), as
+    torchrun's ranks must (docs/shutdown.md)."""
+    from fsdp_fp8.cli.arguments import parse_run_args
+
+    args = parse_run_args(argv, prog)
+    if args.nproc_per_node is not None:
+        from fsdp_fp8.cli.spawn import launch_ranks
+
+        return launch_ranks(args.nproc_per_node, _without_nproc(argv))
+    interrupts.install()
+    noise.quiet_third_party()
+    from fsdp_fp8.cli.runner import execute
     from fsdp_fp8.cli.shutdown import shutdown_distributed
 
     try:
-        code = run_main(argv, prog)
+        code = execute(args)
     except BaseException:
         shutdown_distributed(failed=True)  # abort, not destroy; keep the traceback and exit status
         raise
     shutdown_distributed(code)
     return code  # not reached
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N`` (or ``=N``, or an abbreviation argparse took for it)."""
+    out, skip = [], False
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif len(flag) > len("--npr") - 1 and "--nproc-per-node".startswith(flag):
+            skip = "=" not in token
+        else:
+            out.append(token)
+    return out
 
 
 def _clean(args) -> int:
@@ -215,15 +289,17 @@ def _save(args) -> int:
 
 
 def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Load ModelOpt static-FP8 checkpoints into FSDP2-sharded models (docs/usage.md)."
+    parser = RankZeroParser(
+        prog=prog,
+        description="Load ModelOpt static-FP8 checkpoints into FSDP2-sharded PyTorch models, check them "
+        f"and write them back. '{prog} COMMAND --help' lists a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=RankZeroParser)
     sub.add_parser(
         "run",
         add_help=False,
-        help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run); "
-        "'run --help' lists its options",
+        help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run, or "
+        "fsdp-fp8 run --nproc-per-node N); 'run --help' lists its options",
     )
     inspect = sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)")
     inspect.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
@@ -256,6 +332,12 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         "else cpu); cuda adds the checks made before loading onto CUDA",
     )
     verify.add_argument("--sha256", action="store_true", help="also hash every shard file")
+    verify.add_argument(
+        "--require-fp8",
+        action="store_true",
+        help=f"exit {NO_FP8_EXIT} when the checkpoint has no FP8 linear (by default that is a warning: "
+        "load_model loads it, in high precision)",
+    )
     save = sub.add_parser(
         "save",
         help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
@@ -284,6 +366,7 @@ REPLICAS_HELP = (
     "with --world-size: the forecast for HSDP over R replica groups of W/R ranks (launch/infer.py "
     "--replicas R), one line per shard with the ranks holding it"
 )
+NO_FP8_EXIT = 3  # verify --require-fp8 on a checkpoint without one FP8 linear (1: refused)
 
 
 def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
@@ -300,6 +383,7 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
                 f"--replicas {args.replicas} does not divide --world-size {args.world_size}: HSDP needs every "
                 "replica group to have the same number of ranks"
             )
+    noise.quiet_third_party()
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "save":

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
+from fsdp_fp8.cli.reports import PromptOutput, plural
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline
@@ -28,7 +30,7 @@ from fsdp_fp8.runtime.precision import routing_of
 
 log = logging.getLogger("fsdp_fp8")
 
-OUTPUT_SUFFIXES = (".png", ".mp4")
+__all__ = ["check_output", "is_pipeline_root", "output_path", "read_prompts", "run_pipeline", "save_frames"]
 
 
 def is_pipeline_root(path) -> bool:
@@ -37,41 +39,6 @@ def is_pipeline_root(path) -> bool:
         return (resolve_hub_path(path) / MODEL_INDEX).is_file()
     except FileNotFoundError:  # not in the cache: load_model says so, in its own words
         return False
-
-
-def read_prompts(args) -> list[str]:
-    if not args.prompts:
-        return [args.prompt]
-    lines = [line.strip() for line in Path(args.prompts).read_text(encoding="utf-8").splitlines()]
-    prompts = [line for line in lines if line]
-    if not prompts:
-        raise ValueError(f"--prompts {args.prompts}: no prompt in the file (one prompt per line)")
-    return prompts
-
-
-def check_output(output: str | None) -> None:
-    """Refuse an output the launcher cannot write, before anything is loaded."""
-    if output is None:
-        return
-    suffix = Path(output).suffix.lower()
-    if suffix not in OUTPUT_SUFFIXES:
-        raise ValueError(f"--output {output}: write .png (an image, or an animated PNG of the frames) or .mp4")
-    if suffix == ".mp4":
-        try:
-            import imageio  # noqa: F401
-            import imageio_ffmpeg  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                f"--output {output}: mp4 needs imageio and imageio-ffmpeg "
-                "(pip install imageio imageio-ffmpeg); or write .png"
-            ) from None
-    if not Path(output).resolve().parent.is_dir():
-        raise ValueError(f"--output {output}: directory {Path(output).resolve().parent} does not exist")
-
-
-def output_path(output: str, index: int, many: bool) -> Path:
-    path = Path(output)
-    return path.with_name(f"{path.stem}-{index:03d}{path.suffix}") if many else path
 
 
 def save_frames(frames: list, path: Path, fps: float) -> None:
@@ -96,12 +63,12 @@ def _size_kwargs(args) -> dict:
     }
 
 
-def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, list]:
-    """Load the pipeline at ``path`` and generate; returns (report fields, per-rank load reports)."""
+def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, object]:
+    """Load the pipeline at ``path`` and generate every prompt; returns (the ``PipelineReport``
+    fields of this run, the ``LoadedModel``). The same fields on every rank."""
     prompts = read_prompts(args)
     check_output(args.output)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
@@ -114,73 +81,78 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
     loaded = pipe.fsdp_fp8
     if rank == 0:
         log.info(
-            "loaded %s: %d FP8 linears; %d prompt(s) over %d rank(s), %d steps each",
+            "loaded %s: %s; %s over %s, %s each",
             type(pipe).__name__,
-            len(loaded.fp8_linears),
-            len(prompts),
-            world,
-            args.steps,
+            plural(len(loaded.fp8_linears), "FP8 linear"),
+            plural(len(prompts), "prompt"),
+            plural(world, "rank"),
+            plural(args.steps, "step"),
         )
-    results = []
     t1 = time.perf_counter()
-    for round_ in range(math.ceil(len(prompts) / world)):
-        index = rank + round_ * world
-        real = index < len(prompts)
-        final = {}
-
-        def on_step(_pipe, i, _t, kwargs, real=real, index=index):
-            final["latents"] = kwargs["latents"]
-            if rank == 0 and real:
-                label = "W8A16" if routing.trace[-1] == "a16" else "W8A8"
-                log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
-            return {}
-
-        start = len(routing.trace)
-        out = pipe(
-            prompts[index] if real else prompts[0],
-            negative_prompt=args.negative_prompt,
-            **_size_kwargs(args),
-            fps=args.fps,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            generator=torch.Generator().manual_seed(args.seed),
-            callback_on_step_end=on_step,
-            output_type="pil" if real and args.output else "latent",
-        )
-        if not real:  # padding: it only kept this rank in step with the others' all-gathers
-            continue
-        row = {
-            "index": index,
-            "prompt": prompts[index],
-            "rank": rank,
-            "precision_trace": describe_trace(routing.trace[start:]),
-            "latent_shape": list(final["latents"].shape),
-            "latent_sha256": _digest(final["latents"]),
-        }
-        if args.output:
-            target = output_path(args.output, index, args.prompts is not None)
-            save_frames(list(out.video), target, args.fps)
-            row["output"] = str(target)
-        results.append(row)
+    mine = [_generate(pipe, routing, args, prompts, index, rank) for index in _share(len(prompts), rank, world)]
     sample_s = time.perf_counter() - t1
-    gathered = [results]
+    gathered = [mine]
     if dist.is_initialized():
         gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-    rows = sorted((r for part in gathered for r in part), key=lambda r: r["index"])
-    first = rows[0]
-    report = {
-        "checkpoint": str(path),
-        "pipeline": type(pipe).__name__,
-        "fp8_linears": len(loaded.fp8_linears),
-        "steps": args.steps,
-        "load_seconds": round(load_s, 3),
-        "sample_seconds": round(sample_s, 3),
-        "residency": residency.as_dict(),
-        "step_policy": "checkpoint" if routing.policy is not None else "none",
-        "precision_trace": first["precision_trace"],
-        "latent_shape": first["latent_shape"],
-        "latent_sha256": first["latent_sha256"],
-        "outputs": rows,
-    }
-    return report, loaded
+        dist.all_gather_object(gathered, mine)
+    rows = sorted((r for part in gathered for r in part if r is not None), key=lambda r: r.index)
+    fields = dict(
+        pipeline=type(pipe).__name__,
+        steps=args.steps,
+        load_seconds=round(load_s, 3),
+        sample_seconds=round(sample_s, 3),
+        residency=residency.as_dict(),
+        step_policy="checkpoint" if routing.policy is not None else "none",
+        precision_trace=rows[0].precision_trace,
+        latent_shape=rows[0].latent_shape,
+        latent_sha256=rows[0].latent_sha256,
+        outputs=rows,
+    )
+    return fields, loaded
+
+
+def _share(count: int, rank: int, world: int) -> list[int]:
+    """The prompt indices this rank runs, one per round; an index past ``count`` is padding."""
+    return [rank + round_ * world for round_ in range(math.ceil(count / world))]
+
+
+def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int) -> PromptOutput | None:
+    """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
+    in step with the others' all-gathers (None)."""
+    real = index < len(prompts)
+    final = {}
+
+    def on_step(_pipe, i, _t, kwargs):
+        final["latents"] = kwargs["latents"]
+        if rank == 0 and real:
+            label = "W8A16" if routing.trace[-1] == "a16" else "W8A8"
+            log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
+        return {}
+
+    start = len(routing.trace)
+    out = pipe(
+        prompts[index] if real else prompts[0],
+        negative_prompt=args.negative_prompt,
+        **_size_kwargs(args),
+        fps=args.fps,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        generator=torch.Generator().manual_seed(args.seed),
+        callback_on_step_end=on_step,
+        output_type="pil" if real and args.output else "latent",
+    )
+    if not real:
+        return None
+    row = PromptOutput(
+        index=index,
+        prompt=prompts[index],
+        rank=rank,
+        precision_trace=describe_trace(routing.trace[start:]),
+        latent_shape=list(final["latents"].shape),
+        latent_sha256=_digest(final["latents"]),
+    )
+    if args.output:
+        target = output_path(args.output, index, args.prompts is not None)
+        save_frames(list(out.video), target, args.fps)
+        row.output = str(target)
+    return row

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from fsdp_fp8.load.fsdp_wrap import replica_problems
+from fsdp_fp8.cli.outputs import writable_file
 
 # kind -> the options (argparse dests) its run reads; "pipeline" is a diffusers pipeline root,
 # "cosmos3" a Cosmos 3 denoiser alone, "diffusers" any other diffusers model (one forward).
@@ -30,7 +30,21 @@ EVERY_KIND = {
     "exclude",
     "resident",
     "resident_budget",
+    "nproc_per_node",
+    "overwrite",
 }
+# Inclusive bounds, checked before the load: past them a run would allocate without limit
+# (--steps 10**15 asks for petabytes after the model is loaded) or a value means nothing.
+BOUNDS = {
+    "steps": (1, 10_000),
+    "frames": (1, 1024),
+    "height": (1, 16_384),
+    "width": (1, 16_384),
+    "latent_tokens": (1, 1_000_000),
+    "new_tokens": (1, 100_000),
+    "nproc_per_node": (1, 1024),
+}
+MAX_FPS = 1000.0
 
 
 def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
@@ -45,22 +59,28 @@ def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def value_problems(args: argparse.Namespace) -> list[str]:
     """Every option value that cannot work, found before loading (sorted)."""
     problems = []
-    for name in ("steps", "latent_tokens", "new_tokens", "frames", "height", "width"):
+    for name, (low, high) in BOUNDS.items():
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and value < low:
+            problems.append(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        elif value is not None and value > high:
+            problems.append(f"--{name.replace('_', '-')} must be <= {high:,}, got {value:,}")
     for name in ("timeout", "fps"):
         value = getattr(args, name, None)
-        if value is not None and not value > 0:
+        if value is not None and not value > 0:  # NaN too
             problems.append(f"--{name} must be > 0, got {value}")
+    fps = getattr(args, "fps", None)
+    if fps is not None and fps > MAX_FPS:
+        problems.append(f"--fps must be <= {MAX_FPS:g}, got {fps:g}")
     replicas = getattr(args, "replicas", 1)
     if replicas is not None and replicas != 1:
-        problems += [f"--{p}" for p in replica_problems(replicas, _world_size())]
+        world = getattr(args, "nproc_per_node", None) or _world_size()
+        problems += [f"--{p}" for p in _replica_problems(replicas, world)]
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")
     if getattr(args, "report", None) is not None:  # --output: fsdp_fp8.cli.generate.check_output
-        problems += _writable_file("--report", args.report)
+        problems += writable_file("--report", args.report, getattr(args, "overwrite", False))
     prompts = getattr(args, "prompts", None)
     if prompts is not None and not os.path.isfile(prompts):
         problems.append(f"--prompts {prompts}: no such file")
@@ -75,15 +95,12 @@ def _world_size() -> int:
         return 1
 
 
-def _writable_file(option: str, path: str) -> list[str]:
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return [f"{option} {path} is a directory; name a file"]
-    if not os.path.isdir(parent):
-        return [f"{option} {path}: directory {parent} does not exist"]
-    if not os.access(parent, os.W_OK):
-        return [f"{option} {path}: directory {parent} is not writable"]
-    return []
+def _replica_problems(replicas: int, world_size: int) -> list[str]:
+    """``fsdp_fp8.load.fsdp_wrap.replica_problems``, imported only when --replicas is given:
+    that module imports torch, which an argument check must not wait for otherwise."""
+    from fsdp_fp8.load.fsdp_wrap import replica_problems
+
+    return replica_problems(replicas, world_size)
 
 
 def unused_options(given: set[str], kind: str) -> list[str]:

@@ -1,0 +1,197 @@
+"""The launcher's command line: every option in one table, parsed and checked before torch loads.
+
+Nothing here imports torch (or anything that does): ``--help``, a usage error or an output
+that cannot be written answers in a fraction of a second, before a single weight is read.
+Every problem found is reported together as one usage error (exit 2), printed once: by rank 0
+under torchrun; the other ranks exit 2 silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fsdp_fp8.cli.options import EVERY_KIND, USES, given_options, value_problems
+from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
+
+DESCRIPTION = """\
+Load a ModelOpt static-FP8 checkpoint sharded over the ranks and sample from it; rank 0
+prints a report.
+
+  torchrun --nproc-per-node N launch/infer.py [options]    (or: -m fsdp_fp8 run)
+  fsdp-fp8 run --nproc-per-node N [options]                (starts the N ranks itself)
+
+Without --checkpoint it runs the embedded demo (built and cached on first use). A
+transformers causal LM generates --new-tokens greedily from --prompt-ids (or the prompt);
+a diffusers transformer runs one forward on inputs drawn from --seed; a diffusers pipeline root
+runs the pipeline."""
+
+EPILOG = """\
+Bounds (checked before anything loads): --steps 1..10000, --frames 1..1024, --height and
+--width 1..16384 pixels, --fps above 0 and at most 1000, --latent-tokens 1..1000000,
+--new-tokens 1..100000. An output file (--output, its per-prompt names, --report) that
+already exists is refused unless --overwrite is given.
+
+Exit status: 0 success, 1 a failure while loading or running (one "error:" line),
+2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
+
+RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.load.residency.POLICIES (a test holds them equal)
+QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
+DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
+DEFAULT_LATENT_TOKENS = 64
+
+
+def _byte_count(text: str) -> int:
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units.update({"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12})
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 60e9 or 48GiB, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be >= 0, got {text!r}")
+    return int(value)
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+# (flags, argparse keywords), grouped as the help shows them. Another option goes in the group
+# it belongs to; options.USES says which model kinds read it.
+OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
+    "what to run": [
+        (("--checkpoint",), dict(help="ModelOpt static-FP8 checkpoint directory, pipeline root or hub repo id "
+                                 "(default: the embedded demo)")),
+        (("--nproc-per-node",), dict(type=int, metavar="N", help="start N ranks on this machine and report "
+                                     "their outcome quietly: what torchrun --standalone does, without its failure report")),
+        (("--steps",), dict(type=int, default=20, help="denoising steps (default 20)")),
+        (("--seed",), dict(type=int, default=0, help="noise seed (default 0)")),
+        (("--prompt",), dict(default=DEFAULT_PROMPT, help="prompt text (a pipeline's tokenizer, else its bytes "
+                             "become token ids)")),
+        (("--guidance",), dict(type=float, default=3.0, help="classifier-free guidance scale (default 3.0)")),
+        (("--step-policy",), dict(choices=("auto", "off"), default="auto", help="auto: the checkpoint's "
+                                  "diffusion step policy; off: every step W8A8")),
+        (("--latent-tokens",), dict(type=int, default=DEFAULT_LATENT_TOKENS, help="reference MoT: latent "
+                                    "tokens (default 64)")),
+    ],
+    "diffusers pipelines": [
+        (("--prompts",), dict(metavar="FILE", help="one prompt per line (UTF-8, blank lines skipped); rank r "
+                              "generates prompts r, r + N, r + 2N, ...")),
+        (("--negative-prompt",), dict(default=None, help="the unconditional prompt (default empty)")),
+        (("--output",), dict(metavar="FILE", help="save the decoded result as .png (an image, or an animated "
+                             "PNG of the frames) or .mp4; with --prompts: FILE-000.png, FILE-001.png, ...")),
+        (("--frames",), dict(type=int, help="frames to generate (1: an image; default: the demo's, else the "
+                             "pipeline's)")),
+        (("--height",), dict(type=int, help="height in pixels (default: the demo's, else the pipeline's)")),
+        (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
+        (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
+                          "(default 24)")),
+    ],
+    "causal language models": [
+        (("--prompt-ids",), dict(type=_id_list, help="the prompt as token ids, e.g. 1,2,3")),
+        (("--new-tokens",), dict(type=int, default=8, help="greedy tokens to generate (default 8)")),
+    ],
+    "sharding and memory": [
+        (("--replicas",), dict(type=int, default=1, metavar="R", help="HSDP: shard within each of R replica "
+                               "groups of WORLD_SIZE / R consecutive ranks (one node each, with torchrun's rank "
+                               "order) and replicate across them (default 1: shard over every rank)")),
+        (("--resident",), dict(choices=RESIDENT_POLICIES, default="none", help="FSDP2 blocks kept gathered "
+                               "between forwards: none (re-gather each forward), auto (what --resident-budget "
+                               "and the free device memory allow), all")),
+        (("--resident-budget",), dict(type=_byte_count, metavar="BYTES", help="with --resident auto: the most "
+                                      "the gathered blocks may take per rank (e.g. 60e9, 48GiB)")),
+        (("--timeout",), dict(type=float, default=600.0, help="seconds before a stuck collective fails "
+                              "(default 600)")),
+    ],
+    "quantizing a high-precision checkpoint at load (one process)": [
+        (("--quantize",), dict(choices=QUANTIZE_METHODS, help="quantize the linears with TorchAO at load")),
+        (("--include",), dict(action="append", default=[], metavar="RE", help="only linears whose name "
+                              "matches RE (re.search; repeatable)")),
+        (("--exclude",), dict(action="append", default=[], metavar="RE", help="leave linears whose name "
+                              "matches RE in high precision (repeatable)")),
+    ],
+    "reporting": [
+        (("--report",), dict(metavar="PATH", help="also write the report as JSON (rank 0); its directory is "
+                             "created if missing")),
+        (("--overwrite",), dict(action="store_true", help="replace output files (--output, --report) that "
+                                "already exist (default: refuse them before loading)")),
+    ],
+}  # fmt: skip
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """A usage error is printed once, by rank 0; under torchrun the other ranks exit 2 silently."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's signature
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def build_run_parser(prog: str = "launch/infer.py") -> argparse.ArgumentParser:
+    parser = RankZeroParser(
+        prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for title, options in OPTIONS.items():
+        group = parser.add_argument_group(title)
+        for flags, kwargs in options:
+            group.add_argument(*flags, **kwargs)
+    return parser
+
+
+def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> argparse.Namespace:
+    """The launcher's options, every value checked, or one usage error (exit 2) naming every problem.
+
+    Checked here, before anything is loaded: the value bounds, every output file the run will
+    write (its directory, not a directory itself, not an existing file without --overwrite),
+    the prompts file (present, UTF-8 text, not empty) and the combinations that cannot work.
+    """
+    parser = build_run_parser(prog)
+    args = parser.parse_args(argv)
+    if args.report:  # its directory is made now, not after the whole run (documented)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--report {args.report}: cannot create its directory: {exc}")
+    problems = _combination_problems(args) + value_problems(args)
+    prompts = None
+    if args.prompts is not None and os.path.isfile(args.prompts):
+        try:
+            prompts = read_prompts(args)
+        except ValueError as exc:
+            problems.append(str(exc))
+    try:
+        check_output(args.output)
+    except ValueError as exc:
+        problems.append(str(exc))
+    else:
+        count = len(prompts) if prompts is not None else 1
+        problems += planned_outputs(args, count)
+    if problems:
+        parser.error("; ".join(sorted(set(problems))))
+    args.given = given_options(parser, args)
+    return args
+
+
+def _combination_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if (args.include or args.exclude) and not args.quantize:
+        problems.append("--include / --exclude select linears for --quantize; pass --quantize too")
+    if args.resident_budget is not None and args.resident != "auto":
+        problems.append("--resident-budget applies to --resident auto; pass that too")
+    if args.prompts and args.quantize:
+        problems.append("--prompts runs a pipeline; --quantize runs one process on a transformer")
+    if args.nproc_per_node is not None and "RANK" in os.environ:
+        problems.append("--nproc-per-node starts the ranks itself; under torchrun leave it out")
+    return problems
+
+
+__all__ = ["EVERY_KIND", "USES", "build_run_parser", "parse_run_args"]
