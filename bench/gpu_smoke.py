@@ -1,365 +1,499 @@
-"""GPU smoke check for a bare CUDA box: one JSON of versions, correctness and speed figures.
+"""GPU smoke check for a bare CUDA box: figures per section, written as they are measured.
 
-    PYTHONPATH=. python bench/gpu_smoke.py --out smoke.json [--wheels DIR]   # on the GPU box
-    PYTHONPATH=. python bench/gpu_smoke.py --dry --out smoke.json           # CPU (CI runs this)
+    bash bench/gpu_smoke.sh smoke.jsonl                                    # on the GPU box (installs the wheels)
+    PYTHONPATH=. python bench/gpu_smoke.py --out smoke.jsonl [--quick]     # the same, wheels already importable
+    PYTHONPATH=. python bench/gpu_smoke.py --dry --out smoke.jsonl         # CPU, scaled-down shapes
+    PYTHONPATH=. python bench/gpu_smoke.py --fake-cuda --out smoke.jsonl   # CPU build, fake CUDA tensors
 
-It uses the box's own python and torch (>= 2.10), imports the package from this checkout
-(no install) and needs no network. What a stock CUDA image lacks is carried as wheels in
-``--wheels`` (default ``bench/wheels``) and unpacked into a temporary directory on
-``sys.path`` (and on the children's PYTHONPATH) - never installed:
+It measures; it does not judge correctness. The correctness checks (FP8 GEMMs against an fp32
+reference, ``_scaled_mm`` in the profiler, the all-gather hooks' bytes, NCCL loads and the demo
+at one and many GPUs) are the tests in ``tests/gpu``, which the ``tests`` section runs with
+pytest and reports test by test.
 
-    torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
-    safetensors-0.8.0-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
-    numpy-<any>-<the box's python tag>.whl                      (only where the box lacks numpy)
+Each section runs in a child process under its own time budget (``BUDGETS``; ``--quick`` fits
+all of them in 6 minutes on one H200), and every variant of a section in its own ``try``. The
+results file is JSON lines, appended and flushed as each variant finishes: a record per
+variant ``{"section", "variant", "status", ...figures}``, a record closing each section
+(``"variant": null``: ``ok``, ``failed``, ``timeout``, ``crashed`` or ``skipped``, with its
+seconds and the end of its stderr), and a last ``summary``. A timeout or a crash keeps what
+finished; ``load_results`` folds the file back into one dict.
 
-Sections (each ``ok``, ``failed`` or ``skipped`` with the reason; never silently left out):
-  versions    python, torch, CUDA, torchao, device name and capability, the all-gather in use
-  gemm        every FP8 GEMM against an fp32 reference: M in {0, 1, 7, 16, 77, 4096} rows,
-              2-D / 3-D / 4-D inputs, with and without bias, W8A8 (and its options) and W8A16
-  scaled_mm   the profiler sees ``aten::_scaled_mm`` (and, on CUDA, its GEMM kernels) under
-              W8A8, and none under W8A16
-  hooks       the uint8 pre/post all-gather hooks driven directly for meshes of 3 and 8 ranks,
-              each with a rank that holds zero rows, against the full codes, ``out=`` reused
-  load        GB/s of ``load_model`` onto the device (cold page cache) against the floors of the same
-              files: raw read, host-to-device alone (pinned, pageable), read + copy
-  step        one layer of the 64B model (hidden 5120, 4096 latent + 256 prompt tokens),
-              CFG step (2 forwards): BF16, W8A8, W8A8 fast accumulation, W8A8 fused
-              quantization, W8A16
-  demo        the demo under torchrun twice: exit 0, one digest, no watchdog/terminate lines
+Sections:
+  preflight  what is missing, by name, before any work: each carried wheel (bench/fetch_wheels.sh
+             lists them) by file name, each module the sections import, a C compiler and
+             ``Python.h`` (torch.compile's fused kernels), a CUDA device of capability >= 8.9
+  versions   python, torch, CUDA, NCCL, torchao, device name, capability and count
+  tests      pytest on tests/gpu, one record per test (--quick leaves out the two-world demo test)
+  gemm       ms and TFLOP/s of each FP8 linear mode (BF16, W8A8, W8A8 fast accumulation, W8A8
+             fused quantization, W8A16, W8A16 fused) at the 64B model's shapes, and each one's
+             relative error against fp32 as a figure
+  load       GB/s of ``load_model`` onto the device (cold page cache) against the floors of the
+             same files: raw read, host-to-device (pinned, pageable), read + copy
+  step       one layer of the 64B model (hidden 5120, 4096 latent + 256 prompt tokens), CFG step
+             (2 forwards) per precision and kernel option
+  allgather  the uint8 all-gather of uneven shards (zero-row ranks included) under torchrun at
+             the largest world the box allows (one GPU per rank), ms and GB/s per weight shape
+  demo       ``torchrun launch/infer.py`` at min(8, GPU count) ranks under NCCL: seconds, load,
+             digest, watchdog/terminate lines
 
-``--dry`` runs on the CPU with shapes scaled down (the ``step`` layer, the ``load`` file); the
-CUDA-only measurements are skipped with a reason. The exit code is 1 if any section failed.
+``--dry`` runs every section on the CPU with small shapes (what CI can run); ``--fake-cuda``
+runs the CUDA code paths of ``gemm``, ``step`` and ``allgather`` on fake CUDA tensors
+(bench/fake_cuda.py; torch's fake process group for the all-gather), so CUDA's layout,
+alignment and device rules are checked on a CPU build; there nothing is timed, and the
+sections fake CUDA cannot run say why. The exit code is 1 if any section failed or timed out.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import contextlib
 import json
 import os
 import platform
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
-import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GEMM_ROWS = (0, 1, 7, 16, 77, 4096)
-GEMM_IN, GEMM_OUT = 256, 384  # multiples of 16, as _scaled_mm on CUDA needs
-# The CPU _scaled_mm is an emulation (~4 M multiply-adds/s here): dry runs use the smallest
-# shape CUDA would also take, with every row count and input rank kept.
-DRY_GEMM_IN, DRY_GEMM_OUT = 16, 32
-# Relative Frobenius error against the fp32 reference that rounds activations and weights
-# exactly as the FP8 path does: what is left is the BF16 output rounding (2^-8 relative per
-# element) and the accumulation order, far below this bound; a wrong scale or layout is O(1).
-GEMM_REL_TOL = 1e-2
-FAST_ACCUM_REL_TOL = 2e-2
+sys.path.insert(0, str(ROOT / "bench"))  # fake_cuda, as a script and as an imported module
+
+# Seconds per section: (--quick on one H200, full run). The quick ones sum to 335 s, under the
+# 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
+# is their sum plus TIMEOUT_MARGIN_S, so a section's budget always ends first.
+BUDGETS = {
+    "preflight": (10, 30),
+    "versions": (15, 30),
+    "tests": (100, 600),
+    "gemm": (45, 120),  # the two fused variants compile on first use (inductor, triton)
+    "load": (25, 180),
+    "step": (40, 240),
+    "allgather": (25, 90),
+    "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
+}
+TIMEOUT_MARGIN_S = 60
+# After a section's budget: SIGTERM, this long for torchrun to stop its ranks, then SIGKILL. The
+# margin above covers it for all eight sections and the driver's own seconds.
+KILL_GRACE_S = 5
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores (Ada, Hopper)
+# The 64B model's projection shapes (M tokens, K in, N out): attention (5120 -> 5120) and the
+# MLP's up (5120 -> 20480) and down (20480 -> 5120), 4096 latent tokens.
+GEMM_SHAPES = [(4096, 5120, 5120), (4096, 5120, 20480), (4096, 20480, 5120)]
+DRY_GEMM_SHAPES = [(77, 64, 96)]
+# Under fake CUDA nothing is timed: every input layout a linear meets, at the smallest shapes
+# CUDA takes (K and N multiples of 16), is run once per mode instead.
+FAKE_GEMM_ROWS = (0, 1, 7, 16, 77)
+FAKE_GEMM_IN, FAKE_GEMM_OUT = 64, 96
+MODES = {  # variant -> (Float8StaticLinear.mode, fused, fast_accum); None: the BF16 nn.Linear
+    "BF16": None,
+    "W8A8": ("native", False, False),
+    "W8A8 fast accum": ("native", False, True),
+    "W8A8 fused quant": ("native", True, False),
+    "W8A16": ("a16", False, False),
+    "W8A16 fused": ("a16", True, False),
+}
+FAKE_REFUSES_COMPILE = (
+    "torch.compile for CUDA cannot be faked on a CPU build: inductor generates triton kernels, "
+    "which need triton and a device"
+)
 # Lines that mean a rank was killed or a collective timed out, even when the exit code is 0.
 BAD_LINES = re.compile(
     r"watchdog|terminate called|Terminating process|SIGTERM|SIGABRT|"
     r"destroy_process_group\(\) was not called",
     re.IGNORECASE,
 )
+# What each section imports from outside the standard library (preflight names the missing).
+NEEDS = {
+    "versions": ("torch",),
+    "tests": ("torch", "torchao", "safetensors", "numpy", "pytest"),
+    "gemm": ("torch", "torchao"),
+    "load": ("torch", "torchao", "safetensors", "numpy"),
+    "step": ("torch", "torchao"),
+    "allgather": ("torch", "torchao"),
+    "demo": ("torch", "torchao", "safetensors", "numpy", "diffusers", "transformers", "tokenizers", "huggingface_hub"),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="where to write the JSON results (its directory is created)")
-    p.add_argument("--dry", action="store_true", help="CPU only, scaled-down shapes; CUDA parts skipped")
+    p.add_argument("--out", required=True, help="JSON-lines results file (appended; its directory is created)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry", action="store_true", help="CPU only, scaled-down shapes")
+    mode.add_argument("--fake-cuda", action="store_true", help="CUDA code paths on fake tensors (CPU build)")
+    p.add_argument("--quick", action="store_true", help="the quick budgets and sizes (6 minutes on one H200)")
     p.add_argument(
-        "--wheels",
-        default=str(ROOT / "bench" / "wheels"),
-        help="directory of carried wheels, unpacked only for modules the box lacks",
+        "--wheels", default=str(ROOT / "bench" / "wheels"), help="the carried wheels (preflight names the missing)"
     )
     p.add_argument("--only", help="comma-separated sections to run (default: all)")
-    p.add_argument("--demo-ranks", type=int, help="ranks for the demo (default: 2 dry, else 1)")
-    p.add_argument("--step-reps", type=int, default=10, help="timed CFG steps per variant")
+    p.add_argument("--budget", action="append", default=[], metavar="SECTION=SECONDS", help="override a budget")
+    p.add_argument("--demo-ranks", type=int, help="ranks for the demo (default: min(8, GPUs); 2 dry)")
+    p.add_argument(
+        "--outer-timeout", action="store_true", help="print the budgets' sum plus a margin (seconds) and exit"
+    )
+    p.add_argument("--wheels-to-install", action="store_true", help="print the carried wheels this Python lacks")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # the child process of one section
     return p.parse_args(argv)
 
 
-# --- carried wheels ----------------------------------------------------------------------
-
-WHEEL_MODULES = {"torchao": "torchao", "safetensors": "safetensors", "numpy": "numpy"}
+# --- results -------------------------------------------------------------------------------
 
 
-def unpack_missing_wheels(wheels: Path, into: Path) -> list[str]:
-    """Unpack each carried wheel whose module the box cannot import; returns their names."""
-    used = []
-    for name, module in WHEEL_MODULES.items():
-        if importlib.util.find_spec(module) is not None:
+class Results:
+    """Append-only JSON lines, flushed and synced per record: a kill loses nothing written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def load_results(path: Path) -> dict:
+    """``{"sections": {name: {"status", "variants": {variant: record}, ...}}, "summary": ...}``."""
+    out: dict = {"sections": {}, "summary": None}
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a process killed while writing it
+            out["unreadable_lines"] = out.get("unreadable_lines", 0) + 1
             continue
-        found = sorted(wheels.glob(f"{name}-*.whl")) if wheels.is_dir() else []
-        if not found:
-            continue  # the import in the section that needs it says what is missing
-        with zipfile.ZipFile(found[-1]) as z:
-            z.extractall(into)
-        used.append(found[-1].name)
-    if used:
-        sys.path.insert(0, str(into))
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(into), os.environ.get("PYTHONPATH", "")])
-        importlib.invalidate_caches()
-    return used
+        if record.get("section") == "summary":
+            out["summary"] = record
+            continue
+        section = out["sections"].setdefault(record["section"], {"variants": {}})
+        if record.get("variant") is None:
+            section.update(record)
+        else:
+            section["variants"][record["variant"]] = record
+    return out
 
 
-# --- helpers -----------------------------------------------------------------------------
+@dataclass
+class Context:
+    """What a section needs: its device and mode, and where its records go."""
+
+    section: str
+    device: object  # torch.device
+    dry: bool
+    fake: bool
+    quick: bool
+    emit: object  # callable(record)
+    args: argparse.Namespace | None = None
+    records: list = field(default_factory=list)
+
+    def record(self, variant: str, status: str, **figures) -> None:
+        rec = {"section": self.section, "variant": variant, "status": status, **figures}
+        self.records.append(rec)
+        self.emit(rec)
+
+    def skip(self, variant: str, reason: str) -> None:
+        self.record(variant, "skipped", reason=reason)
+
+    @contextlib.contextmanager
+    def variant(self, name: str):
+        """One variant in its own try: a failure is recorded and the section goes on."""
+        figures: dict = {}
+        t0 = time.perf_counter()
+        try:
+            yield figures
+        except Exception as exc:  # noqa: BLE001 - recorded; the next variant still runs
+            self.record(
+                name,
+                "failed",
+                error=f"{type(exc).__name__}: {exc}"[:2000],
+                traceback=traceback.format_exc()[-3000:],
+                seconds=round(time.perf_counter() - t0, 3),
+                **figures,
+            )
+        else:
+            status = figures.pop("status", "ok")
+            self.record(name, status, seconds=round(time.perf_counter() - t0, 3), **figures)
+
+    def place(self, t):
+        """A CPU tensor on this context's device (a fake of the same layout under fake CUDA)."""
+        if self.fake:
+            from fake_cuda import placed
+
+            return placed(t, self.device)
+        return t.to(self.device)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda" and not self.fake:
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
 
-def skipped(reason: str) -> dict:
-    return {"status": "skipped", "reason": reason}
+# --- preflight (no torch import in the driver: a broken torch is a finding, not a crash) ----
 
 
-def _sync(device) -> None:
+def carried_wheels() -> list[str]:
+    """The ``name==version`` pins bench/fetch_wheels.sh downloads, in its order."""
+    text = (ROOT / "bench" / "fetch_wheels.sh").read_text()
+    block = text.split("# --- wheels ---", 1)[1].split("# --- end ---", 1)[0]
+    return re.findall(r"([A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+)", block)
+
+
+def _wheel_key(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def missing_wheels(wheels: Path) -> list[str]:
+    """Each pinned wheel with no file in ``wheels``, as ``name==version``."""
+    have = set()
+    for f in wheels.glob("*.whl") if wheels.is_dir() else []:
+        name, version = f.name.split("-")[:2]
+        have.add((_wheel_key(name), version))
+    missing = []
+    for pin in carried_wheels():
+        name, version = pin.split("==")
+        if (_wheel_key(name), version) not in have:
+            missing.append(pin)
+    return missing
+
+
+def wheels_to_install(wheels: Path) -> list[str]:
+    """The carried wheel files whose distribution this Python lacks at that version."""
+    from importlib import metadata
+
+    chosen = []
+    for f in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
+        name, version = f.name.split("-")[:2]
+        try:
+            if metadata.version(name) == version:
+                continue
+        except metadata.PackageNotFoundError:
+            pass
+        chosen.append(str(f))
+    return chosen
+
+
+def compiler_problems() -> list[str]:
+    """What torch.compile's fused kernels need from the box: a C compiler and Python.h."""
+    problems = []
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    if not any(shutil.which(c) for c in (cc, "cc", "gcc", "clang")):
+        problems.append(f"no C compiler on PATH ({cc}, cc, gcc, clang): inductor and triton build with one")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        problems.append(f"{header} is missing (the python3-dev package): inductor and triton compile against it")
+    return problems
+
+
+def section_preflight(ctx: Context) -> None:
+    import importlib.util
+
+    wheels = Path(ctx.args.wheels) if ctx.args else ROOT / "bench" / "wheels"
+    with ctx.variant("modules") as r:
+        needed = sorted({m for mods in NEEDS.values() for m in mods})
+        absent = [m for m in needed if importlib.util.find_spec(m) is None]
+        r.update(missing=absent, blocks={s: [m for m in mods if m in absent] for s, mods in NEEDS.items()})
+        if absent:
+            r["status"] = "failed"
+    with ctx.variant("wheels") as r:
+        # A missing wheel matters where its module is missing too; a box that has them all passes.
+        missing = missing_wheels(wheels)
+        r.update(directory=str(wheels), missing=missing, carried=len(carried_wheels()) - len(missing))
+        if missing and absent:
+            r["status"] = "failed"
+            r["fix"] = "run bench/fetch_wheels.sh where the package index is reachable, then bench/gpu_smoke.sh"
+    with ctx.variant("compiler") as r:
+        r["problems"] = compiler_problems()
+        r["blocks"] = ["W8A8 fused quant", "W8A16 fused"]
+        if r["problems"]:
+            r["status"] = "failed"
+    with ctx.variant("device") as r:
+        if ctx.fake or ctx.dry:
+            r.update(status="skipped", reason="--fake-cuda / --dry: no CUDA device is asked for")
+            return
+        import torch  # inside the variant: a missing or broken torch is this record's error
+
+        if not torch.cuda.is_available():
+            r.update(status="failed", problems=["no CUDA device (torch.cuda.is_available() is False)"])
+        else:
+            caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+            low = [
+                f"GPU {i}: capability {c[0]}.{c[1]} < 8.9 (no FP8)" for i, c in enumerate(caps) if c < MIN_CAPABILITY
+            ]
+            r.update(count=len(caps), capabilities=[list(c) for c in caps], problems=low)
+            if low:
+                r["status"] = "failed"
+
+
+# --- measuring sections ---------------------------------------------------------------------
+
+
+def section_versions(ctx: Context) -> None:
+    import importlib
+
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    with ctx.variant("software") as r:
+        r.update(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda)
+        for mod in ("torchao", "safetensors", "numpy", "diffusers", "transformers", "triton"):
+            try:
+                r[mod] = importlib.import_module(mod).__version__
+            except ImportError as exc:
+                r[mod] = f"missing: {exc}"
+    if ctx.device.type != "cuda" or ctx.fake:
+        ctx.skip("device", "no real CUDA device: name, capability and NCCL not read")
+        return
+    with ctx.variant("device") as r:
+        r.update(
+            name=torch.cuda.get_device_name(ctx.device),
+            capability=list(torch.cuda.get_device_capability(ctx.device)),
+            count=torch.cuda.device_count(),
+            memory_bytes=torch.cuda.get_device_properties(ctx.device).total_memory,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
 
 
-def _fp8_linear(weight, bias, input_scale, dtype):
-    """A Float8StaticLinear holding ``weight`` quantized per tensor, as ModelOpt would."""
+PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def section_tests(ctx: Context) -> None:
+    """pytest on tests/gpu, one record per test as pytest reports it (a timeout keeps those),
+    then the same records again with their messages from the junit file."""
+    import xml.etree.ElementTree as ET
+
+    if ctx.fake:
+        ctx.skip("pytest", "tests/gpu compare values on a real GPU; fake tensors hold none")
+        return
+    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
+        cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+        if ctx.quick:
+            cmd += ["-k", "not demo_on_every_gpu"]  # the demo at two worlds: the demo section runs it once
+        with ctx.variant("pytest") as r:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail: list[str] = []
+            for line in proc.stdout:
+                tail = (tail + [line])[-60:]
+                hit = PYTEST_LINE.match(line)
+                if hit:
+                    outcome = hit[2]
+                    status = "failed" if outcome in ("FAILED", "ERROR") else "skipped" if outcome == "SKIPPED" else "ok"
+                    ctx.record(hit[1], status, outcome=outcome)
+            rc = proc.wait()
+            r.update(exit=rc, tail="".join(tail)[-3000:])
+            if rc not in (0, 5):  # 5: nothing collected
+                r["status"] = "failed"
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+                name = f"{path}::{case.get('name')}"
+                outcome = {c.tag: (c.get("message") or "")[:1500] for c in case}
+                status = "failed" if {"failure", "error"} & set(outcome) else "ok"
+                status = "skipped" if "skipped" in outcome else status
+                ctx.record(name, status, seconds=float(case.get("time", 0)), **outcome)
+
+
+def _fp8_linear(weight, bias, dtype):
+    """A Float8StaticLinear holding ``weight`` quantized per tensor, as ModelOpt would: both
+    scales are made on the codes' device (a CPU scale beside CUDA codes is a device mix)."""
     import torch
     from torch import nn
 
-    from fsdp_fp8.fp8.linear import Float8StaticLinear
+    from fsdp_fp8 import Float8StaticLinear
     from fsdp_fp8.fp8.tensor import E4M3_MAX, make_static_fp8_weight
 
     out_f, in_f = weight.shape
-    scale = weight.float().abs().max().clamp(min=1e-12) / E4M3_MAX
+    scale = weight.float().abs().amax().clamp(min=1e-12) / E4M3_MAX
     codes = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    input_scale = torch.full((), 4.0 / E4M3_MAX, dtype=torch.float32, device=codes.device)
     lin = Float8StaticLinear(in_f, out_f, bias is not None, dtype, device=weight.device)
-    lin.weight = nn.Parameter(make_static_fp8_weight(codes, scale.reshape(()), input_scale, dtype), requires_grad=False)
+    fp8 = make_static_fp8_weight(codes, scale.reshape(()), input_scale, dtype)
+    lin.weight = nn.Parameter(fp8, requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    return lin
+    return lin.eval()
 
 
-def linear_options() -> dict[str, str | None]:
-    """The W8A8 options this checkout's FP8 layer offers: name -> None, or why it is absent."""
-    from fsdp_fp8.fp8 import linear
-
-    have = {name: None for name in ("fast_accum", "fused") if hasattr(linear.Float8StaticLinear, name)}
-    return {
-        name: have.get(name, "not in this checkout's Float8StaticLinear (fp8 layer option)")
-        for name in ("fast_accum", "fused")
-    }
+def _fused_problems(ctx: Context) -> str | None:
+    """Why the fused (compiled) variants cannot run here (None: they can)."""
+    if ctx.fake:
+        return FAKE_REFUSES_COMPILE
+    problems = compiler_problems()
+    return f"preflight: {'; '.join(problems)}" if problems else None
 
 
-def _reference(x, lin, mode: str):
-    """fp32 reference with the FP8 path's own rounding of activations (W8A8) and weights."""
+def _set_mode(module, spec) -> None:
+    from fsdp_fp8 import Float8StaticLinear
 
-    from fsdp_fp8.fp8.kernels import quantize_activation
-
-    w = lin.weight.qdata.float() * lin.weight.scale.float().reshape(())
-    x2d = x.reshape(-1, x.shape[-1])
-    if mode == "native":
-        s = lin.weight.act_quant_scale.float().reshape(())
-        x2d = quantize_activation(x2d, lin.weight.act_quant_scale).float() * s
-    y = x2d.float() @ w.t()
-    if lin.bias is not None:
-        y = y + lin.bias.float()
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    mode, fused, fast_accum = spec
+    for m in module.modules():
+        if isinstance(m, Float8StaticLinear):
+            m.mode, m.fused, m.fast_accum = mode, fused, fast_accum
 
 
-# --- sections ----------------------------------------------------------------------------
+def _timed(ctx: Context, fn, reps: int) -> list[float]:
+    fn()  # warm-up (and any compilation) outside the timing
+    samples = []
+    for _ in range(reps):
+        ctx.sync()
+        t0 = time.perf_counter()
+        fn()
+        ctx.sync()
+        samples.append(time.perf_counter() - t0)
+    return samples
 
 
-def section_versions(device) -> dict:
+def section_gemm(ctx: Context) -> None:
     import torch
+    from torch import nn
 
-    from fsdp_fp8.load.collectives import all_gather_name
-
-    out = {
-        "status": "ok",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "device": str(device),
-        "all_gather": all_gather_name(),
-    }
-    for mod in ("torchao", "safetensors", "numpy"):
-        try:
-            out[mod] = importlib.import_module(mod).__version__
-        except ImportError as exc:
-            out[mod] = f"missing: {exc}"
-    if device.type == "cuda":
-        out["device_name"] = torch.cuda.get_device_name(device)
-        out["capability"] = list(torch.cuda.get_device_capability(device))
-        out["device_count"] = torch.cuda.device_count()
-        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        try:
-            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-            out["nccl"] = f"unknown: {exc}"
-    return out
-
-
-def section_gemm(device, dry: bool) -> dict:
-    import torch
-
-    k, n = (DRY_GEMM_IN, DRY_GEMM_OUT) if dry else (GEMM_IN, GEMM_OUT)
-    gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
-    cases, failures = [], []
-    modes = [("native", {}), ("a16", {})]
-    opts = linear_options()
-    if opts["fast_accum"] is None:
-        modes.append(("native", {"fast_accum": True}))
-    for bias in (False, True):
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
-        b = (0.1 * torch.randn(n, generator=gen)).to(device) if bias else None
-        lin = _fp8_linear(w, b, torch.tensor(4.0 / 448), dtype).to(device)
-        for rows in GEMM_ROWS:
-            for shape in ((rows, k), (1, rows, k), (2, 1, rows, k)):
-                x = torch.randn(*shape, generator=gen).to(device, dtype)
-                for mode, extra in modes:
-                    lin.mode = mode
-                    for option, v in extra.items():
-                        setattr(lin, option, v)
-                    with torch.no_grad():
-                        y = lin(x)
-                    for option in extra:
-                        setattr(lin, option, False)
-                    ref = _reference(x, lin, mode)
-                    name = f"{mode}{'+' + '+'.join(extra) if extra else ''} bias={bias} x{tuple(shape)}"
-                    if tuple(y.shape) != tuple(ref.shape):
-                        failures.append(f"{name}: shape {tuple(y.shape)} != {tuple(ref.shape)}")
-                        continue
-                    err = 0.0
-                    if ref.numel():
-                        err = float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
-                    tol = FAST_ACCUM_REL_TOL if extra else GEMM_REL_TOL
-                    cases.append({"case": name, "rel_err": err})
-                    if not err <= tol:
-                        failures.append(f"{name}: relative error {err:.3e} > {tol}")
-    lin.mode = "native"
-    out = {
-        "status": "failed" if failures else "ok",
-        "cases": len(cases),
-        "in_features": k,
-        "out_features": n,
-        "max_rel_err": max(c["rel_err"] for c in cases),
-        "failures": failures,
-        "worst": sorted(cases, key=lambda c: -c["rel_err"])[:5],
-    }
-    if opts["fast_accum"] is not None:
-        out["fast_accum"] = skipped(opts["fast_accum"])
-    return out
-
-
-def section_scaled_mm(device, dry: bool) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    k, n = (DRY_GEMM_IN, DRY_GEMM_OUT) if dry else (GEMM_IN, GEMM_OUT)
-    gen = torch.Generator().manual_seed(1)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
-    lin = _fp8_linear(w, None, torch.tensor(4.0 / 448), torch.bfloat16).to(device)
-    x = torch.randn(77, k, generator=gen).to(device, torch.bfloat16)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    seen = {}
-    for mode in ("native", "a16"):
-        lin.mode = mode
-        with torch.no_grad():
-            lin(x)  # warm-up outside the profile
-            _sync(device)
-            with profile(activities=activities) as prof:
-                lin(x)
-                _sync(device)
-        events = prof.events()
-        ops = sorted({e.name for e in events if e.device_type.name == "CPU"})
-        kernels = sorted({e.name for e in events if e.device_type.name == "CUDA"})
-        seen[mode] = {"scaled_mm_op": "aten::_scaled_mm" in ops, "kernels": kernels}
-    lin.mode = "native"
-    problems = []
-    if not seen["native"]["scaled_mm_op"]:
-        problems.append("W8A8 forward did not call aten::_scaled_mm")
-    if seen["a16"]["scaled_mm_op"]:
-        problems.append("W8A16 forward called aten::_scaled_mm")
-    out = {
-        "status": "failed" if problems else "ok",
-        "problems": problems,
-        "w8a8_kernels": seen["native"]["kernels"],
-        "w8a16_kernels": seen["a16"]["kernels"],
-    }
-    if device.type == "cuda":
-        gemms = [k for k in seen["native"]["kernels"] if re.search(r"gemm|nvjet|xmma|cutlass|sm\d\d", k, re.I)]
-        out["w8a8_gemm_kernels"] = gemms
-        if not gemms:
-            out["status"] = "failed"
-            problems.append("no GEMM kernel ran under W8A8 (profiler kernel names above)")
+    if ctx.fake:
+        shapes = [(rows, FAKE_GEMM_IN, FAKE_GEMM_OUT) for rows in FAKE_GEMM_ROWS]
+        inputs = [lambda m, k: (m, k), lambda m, k: (1, m, k), lambda m, k: (2, 1, m, k)]
     else:
-        out["cuda_kernels"] = skipped("no CUDA device: only the CPU op is checked")
-    return out
-
-
-class _Mesh:
-    """What the hooks read from FSDP2's mesh: the size of its last (shard) dimension."""
-
-    ndim = 1
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def size(self, dim: int = 0) -> int:
-        assert dim == 0, dim
-        return self.n
-
-
-def section_hooks(device) -> dict:
-    import torch
-
-    from fsdp_fp8.format.sharding import padded_rows
-    from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
-
-    gen = torch.Generator().manual_seed(2)
-    checks, failures = [], []
-    # rows: 4 over 3 ranks -> 2, 2, 0; 7 over 8 ranks -> 1 x 7, 0
-    for world, rows in ((3, 4), (8, 7), (3, 5), (8, 17)):
-        full_codes = (torch.randn(rows, 48, generator=gen) * 50).clamp(-448, 448).to(E4M3).to(device)
-        full = make_static_fp8_weight(
-            full_codes, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), torch.bfloat16
-        )
-        pad = padded_rows(rows, world)
-        chunks = list(torch.chunk(full_codes, world)) if rows else []
-        chunks += [full_codes[:0]] * (world - len(chunks))  # torch.chunk yields fewer pieces
-        payloads = []
-        for codes in chunks:
-            local = rebuild(full, codes.contiguous())
-            (payload,), meta = local.fsdp_pre_all_gather(_Mesh(world), full.shape, full.stride(), None, None)
-            if payload.dtype != torch.uint8 or tuple(payload.shape) != (pad, 48):
-                failures.append(f"world {world}, {rows} rows: payload {payload.dtype} {tuple(payload.shape)}")
-            payloads.append(payload)
-        gathered = torch.cat(payloads)  # what all_gather_single writes, rank after rank
-        unsharded, _ = local.fsdp_post_all_gather((gathered,), meta, torch.bfloat16)
-        same = torch.equal(unsharded.qdata.view(torch.uint8), full_codes.view(torch.uint8))
-        # out=: FSDP2's buffer reuse after the first all-gather
-        gathered2 = torch.cat(payloads)
-        local.fsdp_post_all_gather((gathered2,), meta, torch.bfloat16, out=unsharded)
-        reused = torch.equal(unsharded.qdata.view(torch.uint8), full_codes.view(torch.uint8))
-        zero_rank = any(c.shape[0] == 0 for c in chunks)
-        checks.append(
-            {
-                "world": world,
-                "rows": rows,
-                "padded_rows": pad,
-                "zero_row_rank": zero_rank,
-                "bytes_equal": same,
-                "out_reused_equal": reused,
-            }
-        )
-        if not (same and reused):
-            failures.append(f"world {world}, {rows} rows: gathered codes differ from the full codes")
-    if not any(c["zero_row_rank"] for c in checks if c["world"] == 3) or not any(
-        c["zero_row_rank"] for c in checks if c["world"] == 8
-    ):
-        failures.append("no zero-row rank was exercised")  # internal: the cases above are wrong
-    return {"status": "failed" if failures else "ok", "checks": checks, "failures": failures}
+        shapes = DRY_GEMM_SHAPES if ctx.dry else GEMM_SHAPES
+        inputs = [lambda m, k: (m, k)]
+    reps = 0 if ctx.fake else (2 if ctx.dry else (10 if ctx.quick else 50))
+    fused_problems = _fused_problems(ctx)
+    for m, k, n in shapes:
+        gen = torch.Generator().manual_seed(m * 31 + k + n)
+        weight = ctx.place((torch.randn(n, k, generator=gen) / k**0.5).to(dtype))
+        bias = ctx.place((0.1 * torch.randn(n, generator=gen)).to(dtype))
+        bf16 = nn.Linear(k, n, dtype=dtype, device="meta")
+        bf16.weight, bf16.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+        fp8 = _fp8_linear(weight, bias, dtype)
+        for shape_of in inputs:
+            x = ctx.place(torch.randn(shape_of(m, k), generator=gen).to(dtype))
+            ref = None
+            for name, spec in MODES.items():
+                variant = f"{name} x{tuple(x.shape)}->{n}"
+                if spec is not None and spec[1] and fused_problems:
+                    ctx.skip(variant, fused_problems)
+                    continue
+                with ctx.variant(variant) as r, torch.no_grad():
+                    layer = bf16 if spec is None else fp8
+                    if spec is not None:
+                        _set_mode(fp8, spec)
+                    y = layer(x)
+                    r.update(out_shape=list(y.shape), out_device=str(y.device), out_dtype=str(y.dtype))
+                    if ctx.fake:
+                        continue
+                    if ref is None:  # fp32 of the same values: what every mode approximates
+                        ref = x.float().reshape(-1, k) @ weight.float().t() + bias.float()
+                    r["rel_err_vs_fp32"] = float((y.float().reshape(ref.shape) - ref).norm() / ref.norm())
+                    samples = _timed(ctx, lambda: layer(x), reps)
+                    t = statistics.median(samples)
+                    r.update(median_ms=round(t * 1e3, 4), tflops=round(2 * m * k * n / t / 1e12, 2))
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -392,7 +526,7 @@ def write_load_checkpoint(directory: Path, size: int, rows: int = LOAD_ROWS, col
     return count
 
 
-def _load_model_fn(rows: int, cols: int):
+def _stack_fn(rows: int, cols: int):
     import torch
     from torch import nn
 
@@ -406,20 +540,26 @@ def _load_model_fn(rows: int, cols: int):
     return Stack
 
 
-def section_load(device, size: int) -> dict:
-    """GB/s of fsdp_fp8's ``load_model`` (one process, onto ``device``) against the floors of the same
-    files: a raw single-thread read, pinned and pageable host-to-device copies, read + copy."""
+def section_load(ctx: Context) -> None:
+    """GB/s of ``load_model`` onto the device against the floors of the same files."""
     import torch
 
     from fsdp_fp8 import load_model
 
+    if ctx.fake:
+        ctx.skip("load_model", "file bytes into device memory cannot be faked: fake tensors hold no data")
+        return
+    size = (64 << 20) if ctx.dry else ((1 << 30) if ctx.quick else (4 << 30))
+    runs = 2 if ctx.quick or ctx.dry else 3
     chunk = 64 << 20
+    cuda = ctx.device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
         directory = Path(tmp) / "ckpt"
         linears = write_load_checkpoint(directory, size)
         files = sorted(directory.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         fds = [os.open(f, os.O_RDONLY) for f in files]
+        floors = {}
         try:
 
             def evict() -> None:
@@ -427,7 +567,7 @@ def section_load(device, size: int) -> dict:
                     os.fsync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-            def read_all(buf: torch.Tensor, sink=None) -> float:
+            def read_all(buf, sink=None) -> float:
                 view = memoryview(buf.numpy())
                 evict()
                 t0 = time.perf_counter()
@@ -437,136 +577,144 @@ def section_load(device, size: int) -> dict:
                         off += n
                         if sink is not None:
                             sink(buf)
-                _sync(device)
+                ctx.sync()
                 return time.perf_counter() - t0
 
-            def load() -> dict:
-                evict()
-                t0 = time.perf_counter()
-                loaded = load_model(_load_model_fn(LOAD_ROWS, LOAD_COLS), directory, device=device)
-                _sync(device)
-                seconds = time.perf_counter() - t0
-                report = loaded.report
-                loaded.checkpoint.close()
-                del loaded
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return {"seconds": seconds, "read_seconds": report.read_seconds, "bytes_read": report.bytes_read}
-
             pageable = torch.empty(chunk, dtype=torch.uint8)
-            out = {
-                "status": "ok",
-                "file_bytes": size,
-                "files": len(files),
-                "fp8_linears": linears,
-                "chunk_bytes": chunk,
-                "note": "page cache evicted (POSIX_FADV_DONTNEED) before each read and each load",
-            }
-            out["raw_read_gbps"] = _gbps(size, min(read_all(pageable) for _ in range(3)))
-            loads = [load() for _ in range(3)]
-            best = min(loads, key=lambda r: r["read_seconds"])
-            out["load_model_read_gbps"] = _gbps(best["bytes_read"], best["read_seconds"])
-            out["load_model_whole_gbps"] = _gbps(best["bytes_read"], min(r["seconds"] for r in loads))
-            out["load_model_bytes_read"] = best["bytes_read"]
-            floors = {"raw read": out["raw_read_gbps"]}
-            if device.type != "cuda":
-                out["h2d"] = skipped("no CUDA device: host-to-device copies not measured")
+            with ctx.variant("raw read") as r:
+                r.update(file_bytes=size, gbps=_gbps(size, min(read_all(pageable) for _ in range(runs))))
+                floors["raw read"] = r["gbps"]
+            with ctx.variant("load_model") as r:
+                best = None
+                for _ in range(runs):
+                    evict()
+                    t0 = time.perf_counter()
+                    loaded = load_model(_stack_fn(LOAD_ROWS, LOAD_COLS), directory, device=ctx.device)
+                    ctx.sync()
+                    seconds = time.perf_counter() - t0
+                    rep = loaded.report
+                    loaded.checkpoint.close()
+                    del loaded
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    if best is None or rep.read_seconds < best[1].read_seconds:
+                        best = (seconds, rep)
+                seconds, rep = best
+                r.update(
+                    fp8_linears=linears,
+                    bytes_read=rep.bytes_read,
+                    read_gbps=_gbps(rep.bytes_read, rep.read_seconds),
+                    whole_gbps=_gbps(rep.bytes_read, seconds),
+                    note="page cache evicted (POSIX_FADV_DONTNEED) before each read and each load",
+                )
+            if not cuda:
+                ctx.skip("h2d", "no CUDA device: host-to-device copies not measured")
             else:
-                dest = torch.empty(chunk, dtype=torch.uint8, device=device)
+                dest = torch.empty(chunk, dtype=torch.uint8, device=ctx.device)
                 pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
 
-                def h2d(src: torch.Tensor, reps: int = 20) -> float:
+                def h2d(src, reps: int = 20) -> float:
                     dest.copy_(src, non_blocking=src.is_pinned())
-                    _sync(device)
+                    ctx.sync()
                     t0 = time.perf_counter()
                     for _ in range(reps):
                         dest.copy_(src, non_blocking=src.is_pinned())
-                    _sync(device)
+                    ctx.sync()
                     return _gbps(reps * chunk, time.perf_counter() - t0)
-
-                out["h2d_pinned_gbps"] = h2d(pinned)
-                out["h2d_pageable_gbps"] = h2d(pageable)
-                floors["pinned host-to-device"] = out["h2d_pinned_gbps"]
 
                 def copy_out(buf):
                     dest.copy_(buf, non_blocking=buf.is_pinned())
                     if buf.is_pinned():
-                        _sync(device)  # the staging buffer is reused by the next read
+                        ctx.sync()  # the staging buffer is reused by the next read
 
-                out["read_h2d_pageable_gbps"] = _gbps(size, min(read_all(pageable, copy_out) for _ in range(3)))
-                out["read_h2d_pinned_gbps"] = _gbps(size, min(read_all(pinned, copy_out) for _ in range(3)))
-            limit = min(floors, key=floors.get)
-            out["floor"] = {"name": limit, "gbps": floors[limit]}
-            # The issue's target: load GB/s per rank >= 80% of min(storage read, pinned H2D).
-            out["load_vs_floor"] = round(out["load_model_read_gbps"] / floors[limit], 3)
-            return out
+                for name, buf in (("pinned", pinned), ("pageable", pageable)):
+                    with ctx.variant(f"h2d {name}") as r:
+                        r["gbps"] = h2d(buf)
+                        floors[f"{name} host-to-device"] = r["gbps"]
+                    with ctx.variant(f"read + h2d {name}") as r:
+                        r["gbps"] = _gbps(size, min(read_all(buf, copy_out) for _ in range(runs)))
+            with ctx.variant("vs floor") as r:
+                load = next(x for x in ctx.records if x["variant"] == "load_model")
+                usable = {k: v for k, v in floors.items() if "pageable" not in k}
+                limit = min(usable, key=usable.get)
+                # The target: load GB/s per rank >= 80% of min(storage read, pinned H2D).
+                r.update(
+                    floor=limit, floor_gbps=usable[limit], load_vs_floor=round(load["read_gbps"] / usable[limit], 3)
+                )
         finally:
             for fd in fds:
                 os.close(fd)
 
 
-def _layer_config(dry: bool):
+def _outside_fake(ctx: Context):
+    if not ctx.fake:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def _layer_config(ctx: Context):
+    import dataclasses
+
     from fsdp_fp8.models import PRESETS, MoTConfig
 
-    if dry:
-        return PRESETS["tiny"], 16, 8
+    if ctx.dry or ctx.fake:
+        # tiny, with an FFN width CUDA's _scaled_mm takes (multiples of 16; tiny's is 88)
+        return dataclasses.replace(PRESETS["tiny"], intermediate_size=96), 16, 8
     s = PRESETS["super"]
-    return (
-        MoTConfig(
-            hidden_size=s.hidden_size,
-            num_layers=1,
-            num_heads=s.num_heads,
-            head_dim=s.head_dim,
-            intermediate_size=s.intermediate_size,
-            vocab_size=16,
-            latent_channels=16,
-        ),
-        4096,
-        256,
+    cfg = MoTConfig(
+        hidden_size=s.hidden_size,
+        num_layers=1,
+        num_heads=s.num_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate_size,
+        vocab_size=16,
+        latent_channels=16,
     )
+    return cfg, 4096, 256
 
 
 def _to_fp8(layer, dtype):
     """The layer with every linear of its towers swapped for a per-tensor FP8 one."""
-    import torch
     from torch import nn
 
-    for name, module in list(layer.named_modules()):
+    for module in list(layer.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(
-                    module,
-                    child_name,
-                    _fp8_linear(child.weight.detach(), child.bias, torch.tensor(4.0 / 448), dtype).to(
-                        child.weight.device
-                    ),
-                )
+                setattr(module, child_name, _fp8_linear(child.weight.detach(), child.bias, dtype))
     return layer
 
 
-def section_step(device, dry: bool, reps: int) -> dict:
+def section_step(ctx: Context) -> None:
     import copy
 
     import torch
 
-    from fsdp_fp8.fp8.linear import Float8StaticLinear
     from fsdp_fp8.models.mot import MoTLayer
+    from fsdp_fp8.models.ops import RotaryEmbedding
 
-    cfg, latent, prompt = _layer_config(dry)
-    torch.manual_seed(0)
+    cfg, latent, prompt = _layer_config(ctx)
     dtype = torch.bfloat16
-    bf16 = MoTLayer(cfg).to(device, dtype).eval()
+    reps = 0 if ctx.fake else (2 if ctx.dry else (5 if ctx.quick else 10))
+    torch.manual_seed(0)
+    # Built on the (real) meta device, then materialized on ctx's: nn.init's CUDA generator has
+    # no fake, and modules made inside the fake mode hold fakes that ``.to`` cannot swap.
+    with _outside_fake(ctx), torch.device("meta"):
+        bf16 = MoTLayer(cfg).to(dtype).eval()
+    bf16.to_empty(device=ctx.device)
     for p in bf16.parameters():
         p.requires_grad_(False)
         p.normal_(0, cfg.hidden_size**-0.5)
     fp8 = _to_fp8(copy.deepcopy(bf16), dtype)
-    from fsdp_fp8.models.ops import RotaryEmbedding
-
-    rope_mod = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
-    h_prompt = torch.randn(1, prompt, cfg.hidden_size, device=device, dtype=dtype)
-    h = torch.randn(1, latent, cfg.hidden_size, device=device, dtype=dtype)
-    rope_p = rope_mod(torch.arange(prompt, device=device))
-    rope_l = rope_mod(torch.arange(prompt, prompt + latent, device=device))
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)  # CPU tables, placed like any input
+    rope_p = tuple(ctx.place(t) for t in rope(torch.arange(prompt)))
+    rope_l = tuple(ctx.place(t) for t in rope(torch.arange(prompt, prompt + latent)))
+    h_prompt = ctx.place(torch.randn(1, prompt, cfg.hidden_size, dtype=dtype))
+    h = ctx.place(torch.randn(1, latent, cfg.hidden_size, dtype=dtype))
+    shape = {"hidden": cfg.hidden_size, "heads": cfg.num_heads, "head_dim": cfg.head_dim}
+    shape.update(intermediate=cfg.intermediate_size, latent_tokens=latent, prompt_tokens=prompt)
+    ctx.record("shape", "ok", **shape)
     with torch.no_grad():
         _, kv = bf16(h_prompt, rope_p, phase="reason")
 
@@ -574,167 +722,273 @@ def section_step(device, dry: bool, reps: int) -> dict:
         layer(h, rope_l, kv, phase="generate")
         layer(h, rope_l, None, phase="generate")
 
-    opts = linear_options()
-    variants = {
-        "BF16": (bf16, "native", {}),
-        "W8A8": (fp8, "native", {}),
-        "W8A8 fast accum": (fp8, "native", {"fast_accum": True}),
-        "W8A8 fused quant": (fp8, "native", {"fused": True}),
-        "W8A16": (fp8, "a16", {}),
-    }
-    times, out = (
-        {},
-        {
-            "status": "ok",
-            "shape": {
-                "hidden": cfg.hidden_size,
-                "heads": cfg.num_heads,
-                "head_dim": cfg.head_dim,
-                "intermediate": cfg.intermediate_size,
-                "latent_tokens": latent,
-                "prompt_tokens": prompt,
-            },
-            "dry_shape": dry,
-        },
-    )
-    for name, (layer, mode, extra) in variants.items():
-        missing = [opts[k] for k in extra if opts[k] is not None]
-        if missing:
-            out[name] = skipped(missing[0])
+    times = {}
+    fused_problems = _fused_problems(ctx)
+    for name, spec in MODES.items():
+        if spec is not None and spec[1] and fused_problems:
+            ctx.skip(name, fused_problems)
             continue
-        for m in layer.modules():
-            if isinstance(m, Float8StaticLinear):
-                m.mode = mode
-                for k, v in extra.items():
-                    setattr(m, k, v)
-        with torch.no_grad():
-            cfg_step(layer)  # warm-up (and any compilation) outside the timing
-            samples = []
-            for _ in range(reps):
-                _sync(device)
-                t0 = time.perf_counter()
+        layer = bf16 if spec is None else fp8
+        with ctx.variant(name) as r, torch.no_grad():
+            if spec is not None:
+                _set_mode(fp8, spec)
+            if ctx.device.type == "cuda" and not ctx.fake:
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            if ctx.fake:
                 cfg_step(layer)
-                _sync(device)
-                samples.append(time.perf_counter() - t0)
-        for m in layer.modules():
-            if isinstance(m, Float8StaticLinear):
-                m.mode = "native"
-                for k in extra:
-                    setattr(m, k, False)
-        times[name] = statistics.median(samples)
-        out[name] = {
-            "status": "ok",
-            "median_ms": round(times[name] * 1e3, 3),
-            "all_ms": [round(s * 1e3, 3) for s in samples],
-        }
-    for name, t in times.items():
-        out[name]["vs_bf16"] = round(t / times["BF16"], 3)
-    if device.type == "cuda":
-        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    return out
+                continue
+            samples = _timed(ctx, lambda: cfg_step(layer), reps)
+            times[name] = statistics.median(samples)
+            r.update(median_ms=round(times[name] * 1e3, 3), all_ms=[round(s * 1e3, 3) for s in samples])
+            if "BF16" in times:
+                r["vs_bf16"] = round(times[name] / times["BF16"], 3)
+            if ctx.device.type == "cuda":
+                r["peak_device_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
 
 
-def section_demo(dry: bool, ranks: int, workdir: Path) -> dict:
-    # The demo checkpoint is built once into the usual cache ($FSDP_FP8_CACHE, else
-    # ~/.cache/fsdp_fp8) and reused by the second run and by later smoke checks.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    steps = ["--steps", "8"]
-    if dry:  # the CPU's emulated FP8 GEMM is slow: fewer steps and tokens, same checks
+def _allgather_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("uneven_allgather", ROOT / "tests" / "gpu" / "uneven_allgather.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(ranks: int, script: Path, *args: str, env: dict | None = None, timeout: float | None = None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def section_allgather(ctx: Context) -> None:
+    import torch
+
+    worker = _allgather_module()
+    if ctx.fake:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        world = 8
+        for rank in (0, world - 1):  # a rank with rows and one with none
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            try:
+                for rows, cols in worker.cases(world, large=False):
+                    with ctx.variant(f"fake world {world} rank {rank} rows {rows}") as r:
+                        r.update(worker.gather_case(rows, cols, world, rank, ctx.device, fake=True, place=ctx.place))
+            finally:
+                dist.destroy_process_group()
+        ctx.skip("torchrun", "the collective's bytes and time need real ranks (--dry: gloo, CUDA: NCCL)")
+        return
+    world = torch.cuda.device_count() if ctx.device.type == "cuda" else 3
+    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp, ctx.variant(f"world {world}") as r:
+        report = Path(tmp) / "allgather.json"
+        args = ["--report", str(report), "--reps", "2" if ctx.dry else "20"] + ([] if ctx.dry else ["--large"])
+        env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
+        rc, text = _torchrun(world, ROOT / "tests" / "gpu" / "uneven_allgather.py", *args, env=env)
+        r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
+        if rc != 0 or not report.exists():
+            r.update(status="failed", tail=text[-3000:])
+            return
+        got = json.loads(report.read_text())
+        rank0 = [x for x in got["records"] if x["rank"] == 0]
+        r.update(backend=got["backend"], world=got["world"])
+        r["cases"] = [{k: x.get(k) for k in ("rows", "cols", "padded_rows", "ms", "gbps")} for x in rank0]
+        r["zero_row_ranks"] = sorted({x["rank"] for x in got["records"] if x["local_rows"] == 0})
+        # reported, not judged: tests/gpu/test_gpu_nccl.py asserts the bytes
+        r["bytes_equal_everywhere"] = all(x["bytes_equal"] and x["out_reused_equal"] for x in got["records"])
+
+
+def section_demo(ctx: Context) -> None:
+    import torch
+
+    if ctx.fake:
+        ctx.skip("torchrun", "a whole pipeline in subprocesses, with data-dependent indexing; --dry runs it on CPU")
+        return
+    args = ctx.args
+    env = dict(os.environ)
+    steps = ["--steps", "4" if ctx.quick else "8"]
+    if ctx.dry:  # the CPU's emulated FP8 GEMM is slow: fewer steps and tokens
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         steps = ["--steps", "2", "--latent-tokens", "16"]
-    runs, problems = [], []
-    for i in range(2):
-        report = workdir / "reports" / f"demo-{i}.json"  # a directory the runner must create
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={ranks}",
-            str(ROOT / "launch" / "infer.py"),
-            *steps,
-            "--report",
-            str(report),
-        ]
-        t0 = time.perf_counter()
+    default = 2 if ctx.dry else min(8, torch.cuda.device_count())
+    ranks = (args.demo_ranks if args else None) or default
+    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
+        for i in range(1 if ctx.quick else 2):
+            with ctx.variant(f"run {i} at {ranks} ranks") as r:
+                report = Path(tmp) / "reports" / f"demo-{i}.json"  # a directory the runner must create
+                t0 = time.perf_counter()
+                rc, text = _torchrun(ranks, ROOT / "launch" / "infer.py", *steps, "--report", str(report), env=env)
+                bad = [line for line in text.splitlines() if BAD_LINES.search(line)]
+                r.update(exit=rc, seconds_wall=round(time.perf_counter() - t0, 2), bad_lines=bad[:10])
+                if report.exists():
+                    rep = json.loads(report.read_text())
+                    keep = ("world_size", "device", "fp8_linears", "load_seconds", "sample_seconds", "latent_sha256")
+                    r.update({k: rep.get(k) for k in keep}, precision_trace=rep.get("precision_trace"))
+                if rc != 0 or bad or not report.exists():
+                    r.update(status="failed", tail=text[-3000:])
+
+
+SECTIONS = {
+    "preflight": section_preflight,
+    "versions": section_versions,
+    "tests": section_tests,
+    "gemm": section_gemm,
+    "load": section_load,
+    "step": section_step,
+    "allgather": section_allgather,
+    "demo": section_demo,
+}
+
+
+def run_section(name: str, ctx: Context) -> None:
+    """Run one section in this process (under fake CUDA when ``ctx.fake``)."""
+    if ctx.fake:
+        from fake_cuda import fake_cuda
+
+        with fake_cuda():
+            SECTIONS[name](ctx)
+    else:
+        SECTIONS[name](ctx)
+
+
+def _child(args: argparse.Namespace) -> int:
+    results = Results(Path(args.out))
+    if args.section == "preflight":  # before torch: a box without a working torch is told so
+        section_preflight(Context("preflight", None, args.dry, args.fake_cuda, args.quick, results.write, args))
+        return 0
+    import torch
+
+    if args.fake_cuda:
+        device = torch.device("cuda", 0)
+    elif args.dry:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            results.write({"section": args.section, "variant": "device", "status": "failed", "error": "no CUDA"})
+            return 1
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    ctx = Context(args.section, device, args.dry, args.fake_cuda, args.quick, results.write, args)
+    run_section(args.section, ctx)
+    return 0
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def budgets(args: argparse.Namespace) -> dict[str, float]:
+    chosen = {name: float(b[0] if args.quick else b[1]) for name, b in BUDGETS.items()}
+    for item in args.budget:
+        name, _, seconds = item.partition("=")
+        if name not in chosen or not seconds:
+            raise SystemExit(f"--budget {item}: expected SECTION=SECONDS with SECTION one of {', '.join(chosen)}")
+        chosen[name] = float(seconds)
+    return chosen
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, wait until every member is gone (a torchrun agent
+    leaves once it has stopped its ranks), SIGKILL what is left after ``KILL_GRACE_S``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or it stays in the group as a zombie
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, text = "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
-        bad = [line for line in text.splitlines() if BAD_LINES.search(line)]
-        digest = json.loads(report.read_text())["latent_sha256"] if report.exists() else None
-        runs.append(
-            {"exit": rc, "seconds": round(time.perf_counter() - t0, 2), "latent_sha256": digest, "bad_lines": bad[:10]}
-        )
-        if rc != 0:
-            problems.append(f"run {i}: exit {rc}: {text[-2000:]}")
-        if bad:
-            problems.append(f"run {i}: {len(bad)} watchdog/terminate lines")
-        if digest is None:
-            problems.append(f"run {i}: no report at {report}")
-    if runs[0]["latent_sha256"] != runs[1]["latent_sha256"]:
-        problems.append("the two runs sampled different latents")
-    return {"status": "failed" if problems else "ok", "ranks": ranks, "runs": runs, "problems": problems}
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
-# --- driver ------------------------------------------------------------------------------
+def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str, int | None, str]:
+    """The section in its own process group, killed (with its torchrun ranks) at its budget."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", args.out, "--wheels", args.wheels]
+    cmd += [flag for flag, on in (("--dry", args.dry), ("--fake-cuda", args.fake_cuda), ("--quick", args.quick)) if on]
+    if args.demo_ranks:
+        cmd += ["--demo-ranks", str(args.demo_ranks)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+            status = "ok" if rc == 0 else "crashed"
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun starts its ranks in sessions of their own, out of this
+            # group's reach, and stops them itself on SIGTERM; a SIGKILL would leave them
+            # holding the GPUs for the next section.
+            _stop_group(proc)
+            rc, status = None, "timeout"
+        err.seek(0)
+        return status, rc, err.read()[-3000:]
+
+
+def _blocked(name: str, pre: dict, cuda: bool) -> str | None:
+    """Why preflight says ``name`` cannot run (None: it can)."""
+    modules = pre.get("variants", {}).get("modules", {})
+    missing = modules.get("blocks", {}).get(name)
+    if missing:
+        return f"preflight: missing modules {', '.join(missing)}"
+    device = pre.get("variants", {}).get("device", {})
+    if cuda and name != "versions" and device.get("status") == "failed":
+        return f"preflight: {'; '.join(device.get('problems') or [device.get('error', 'no device')])}"
+    return None
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out = str(Path(args.out).absolute())  # the children run in the checkout's root
+    chosen = budgets(args)
+    if args.outer_timeout:
+        print(int(sum(chosen.values()) + TIMEOUT_MARGIN_S))
+        return 0
+    if args.wheels_to_install:
+        for wheel in wheels_to_install(Path(args.wheels)):
+            print(wheel)
+        return 0
+    if args.section:
+        return _child(args)
     started = time.perf_counter()
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    results: dict = {"mode": "dry" if args.dry else "cuda", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
-        results["carried_wheels"] = unpack_missing_wheels(Path(args.wheels), Path(tmp) / "wheels")
-        import torch
-
-        sys.path.insert(0, str(ROOT))
-        cuda = torch.cuda.is_available() and not args.dry
-        if not args.dry and not torch.cuda.is_available():
-            results["sections"] = {"versions": {"status": "failed", "reason": "no CUDA device (use --dry on CPU)"}}
-            out_path.write_text(json.dumps(results, indent=2))
-            return 1
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        sections = {
-            "versions": lambda: section_versions(device),
-            "gemm": lambda: section_gemm(device, args.dry),
-            "scaled_mm": lambda: section_scaled_mm(device, args.dry),
-            "hooks": lambda: section_hooks(device),
-            "load": lambda: section_load(device, (64 << 20) if args.dry else (4 << 30)),
-            "step": lambda: section_step(device, args.dry, 2 if args.dry else args.step_reps),
-            "demo": lambda: section_demo(args.dry, args.demo_ranks or (2 if args.dry else 1), Path(tmp)),
-        }
-        only = set(args.only.split(",")) if args.only else set(sections)
-        unknown = only - set(sections)
-        if unknown:
-            raise SystemExit(f"unknown sections: {', '.join(sorted(unknown))}; known: {', '.join(sections)}")
-        results["sections"] = {}
-        for name, fn in sections.items():
-            if name not in only:
-                results["sections"][name] = skipped("not selected (--only)")
-                continue
-            t0 = time.perf_counter()
-            try:
-                res = fn()
-            except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
-                res = {
-                    "status": "failed",
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()[-4000:],
-                }
-            res["seconds"] = round(time.perf_counter() - t0, 2)
-            results["sections"][name] = res
-            print(f"[gpu_smoke] {name:<10} {res['status']:<8} {res['seconds']:7.1f} s", flush=True)
-    results["seconds"] = round(time.perf_counter() - started, 1)
-    results["ok"] = all(s["status"] != "failed" for s in results["sections"].values())
-    out_path.write_text(json.dumps(results, indent=2))
-    print(f"[gpu_smoke] {'ok' if results['ok'] else 'FAILED'} in {results['seconds']} s -> {out_path}")
-    return 0 if results["ok"] else 1
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    unknown = only - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections: {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    results = Results(Path(args.out))
+    mode = "fake-cuda" if args.fake_cuda else "dry" if args.dry else "cuda"
+    results.write({"section": "run", "variant": None, "status": "ok", "mode": mode, "quick": args.quick,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "budgets_s": chosen})  # fmt: skip
+    statuses = {}
+    for name in ["preflight", *[s for s in SECTIONS if s != "preflight"]]:  # preflight always
+        t0 = time.perf_counter()
+        why = None if name == "preflight" or name in only else "not selected (--only)"
+        if why is None and name != "preflight":
+            preflight = load_results(Path(args.out))["sections"].get("preflight", {})
+            why = _blocked(name, preflight, cuda=not (args.dry or args.fake_cuda))
+        if why:
+            status, rc, tail = "skipped", None, ""
+        else:
+            status, rc, tail = _run_child(name, args, chosen[name])
+        section = load_results(Path(args.out))["sections"].get(name, {"variants": {}})
+        if status == "ok" and any(v["status"] == "failed" for v in section["variants"].values()):
+            status = "failed"
+        if status == "ok" and not section["variants"]:
+            status, tail = "failed", f"the section wrote no records to {args.out}\n{tail}"
+        statuses[name] = status
+        seconds = round(time.perf_counter() - t0, 2)
+        end = {"section": name, "variant": None, "status": status, "seconds": seconds, "budget_s": chosen[name]}
+        end.update({"reason": why} if why else {"exit": rc, "stderr_tail": tail})
+        results.write(end)
+        print(f"[gpu_smoke] {name:<10} {status:<8} {seconds:7.1f} s (budget {chosen[name]:.0f} s)", flush=True)
+    ok = all(s in ("ok", "skipped") for s in statuses.values())
+    total = round(time.perf_counter() - started, 1)
+    results.write({"section": "summary", "variant": None, "ok": ok, "seconds": total, "statuses": statuses})
+    print(f"[gpu_smoke] {'ok' if ok else 'FAILED'} in {total} s -> {args.out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

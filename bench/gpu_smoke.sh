@@ -1,21 +1,45 @@
 #!/usr/bin/env bash
-# GPU smoke check on a bare CUDA box, under 8 minutes on one H100/H200: the box's own python
-# and torch (>= 2.10), this checkout on PYTHONPATH, no install, no network. Writes one JSON
-# (default smoke.json): versions and capability, every FP8 GEMM against fp32, _scaled_mm seen
-# by the profiler, the uint8 all-gather hooks at 3 and 8 ranks, load GB/s, one 64B-model
-# layer's step time per precision, the demo under torchrun twice. bench/gpu_smoke.py says more.
+# GPU smoke check on a bare CUDA box: the box's own python and torch (>= 2.10, CUDA build), this
+# checkout, no network. Everything else comes from bench/wheels (fill it with
+# bench/fetch_wheels.sh where the package index is reachable; it travels with the checkout):
+# the wheels this Python lacks at the carried versions are installed with
+# `pip install --no-index --no-deps` into a venv that sees the system site packages, so the
+# box's torch is the one used. Then bench/gpu_smoke.py runs every section under its own budget
+# and appends its JSON lines to OUT as each variant finishes (bench/gpu_smoke.py says more).
 #
-# Carried wheels, only for what the box lacks, in $WHEELS (default bench/wheels); they are
-# unpacked into a temporary directory on PYTHONPATH, never installed:
-#   torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
-#   safetensors-0.8.0-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
-#   numpy-<version>-<the box's python tag>-manylinux_*.whl      (only if the box has no numpy)
-#
-#   bash bench/gpu_smoke.sh [OUT.json]        # PYTHON=... picks the interpreter; DRY=1: CPU
+#   bash bench/gpu_smoke.sh [OUT.jsonl]    # QUICK=1: the 6-minute budgets; DRY=1: CPU dry mode
+#                                          # PYTHON=... the interpreter; SMOKE_VENV=... the venv
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 python="${PYTHON:-python3}"
-out="${1:-smoke.json}"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+out="${1:-smoke.jsonl}"
+wheels="${WHEELS:-$root/bench/wheels}"
+venv="${SMOKE_VENV:-${TMPDIR:-/tmp}/fsdp_fp8-smoke-venv}"
+flags=(${QUICK:+--quick} ${DRY:+--dry})
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv || true
-exec timeout 480 "$python" "$root/bench/gpu_smoke.py" --out "$out" --wheels "${WHEELS:-$root/bench/wheels}" ${DRY:+--dry}
+
+# A venv over the system site packages (keeps the box's torch); without ensurepip (no
+# python3-venv package) the system pip installs into it through --python.
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv --system-site-packages "$venv" 2>/dev/null \
+        || "$python" -m venv --system-site-packages --without-pip "$venv"
+fi
+vpy="$venv/bin/python"
+if "$vpy" -m pip --version >/dev/null 2>&1; then pip=("$vpy" -m pip); else pip=("$python" -m pip --python "$vpy"); fi
+mapfile -t todo < <(PYTHONPATH="$root" "$vpy" "$root/bench/gpu_smoke.py" --out /dev/null --wheels "$wheels" --wheels-to-install)
+if [ "${#todo[@]}" -gt 0 ]; then
+    echo "installing ${#todo[@]} carried wheels into $venv"
+    if ! "${pip[@]}" install --quiet --no-index --no-deps --find-links "$wheels" "${todo[@]}"; then
+        # one wheel this Python cannot take (another Python version) must not stop the others
+        for wheel in "${todo[@]}"; do
+            "${pip[@]}" install --quiet --no-index --no-deps "$wheel" 2>/dev/null || echo "not installed: $(basename "$wheel")" >&2
+        done
+        echo "the preflight section names what is still missing" >&2
+    fi
+fi
+
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The driver ends each section at its own budget; this outer limit is their sum plus a margin,
+# a backstop that never cuts a section short.
+limit=$("$vpy" "$root/bench/gpu_smoke.py" --out /dev/null --outer-timeout "${flags[@]}")
+exec timeout "$limit" "$vpy" "$root/bench/gpu_smoke.py" --out "$out" --wheels "$wheels" "${flags[@]}"

@@ -11,7 +11,7 @@ Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   c  prior-art FP8: every rank reads each full FP8 tensor (safetensors) and
      ``distribute_tensor``s it (as uint8: gloo refuses float8) into the same sharded model
   d  floor: the same ranks pread only the bytes they need into preallocated buffers
-  p  a without prefetch (``read_schedule.PREFETCH_BYTES = 0``); a hints the rank's ranges to
+  p  a without prefetch (``ReadOptions(prefetch_bytes=0)``); a hints the rank's ranges to
      the page cache (POSIX_FADV_WILLNEED) while the model is set up, by default
 
 CUDA variant (``--device cuda``: NCCL, one GPU per rank; skipped with its reason without CUDA):
@@ -101,21 +101,20 @@ def _local_bytes(model) -> int:
 
 
 def method_p(fp8_dir, bf16_dir, cfg) -> dict:
-    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.format.read_options import ReadOptions
 
-    read_schedule.PREFETCH_BYTES = 0  # a's default hints every row the rank reads
-    return method_a(fp8_dir, bf16_dir, cfg)
+    return method_a(fp8_dir, bf16_dir, cfg, ReadOptions(prefetch_bytes=0))  # a's default hints every row
 
 
-def method_a(fp8_dir, bf16_dir, cfg) -> dict:
-
+def method_a(fp8_dir, bf16_dir, cfg, options=None) -> dict:
     from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load.api import load_model
     from fsdp_fp8.load.architectures import resolve_architecture
 
     slice_reader.reset_bytes_read()
     arch = resolve_architecture(cfg.to_config_dict())
-    loaded = load_model(arch.model_fn, fp8_dir, device=_device())
+    loaded = load_model(arch.model_fn, fp8_dir, device=_device(), read_options=options or ReadOptions())
     return {
         "bytes_read": slice_reader.bytes_read(),
         "held": _local_bytes(loaded.model),

@@ -73,7 +73,7 @@ class LoadFailedError(ProblemsError, RuntimeError):
 
 class PeerLostError(RuntimeError):
     """A collective failed: a peer died, dropped out, or did not arrive within the timeout
-    (the load's agreements: their own, on a gloo side group; see ``fsdp_fp8.load.agreement``).
+    (the load's agreements: their own, on a gloo side group; see ``fsdp_fp8.collective``).
 
     Raised instead of the backend's own error, with what this rank was doing, the timeout,
     the ranks that never arrived where known, and whether anything was changed. Any model

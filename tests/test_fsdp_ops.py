@@ -332,3 +332,69 @@ def test_pre_all_gather_sends_uint8_padded_rows_and_post_views_back():
     other = torch.zeros_like(gathered)
     assert shard.fsdp_post_all_gather((other,), meta, torch.bfloat16, out=full) is None
     assert not full.qdata.view(torch.uint8).any()  # out= was written in place
+
+
+# --- CPU offload: fully_shard(..., offload_policy=CPUOffloadPolicy()) ------------------------
+
+
+def test_is_pinned_and_pin_memory_reach_the_codes_and_both_scales():
+    w = _weight()
+    assert w.is_pinned() is False
+    if torch.cuda.is_available():  # a CUDA build pins: codes and both scales, the same bytes
+        pinned = w.pin_memory()
+        assert pinned.is_pinned() and all(t.is_pinned() for t in (pinned.qdata, pinned.scale, pinned.act_quant_scale))
+        assert torch.equal(pinned.qdata.view(torch.uint8), w.qdata.view(torch.uint8))
+        return
+    # A CPU-only build cannot pin anything: the weight fails as its codes do, not on a missing op.
+    with pytest.raises(RuntimeError) as plain:
+        w.qdata.pin_memory()
+    with pytest.raises(RuntimeError) as ours:
+        w.pin_memory()
+    assert str(ours.value) == str(plain.value)
+
+
+def _offloaded(rank: int, world: int) -> dict:
+    """The model sharded with CPU offload: unpinned (CPU builds run it) and pinned (FSDPParam calls
+    is_pinned / pin_memory on each shard; only an accelerator build can pin), next to a plain
+    linear under the pinned policy."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    out = {}
+    for pin in (False, True):
+        model = _Model().to_empty(device="cpu")
+        _fill(model, 0, 1)  # offload wants materialized CPU parameters before fully_shard
+        policy = CPUOffloadPolicy(pin_memory=pin)
+        try:
+            for block in model.blocks:
+                fully_shard(block, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            with torch.no_grad():
+                out[pin] = {"y": model(_x()), "device": str(model.blocks[0].up.weight.device)}
+        except Exception as e:
+            out[pin] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        fully_shard(nn.Linear(IN, 8), offload_policy=CPUOffloadPolicy())
+        out["plain"] = {"error": None}
+    except Exception as e:
+        out["plain"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def offloaded():
+    return run_ranks(_offloaded, 2, timeout=300)
+
+
+def test_cpu_offload_gives_the_single_process_bits(offloaded):
+    ref = _reference()
+    for r in offloaded:
+        assert "error" not in r[False], r[False]
+        assert r[False]["device"] == "cpu" and torch.equal(r[False]["y"], ref)
+
+
+def test_pinned_cpu_offload_reaches_pinning_as_a_plain_linear_does(offloaded):
+    for r in offloaded:
+        if r["plain"]["error"] is None:  # an accelerator build: pinned shards, same bits
+            assert torch.equal(r[True]["y"], _reference())
+        else:  # CPU-only: the same error a plain nn.Linear gets, never "unimplemented operator"
+            assert r[True].get("error") == r["plain"]["error"], (r[True], r["plain"])

@@ -111,3 +111,42 @@ def test_fast_accumulation_reaches_scaled_mm(monkeypatch):
     set_kernels(lin, fast_accum=False)
     lin(x)
     assert seen == [False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [0.731, 3.3e-5, 1.7e3])
+def test_eager_dequantization_in_row_chunks_gives_the_one_pass_bits(monkeypatch, dtype, scale):
+    monkeypatch.setattr(kernels, "DEQUANT_CHUNK_ELEMENTS", 3 * 16)  # 16 rows in chunks of 3, the last of 1
+    codes, s = ALL_CODES, torch.tensor([[scale]])
+    assert _same(kernels._dequantize_in_chunks(codes, s, dtype), kernels._dequantize(codes, s, dtype))
+
+
+class _LargestFloat32(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest F32 tensor any op returns while active (elements)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_w8a16_holds_no_full_size_f32_copy_of_the_weight():
+    """The transient of an eager W8A16 forward is bounded by the 4 Mi-element (16 MiB) F32 chunk
+    the kernels promise, not by the weight: 2048 x 4096 here, twice the chunk."""
+    rows, cols = 2048, 4096
+    lin = Float8StaticLinear(cols, rows, True, torch.bfloat16, device="cpu")
+    with torch.no_grad():
+        lin.weight.qdata.copy_(ALL_CODES.view(torch.uint8).repeat(rows // 16, cols // 16).view(E4M3))
+        lin.weight.scale.fill_(0.01)
+        lin.weight.act_quant_scale.fill_(0.02)
+        lin.bias.zero_()
+    lin.mode = "a16"
+    x = torch.ones(2, cols, dtype=torch.bfloat16)
+    with _LargestFloat32() as seen, torch.no_grad():
+        y = lin(x)
+    assert y.shape == (2, rows) and y.dtype == torch.bfloat16
+    assert 0 < seen.largest <= 4 * 2**20 < rows * cols, seen.largest

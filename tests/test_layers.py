@@ -14,14 +14,27 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_fp8"
 ALLOWED = {
     "errors": set(),
     "format": {"errors"},
+    "collective": {"errors", "format"},
     "fp8": {"errors", "format"},
     "models": {"errors"},
-    "load": {"errors", "format", "fp8", "models"},
-    "export": {"errors", "format", "fp8"},
-    "runtime": {"errors", "format", "fp8", "load", "models"},
-    "interop": {"errors", "format", "fp8", "load", "models", "runtime", "export"},
-    "cli": {"errors", "format", "fp8", "load", "models", "runtime", "export", "interop"},
-    "testing": {"errors", "format", "fp8", "load", "models", "runtime", "export", "interop"},
+    "load": {"errors", "format", "collective", "fp8", "models"},
+    "export": {"errors", "format", "collective", "fp8"},
+    "runtime": {"errors", "format", "collective", "fp8", "load", "models"},
+    "checkpoint": {"errors", "format", "collective", "fp8", "load", "models", "export"},
+    "interop": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export"},
+    "cli": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop", "checkpoint"},
+    "testing": {
+        "errors",
+        "format",
+        "collective",
+        "fp8",
+        "load",
+        "models",
+        "runtime",
+        "export",
+        "interop",
+        "checkpoint",
+    },
 }
 # third-party modules a layer must never import (prefix match)
 FORBIDDEN_EXTERNAL = {
@@ -109,6 +122,8 @@ def test_layers_import_only_downwards():
         ("load/api.py", "from fsdp_fp8.cli.runner import main"),
         ("load/api.py", "from fsdp_fp8.load.loader import _load_local"),
         ("errors.py", "from fsdp_fp8.format import checkpoint"),
+        ("collective/phase.py", "from fsdp_fp8.load.loader import load_checkpoint"),
+        ("format/files.py", "from fsdp_fp8.collective import exchange"),
     ],
 )
 def test_a_forbidden_import_is_reported(module, source):

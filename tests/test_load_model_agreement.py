@@ -14,7 +14,7 @@ from small_models import uneven_model_fn, write_uneven_checkpoint
 def _one_rank_fails(rank, world, path):
     import fsdp_fp8.load.api as api
     from fsdp_fp8 import CheckpointError, load_model
-    from fsdp_fp8.load.loader import LoadFailedError, ModelUnusableError
+    from fsdp_fp8.errors import LoadFailedError, ModelUnusableError
 
     out = {}
 
@@ -97,7 +97,7 @@ def test_fp8_linears_cuda_cannot_multiply_are_refused_before_loading_onto_cuda(t
 
 def _problems_found(rank, world):
     from fsdp_fp8 import CheckpointError
-    from fsdp_fp8.load.agreement import agree_or_raise
+    from fsdp_fp8.collective.agreement import agree_or_raise
 
     found = ["`a.weight` in model.safetensors is broken"]
     if rank == 1:
@@ -119,7 +119,7 @@ def test_a_problem_every_rank_finds_is_listed_once_naming_the_ranks():
 
 
 def test_merged_problems_name_every_rank_that_found_them():
-    from fsdp_fp8.load.agreement import merge_rank_problems
+    from fsdp_fp8.collective.agreement import merge_rank_problems
 
     found = [(3, "x"), (1, "x"), (0, "y"), (1, "y"), (2, "y"), (3, "y"), (2, "z")]
     assert merge_rank_problems(found, 4) == ["ranks 1, 3: x", "all 4 ranks: y", "rank 2: z"]

@@ -54,8 +54,8 @@ def _nan_codes_in_last_row(directory: Path, key: str) -> None:
 
 def _fault(rank: int, case: dict, stack) -> None:
     import fsdp_fp8.load.api as api
+    from fsdp_fp8.collective import agreement
     from fsdp_fp8.format import read_schedule
-    from fsdp_fp8.load import agreement
 
     if case.get("slow_storage"):  # every rank: the forecast assumes storage this slow
         stack.enter_context(mock.patch.object(agreement, "ASSUMED_READ_BYTES_PER_S", case["slow_storage"]))

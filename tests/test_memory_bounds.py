@@ -86,13 +86,13 @@ def _load_staged(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load import loader
     from fsdp_fp8.load.meta_build import meta_init
     from fsdp_fp8.load.plan import plan_load
     from fsdp_fp8.load.swap import swap_fp8_linears
     from fsdp_fp8.models import build_model
 
-    slice_reader.STAGING_BYTES = STAGING
     ckpt = open_checkpoint(path)
     with meta_init():
         model = build_model(CONFIG, device="cpu")
@@ -100,7 +100,7 @@ def _load_staged(rank: int, world: int, path: str) -> dict:
     swap_fp8_linears(model, plan)  # still on meta: the stand-in for accelerator memory
     slice_reader.reset_bytes_read()
     with _PeakRSS() as mem, torch.no_grad():
-        loader._load_local(model, plan)
+        loader._load_local(model, plan, options=ReadOptions(staging_bytes=STAGING))
     return {"growth": mem.growth, "read": slice_reader.bytes_read(), "load_bytes": plan.load_bytes(1, 0)}
 
 

@@ -8,7 +8,8 @@ import pytest
 from ranks import run_ranks
 
 from fsdp_fp8.cli import commands as cli
-from fsdp_fp8.format import read_schedule
+from fsdp_fp8.format.read_options import ReadOptions
+from fsdp_fp8.load import prefetch
 from fsdp_fp8.models import MoTConfig
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 
@@ -41,11 +42,12 @@ def _load(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8 import load_model
     from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.load import prefetch
     from fsdp_fp8.load.architectures import resolve_architecture
 
     events: list[tuple[str, float, tuple]] = []
     real_advise, real_read = os.posix_fadvise, read_schedule.read_request
-    default = read_schedule.PREFETCH_BYTES  # what a user gets without setting anything
+    default = ReadOptions().prefetch_bytes  # what a user gets without setting anything
 
     slow = [0.0]
 
@@ -65,10 +67,10 @@ def _load(rank: int, world: int, path: str) -> dict:
     try:
         for budget in ("default", 1 << 40, SMALL_BUDGET, 0, "slow"):
             if budget == "slow":  # hints slower than the set-up: stopped part-way, and joined
-                slow[0], read_schedule.PREFETCH_CALL_BYTES = 0.05, 1000
-            read_schedule.PREFETCH_BYTES = {"slow": 1 << 40, "default": default}.get(budget, budget)
+                slow[0], prefetch.PREFETCH_CALL_BYTES = 0.05, 1000
+            options = ReadOptions(prefetch_bytes={"slow": 1 << 40, "default": default}.get(budget, budget))
             events.clear()
-            loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path)
+            loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path, read_options=options)
             hints = [e for e in events if e[0] == "hint"]
             reads = [e for e in events if e[0] == "read"]
             out[budget] = {
@@ -102,27 +104,25 @@ def test_prefetch_hints_exactly_this_ranks_rows_before_reading_them(checkpoint_d
 
 def test_the_budget_is_capped_at_the_ranks_share_of_half_the_available_memory(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks hint into this node's page cache
-    monkeypatch.setattr(read_schedule, "available_memory", lambda: 10_000)
-    assert read_schedule.prefetch_budget(1 << 40) == 1_250
+    monkeypatch.setattr(prefetch, "available_memory", lambda: 10_000)
+    assert prefetch.prefetch_budget(1 << 40) == 1_250
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setattr(read_schedule, "available_memory", lambda: 10_000)
-    assert read_schedule.prefetch_budget(1 << 40) == 5_000
-    assert read_schedule.prefetch_budget(3_000) == 3_000
-    monkeypatch.setattr(read_schedule, "available_memory", lambda: None)
-    assert read_schedule.prefetch_budget(1 << 40) == 1 << 40
+    monkeypatch.setattr(prefetch, "available_memory", lambda: 10_000)
+    assert prefetch.prefetch_budget(1 << 40) == 5_000
+    assert prefetch.prefetch_budget(3_000) == 3_000
+    monkeypatch.setattr(prefetch, "available_memory", lambda: None)
+    assert prefetch.prefetch_budget(1 << 40) == 1 << 40
 
 
 def test_inspect_reports_the_prefetch_budget_and_each_ranks_share(checkpoint_dir, capsys, monkeypatch):
-    monkeypatch.setattr(read_schedule, "available_memory", lambda: 1 << 40)
-    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", SMALL_BUDGET)
-    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    monkeypatch.setattr(prefetch, "available_memory", lambda: 1 << 40)
+    inspect = ["inspect", str(checkpoint_dir), "--world-size", "3"]
+    assert cli.main([*inspect, "--prefetch-bytes", str(SMALL_BUDGET)]) == 0
     out = capsys.readouterr().out
     assert f"prefetch: page-cache hints during the set-up, budget {SMALL_BUDGET:,} bytes" in out
     assert out.count(f"prefetch {SMALL_BUDGET:,} bytes") == 3  # every rank reads more than the budget
-    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", 0)
-    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    assert cli.main([*inspect, "--prefetch-bytes", "0"]) == 0
     assert capsys.readouterr().out.count("prefetch 0 bytes") == 3
-    monkeypatch.setattr(read_schedule, "PREFETCH_BYTES", read_schedule.ALL_ROWS)
-    assert cli.main(["inspect", str(checkpoint_dir), "--world-size", "3"]) == 0
+    assert cli.main(inspect) == 0  # the default: ALL_ROWS
     out = capsys.readouterr().out
     assert "budget every row a rank reads" in out and "prefetch 0 bytes" not in out

@@ -88,9 +88,9 @@ def _slow_peer(rank: int, world: int, path: str):
     import time
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.collective import phase
 
-    real, waited = loader._agree, []
+    real, waited = phase.agree_on_outcome, []
 
     def agree(*args):  # rank 1 reaches the outcome agreement 5 s after its reads
         start = time.perf_counter()
@@ -101,7 +101,7 @@ def _slow_peer(rank: int, world: int, path: str):
         finally:
             waited.append(time.perf_counter() - start)
 
-    loader._agree = agree
+    phase.agree_on_outcome = agree
     return load_model(uneven_model_fn, path, device=torch.device("cpu")).report, waited[0]
 
 
@@ -124,6 +124,7 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
     from safetensors.torch import save_file
 
     from fsdp_fp8.format import read_schedule, slice_reader
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.format.safetensors_header import read_header
     from fsdp_fp8.load import loader
 
@@ -148,7 +149,6 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
         return got
 
     monkeypatch.setattr(read_schedule, "read_request", ordered)
-    monkeypatch.setattr(read_schedule, "READ_THREADS", 2)
 
     class Recorded:
         updates: list[int] = []
@@ -157,6 +157,6 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
             self.updates.append(done)
 
     progress = Recorded()
-    assert loader._read_pieces(pieces, torch.device("cpu"), progress) == []
+    assert loader._read_pieces(pieces, torch.device("cpu"), progress, options=ReadOptions(threads=2)) == []
     first, second = (p.nbytes for p in pieces)
     assert progress.updates in ([first, first + second], [second, first + second])  # once per finished read

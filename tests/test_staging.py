@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_fp8.format import read_schedule, slice_reader
+from fsdp_fp8.format import read_schedule
 from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.safetensors_header import TensorEntry
 from fsdp_fp8.format.sharding import STAGING_SLOTS
 from fsdp_fp8.load import loader, staging
@@ -81,9 +82,8 @@ def _entries(plan):
 
 def test_accelerator_destination_is_staged_through_one_ring_within_the_budget(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "meta")
-    monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)
     calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
-    loader._load_local(model, plan)
+    loader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))
     assert len(rings) == 1  # allocated once for the whole load
     ring = rings[0]
     assert ring.nbytes <= BUDGET and len(ring.buffers) == STAGING_SLOTS
@@ -104,10 +104,9 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
     """The ring's whole path (bind, read, copy out, reuse) with real destinations."""
     # 4 slots of 37 bytes: below every row (96-byte FP8, 192-byte BF16), so rows go in parts, and
     # not dividing them, so a slot also holds the end of one tensor and the start of the next.
-    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 150)
     rings, calls = _spy_rings(monkeypatch), _spy_requests(monkeypatch)
     model, plan = _swapped_model(checkpoint_dir, "cpu")
-    loader._load_local(model, plan, stage_cpu=True)
+    loader._load_local(model, plan, options=ReadOptions(staging_bytes=150), stage_cpu=True)
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
     files = {}
@@ -123,9 +122,8 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
 
 def test_cpu_destination_is_read_in_place_with_no_ring(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "cpu")
-    monkeypatch.setattr(slice_reader, "STAGING_BYTES", BUDGET)  # irrelevant on CPU: no staging
     calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
-    loader._load_local(model, plan)
+    loader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))  # irrelevant on CPU: no staging
     assert calls and not rings and not any(r.staged for r in calls)
     keys = [p.entry.key for r in calls for p in r.pieces]
     assert len(keys) == len(set(keys)) == len([e for e in _entries(plan).values() if e.nbytes])

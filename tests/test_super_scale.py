@@ -11,6 +11,7 @@ from small_models import load_files
 
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
@@ -108,7 +109,7 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 
 def _load_small(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_model
-    from fsdp_fp8.format import read_schedule, slice_reader
+    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.load.architectures import resolve_architecture
 
     reads = []
@@ -129,7 +130,7 @@ def _load_small(rank: int, world: int, path: str) -> dict:
         "report": loaded.report,
         "forecast": forecast,
         "max_read": max(reads),
-        "request_bytes": read_schedule.REQUEST_BYTES,
+        "request_bytes": ReadOptions().request_bytes,
         "largest_tensor": max(e.nbytes for e in loaded.checkpoint.tensors.values()),
         "scales": len(loaded.checkpoint.scales),
         "gathered": gathered if rank == 0 else None,

@@ -121,13 +121,14 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, mon
     from small_models import uneven_model_fn
 
     from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
-    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load import loader
 
+    options = ReadOptions()
     if path == "staged":
         monkeypatch.setattr(loader, "_load_local", functools.partial(loader._load_local, stage_cpu=True))
     if "2-byte" in path:
-        monkeypatch.setattr(read_schedule, "REQUEST_BYTES", 2)
+        options = ReadOptions(request_bytes=2)
 
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
@@ -140,7 +141,9 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, mon
         f.write(bytes([code, 0x10, code, code]))
     built = []
     with pytest.raises(LoadFailedError) as info:
-        load_model(lambda c: built.append(uneven_model_fn(c)) or built[-1], d, device=torch.device("cpu"))
+        load_model(
+            lambda c: built.append(uneven_model_fn(c)) or built[-1], d, device=torch.device("cpu"), read_options=options
+        )
     (problem,) = info.value.problems
     assert (
         problem.startswith("rank 0: CheckpointError: ")

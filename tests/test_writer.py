@@ -86,3 +86,24 @@ def test_create_files_never_overwrites(tmp_path):
     create_files(tmp_path, layout)
     with pytest.raises(FileExistsError):
         create_files(tmp_path, layout)
+
+
+def test_every_file_of_a_checkpoint_is_synced_before_the_writer_returns(tmp_path, monkeypatch):
+    """A save renames its directory into place right after writing: a crash then must not find
+    a config or index whose bytes never reached the disk."""
+    import os
+
+    from fsdp_fp8.format import writer
+
+    synced = []
+    real = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(writer.os, "fsync", recording_fsync)
+    tensors = _tensors()
+    layout = plan_checkpoint([TensorSpec.of(k, v) for k, v in tensors.items()], max_shard_size=64)
+    write_checkpoint(tmp_path, tensors, layout, config={"a": 1}, hf_quant={"b": 2})
+    assert sorted(set(synced)) == sorted(p.name for p in tmp_path.iterdir())

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
+from fsdp_fp8.format import sharding
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.format.files import file_sha256
+from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.sharding import entry_rank_bytes, rank_forecast
 
 
@@ -21,10 +24,8 @@ def _mib(n: int) -> str:
 
 
 def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
-    """(shard coordinate, the global ranks holding it) of the mesh ``load_model`` shards over:
-    ``(replicas, world_size // replicas)``, row-major as ``init_device_mesh`` lays it out."""
-    shards = world_size // replicas
-    return [(s, [r * shards + s for r in range(replicas)]) for s in range(shards)]
+    """``fsdp_fp8.format.sharding.shard_groups`` (the rank-row arithmetic lives there)."""
+    return sharding.shard_groups(world_size, replicas)
 
 
 def _who(shard: int, ranks: list[int]) -> str:
@@ -37,7 +38,9 @@ def _mesh_words(world_size: int, replicas: int) -> str:
     return f"world size {world_size}, HSDP {replicas} x {world_size // replicas} (replicate x shard)"
 
 
-def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) -> str:
+def summary(
+    ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1, options: ReadOptions = DEFAULT_READ_OPTIONS
+) -> str:
     q = ckpt.quant
     fp8_weights = sum(m.weight.nbytes for m in ckpt.fp8_modules.values())
     scales = sum(m.weight_scale.nbytes + m.input_scale.nbytes for m in ckpt.fp8_modules.values())
@@ -57,22 +60,21 @@ def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) 
         f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
     ]
     if world_size:
-        from fsdp_fp8.format import read_schedule
-        from fsdp_fp8.format.slice_reader import STAGING_BYTES
+        from fsdp_fp8.load.prefetch import prefetch_budget
 
         fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
         other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
         read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
-        prefetch = read_schedule.prefetch_budget()
+        prefetch = prefetch_budget(options.prefetch_bytes)
         lines.append(
             f"{_mesh_words(world_size, replicas)} (every tensor Shard(0), 0-d scales replicated; "
-            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(STAGING_BYTES)}; "
-            f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(read_schedule.PREFETCH_BYTES)}"
-            f"{'' if prefetch == read_schedule.PREFETCH_BYTES else f', {_mib(prefetch)} here (a per-rank share of half the available memory)'}):"
+            f"staging ring: host buffers reads into an accelerator go through, budget {_mib(options.staging_bytes)}; "
+            f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(options.prefetch_bytes)}"
+            f"{'' if prefetch == options.prefetch_bytes else f', {_mib(prefetch)} here (a per-rank share of half the available memory)'}):"
         )
         groups = shard_groups(world_size, replicas)
         for shard, ranks in groups:
-            f = rank_forecast(fp8, other, len(groups), shard, STAGING_BYTES, staged_entries=read)
+            f = rank_forecast(fp8, other, len(groups), shard, options.staging_bytes, staged_entries=read)
             reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
             lines.append(
                 f"  {_who(shard, ranks)}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
@@ -83,9 +85,7 @@ def summary(ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1) 
 
 
 def _prefetch_budget(budget: int) -> str:
-    from fsdp_fp8.format import read_schedule
-
-    return "every row a rank reads" if budget >= read_schedule.ALL_ROWS else _mib(budget)
+    return "every row a rank reads" if budget >= ALL_ROWS else _mib(budget)
 
 
 def _open(directory: str) -> Checkpoint | None:
@@ -103,11 +103,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _inspect(args: argparse.Namespace) -> int:
     ckpt = _open(args.directory)
     if ckpt is None:
         return 1
-    print(summary(ckpt, args.world_size, args.replicas))
+    print(summary(ckpt, args.world_size, args.replicas, ReadOptions(prefetch_bytes=args.prefetch_bytes)))
     return 0
 
 
@@ -159,19 +166,40 @@ def _run(argv: list[str], prog: str) -> int:
     return code  # not reached
 
 
+def _clean(args) -> int:
+    """Remove the leftovers of dead saves next to DESTINATION; say what was removed and kept."""
+    import os
+
+    from fsdp_fp8.checkpoint.temp_dir import clean_leftovers
+
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 cleans, once
+        return 0
+    target = Path(args.source)
+    cleaning = clean_leftovers(target.absolute().parent)
+    for line in cleaning.lines():
+        print(line)
+    if not cleaning.lines():
+        print(f"nothing to clean next to {target}")
+    return 1 if cleaning.failed else 0
+
+
 def _save(args) -> int:
     """Load SOURCE (sharded under torchrun) and write it to DESTINATION; exit 0 on success."""
+    if args.clean:
+        return _clean(args)
     import torch.distributed as dist
 
+    from fsdp_fp8.checkpoint.destination import check_destination
+    from fsdp_fp8.checkpoint.save import save_checkpoint
     from fsdp_fp8.cli.runner import init_distributed
     from fsdp_fp8.cli.shutdown import shutdown_distributed
     from fsdp_fp8.load.api import default_device, load_model
-    from fsdp_fp8.load.save import save_checkpoint
 
     init_distributed(args.timeout)  # a process group only under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0
     code = 0
     try:
+        check_destination(args.destination, args.timeout)  # before anything is loaded
         loaded = load_model(None, args.source, device=default_device())
         report = save_checkpoint(loaded, args.destination, max_shard_size=args.max_shard_size)
         if rank == 0:
@@ -203,6 +231,13 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         "--world-size", type=_positive, default=None, help="also forecast what each of W ranks reads, holds and stages"
     )
     inspect.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
+    inspect.add_argument(
+        "--prefetch-bytes",
+        type=_non_negative,
+        default=ALL_ROWS,
+        metavar="BYTES",
+        help="with --world-size: the prefetch budget to forecast (default: every row a rank reads; 0: off)",
+    )
     verify = sub.add_parser(
         "verify",
         help="check the checkpoint as load_model does (open, build the model on "
@@ -227,7 +262,13 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing",
     )
     save.add_argument("source", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    save.add_argument("destination")
+    save.add_argument("destination", nargs="?")
+    save.add_argument(
+        "--clean",
+        action="store_true",
+        help="save --clean DESTINATION: only remove what saves that died left next to DESTINATION "
+        "(their hidden temporary directories) and say what was removed; loads nothing",
+    )
     save.add_argument(
         "--max-shard-size",
         type=_positive,
@@ -262,6 +303,10 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "save":
+        if args.clean and args.destination is not None:
+            parser.error("save --clean takes one path: the DESTINATION whose leftovers to remove")
+        if not args.clean and args.destination is None:
+            parser.error("save needs SOURCE and DESTINATION")
         return _save(args)
     if args.device is None:
         import torch

@@ -6,10 +6,10 @@ bounded number of requests in flight.
       │ split: no piece above its request limit
       │ sort by (file, offset); merge where one ends at the next's offset (same descriptor)
       ▼
-    requests: one preadv each, <= REQUEST_BYTES (staged: <= one ring slot), <= MAX_BUFFERS buffers
+    requests: one preadv each, <= request_bytes (staged: <= one ring slot), <= MAX_BUFFERS buffers
       │ at most ``in_flight`` submitted and unfinished; a staged request waits for a free slot
       ▼
-    READ_THREADS workers: slice_reader.preadv_into on the shard's held descriptor (GIL released)
+    ``threads`` workers: slice_reader.preadv_into on the shard's held descriptor (GIL released)
 
 Why: a plan walks tensors in model order, which jumps between shards and offsets, and one
 synchronous read at a time leaves the storage queue (and, warm, the other cores) idle. Each
@@ -26,7 +26,6 @@ caller is about to free.
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -34,12 +33,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
 
-# Read at call time: tests and users may change them.
-READ_THREADS = 4  # workers; preadv releases the GIL, so they overlap on storage and on cores
-REQUEST_BYTES = 8 << 20  # largest single preadv into host storage
-IN_FLIGHT = 8  # requests submitted and not yet finished
 MAX_BUFFERS = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 
 
@@ -104,11 +100,12 @@ def _split(piece: Piece, limit: int) -> list[Piece]:
     ]
 
 
-def schedule(pieces: Iterable[Piece], request_bytes: int | None = None, staged_bytes: int = 0) -> list[Request]:
+def schedule(
+    pieces: Iterable[Piece], request_bytes: int = DEFAULT_READ_OPTIONS.request_bytes, staged_bytes: int = 0
+) -> list[Request]:
     """``pieces`` as requests sorted by (file, offset); adjacent pieces in one file merged while
-    a request stays within ``request_bytes`` (staged pieces: ``staged_bytes``, one ring slot)
-    and ``MAX_BUFFERS`` buffers. Empty pieces are dropped."""
-    request_bytes = REQUEST_BYTES if request_bytes is None else request_bytes
+    a request stays within ``request_bytes`` (``ReadOptions.request_bytes``; staged pieces:
+    ``staged_bytes``, one ring slot) and ``MAX_BUFFERS`` buffers. Empty pieces are dropped."""
     split = [
         part for p in pieces if p.nbytes for part in _split(p, max(1, staged_bytes if p.staged else request_bytes))
     ]
@@ -178,8 +175,8 @@ def run(
     requests: Iterable[Request],
     *,
     stage: Stage | None = None,
-    threads: int | None = None,
-    in_flight: int | None = None,
+    threads: int = DEFAULT_READ_OPTIONS.threads,
+    in_flight: int = DEFAULT_READ_OPTIONS.in_flight,
     on_read: Callable[[int], None] | None = None,
     after_read: Callable[[Request, list[memoryview]], None] | None = None,
 ) -> list[str]:
@@ -189,9 +186,10 @@ def run(
     ``bind`` and ``finish``. ``after_read(request, buffers)`` runs in the worker, right after a
     request read into place (not staged) arrived whole: a check of the bytes there overlaps
     the other workers' reads. Returns (or raises) only after every submitted read has finished.
+    (One loop on purpose, a little over 60 lines: submission, completion and the stage's slots
+    share its state, and the ``finally`` that waits for every read must cover all of it.)
     """
-    threads = READ_THREADS if threads is None else threads
-    in_flight = max(1, IN_FLIGHT if in_flight is None else in_flight)
+    in_flight = max(1, in_flight)
     pending = deque(requests)
     if any(r.staged for r in pending) and stage is None:
         raise ValueError("staged requests need a stage (host buffers to read into)")
@@ -239,94 +237,3 @@ def run(
             "(truncated since the header was checked?)"
         )
     return sorted(problems)
-
-
-# --- prefetch: page-cache hints for a rank's ranges, issued while the model is being set up ----
-
-# Bytes of this rank's ranges hinted to the kernel (POSIX_FADV_WILLNEED) while the set-up
-# (swap, fully_shard, to_empty) runs; 0 turns it off. Page cache, not this process's memory:
-# capped at half the memory the kernel says is available. The default, ALL_ROWS, hints every
-# row the rank will read (docs/benchmarks.md: 1.18x faster cold at world size 2). Read at call time.
-ALL_ROWS = 1 << 62
-PREFETCH_BYTES = ALL_ROWS
-PREFETCH_CALL_BYTES = 8 << 20  # one hint at a time, so a stop request is honoured quickly
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` from /proc/meminfo in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def local_ranks() -> int:
-    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun or if unreadable)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def prefetch_budget(budget: int | None = None) -> int:
-    """``budget`` (default ``PREFETCH_BYTES``) capped at this rank's share of half of
-    ``available_memory()``: the node's ranks (``local_ranks()``) hint into one page cache, and
-    pages hinted beyond it would be evicted before they are read."""
-    budget = PREFETCH_BYTES if budget is None else budget
-    free = available_memory()
-    return max(0, min(budget, free // 2 // local_ranks()) if free is not None else budget)
-
-
-def prefetch_ranges(reads: Iterable[tuple[TensorEntry, int, int]], budget: int) -> list[tuple[object, int, int]]:
-    """(handle, offset, bytes) to hint: ``reads`` ((entry, file offset, bytes), as
-    ``LoadPlan.rank_ranges`` gives them) in file order, adjacent ones merged, cut at ``budget``
-    bytes in all."""
-    ranges: list[list] = []
-    for entry, offset, n in sorted((r for r in reads if r[2]), key=lambda r: (r[0].file, r[1])):
-        last = ranges[-1] if ranges else None
-        if last is not None and last[0] is entry.handle and last[1] + last[2] == offset:
-            last[2] += n
-        else:
-            ranges.append([entry.handle, offset, n])
-    out, left = [], budget
-    for handle, offset, n in ranges:
-        if left <= 0:
-            break
-        out.append((handle, offset, min(n, left)))
-        left -= n
-    return out
-
-
-class Prefetch:
-    """A background thread hinting ``ranges`` to the kernel, ``PREFETCH_CALL_BYTES`` per call,
-    until done or ``stop()`` (which joins it: no hint outlives the load's descriptors)."""
-
-    def __init__(self, ranges: list[tuple[object, int, int]]):
-        self.ranges, self.hinted = ranges, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fsdp_fp8-prefetch", daemon=True)
-        if ranges and hasattr(os, "posix_fadvise"):
-            self._thread.start()
-
-    def _run(self) -> None:
-        for handle, offset, n in self.ranges:
-            for lo in range(0, n, PREFETCH_CALL_BYTES):
-                if self._stop.is_set():
-                    return
-                size = min(PREFETCH_CALL_BYTES, n - lo)
-                try:
-                    os.posix_fadvise(handle.fileno(), offset + lo, size, os.POSIX_FADV_WILLNEED)
-                except (OSError, ValueError):  # a hint only: a closed file or a refusal costs nothing
-                    return
-                self.hinted += size
-
-    def stop(self) -> int:
-        """Stop hinting and join; the bytes hinted."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        return self.hinted

@@ -1,8 +1,14 @@
-"""How FSDP2's ``Shard(0)`` splits a tensor's rows, and what that costs each rank.
+"""How FSDP2's ``Shard(0)`` splits a tensor's rows, and what that costs each rank: the one
+home of the rank-row arithmetic (which rows a shard coordinate owns, ``chunk_rows`` /
+``rank_rows``; which global ranks hold a coordinate under HSDP, ``shard_groups``). The loader's
+DTensor queries (``fsdp_fp8.load.fsdp_wrap.local_rows``, ``shard_position``) and the CLI's
+forecast compute through these.
 
 FSDP2 chunks dim 0 with ``torch.chunk`` semantics: every rank gets ``ceil(rows / world)``
 rows except the tail, and ranks past the last chunk get none. Its local storage is padded
 to the full chunk, so what a rank *holds* can exceed what it *reads* from the checkpoint.
+Under HSDP (a ``(replicate, shard)`` mesh) the rows follow the shard coordinate and the
+shard-dim size, never the global rank and world size.
 """
 
 from __future__ import annotations
@@ -25,6 +31,22 @@ def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
         raise ValueError(f"rows must be >= 0, got {rows}")
     per_rank = -(-rows // world_size)
     return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+def rank_rows(shape: tuple[int, ...], world_size: int, rank: int, replicated: bool = False) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a tensor of ``shape`` that ``rank`` reads: its ``torch.chunk``
+    rows, or every row of a 0-d tensor (one row) or a ``replicated`` one (a buffer)."""
+    if not shape or replicated:
+        _check(world_size, rank)
+        return 0, shape[0] if shape else 1
+    return chunk_rows(shape[0], world_size, rank)
+
+
+def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
+    """(shard coordinate, the global ranks holding it) of the mesh ``load_model`` shards over:
+    ``(replicas, world_size // replicas)``, row-major as ``init_device_mesh`` lays it out."""
+    shards = world_size // replicas
+    return [(s, [r * shards + s for r in range(replicas)]) for s in range(shards)]
 
 
 def padded_rows(rows: int, world_size: int) -> int:

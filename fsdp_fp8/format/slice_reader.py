@@ -19,23 +19,24 @@ import threading
 import torch
 
 from fsdp_fp8.format.handles import OpenFile
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
 
 # safetensors stores little-endian; viewing the bytes in place is only right on such hosts.
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("fsdp_fp8.format.slice_reader needs a little-endian host")
 
-# Host memory that reads into accelerator memory are staged through: a ring of pinned buffers
-# allocated once per load (``fsdp_fp8.format.sharding.staging_ring``); CPU storage is read into
-# directly. Read at call time by the loader and the forecast: tests and users may change it.
-STAGING_BYTES = 64 << 20
+# The default staging budget (``ReadOptions.staging_bytes``), named here for the callers that
+# size a buffer from it; a load takes its own from the ``ReadOptions`` it is given.
+STAGING_BYTES = DEFAULT_READ_OPTIONS.staging_bytes
 
 _lock = threading.Lock()
 _bytes_read = 0
 
 
 def bytes_read() -> int:
-    """Tensor-data bytes read by this process since the last reset."""
+    """Tensor-data bytes read by this process since the last reset: every load's and every
+    other read's, together (a load's own count is ``LoadReport.bytes_read``)."""
     return _bytes_read
 
 

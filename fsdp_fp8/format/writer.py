@@ -287,17 +287,26 @@ def quantization_configs(
     return qc, hf_quant
 
 
+def _write_synced(path: Path, text: str) -> None:
+    """A new file holding ``text``, flushed to disk before it returns (a save renames its
+    directory into place next: a crash after that must not find an empty config)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_index_and_configs(
     directory: Path, layout: CheckpointLayout, config: dict | None, hf_quant: dict | None
 ) -> None:
     """The index (sharded layouts only), ``config.json`` and, when given, ``hf_quant_config.json``."""
     if layout.index is not None:
-        (directory / layout.index_name).write_text(json.dumps(layout.index, indent=2) + "\n")
+        _write_synced(directory / layout.index_name, json.dumps(layout.index, indent=2) + "\n")
     # ModelOpt writes both JSON files with indent=4 and no trailing newline.
     if config is not None:
-        (directory / "config.json").write_text(json.dumps(config, indent=4))
+        _write_synced(directory / "config.json", json.dumps(config, indent=4))
     if hf_quant is not None:
-        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4))
+        _write_synced(directory / "hf_quant_config.json", json.dumps(hf_quant, indent=4))
 
 
 def write_checkpoint(

@@ -5,13 +5,24 @@ Defaults (what the demo digest and every parity test are produced with):
 - ``quantize_activation``: TorchAO's ``_quantize_affine_float8``, ``clamp(x.float() / s, ±448)
   -> E4M3``. Eagerly that is four kernels with F32 temporaries.
 - ``dequantize`` (W8A16): ``(codes.float() * weight_scale).to(dtype)``, one rounding to the
-  activation dtype, through an F32 temporary the size of the weight.
-- ``fp8_gemm``: ``torch._scaled_mm`` with ``use_fast_accum=False``, TorchAO's call.
+  activation dtype, computed in row chunks of at most ``DEQUANT_CHUNK_ELEMENTS`` (4 Mi) elements,
+  so at most one chunk's F32 temporary (16 MiB, or one row where a row is longer) lives at a
+  time: no full-size F32 copy of the weight exists, only the activation-dtype result
+  ``F.linear`` needs.
+- ``fp8_gemm``: ``torch._scaled_mm`` with ``use_fast_accum=False``, TorchAO's call, with the
+  operands as CUDA's kernel takes them: the activation codes row-major (a copy only when a
+  transposed or channels-last input left them otherwise), the bias in the output dtype.
 
 ``fused=True`` compiles the same two expressions with ``torch.compile`` (inductor) into one
 kernel each: the F32 values live in registers and never in memory, and the operations and
 their order are unchanged, so the bits are the same (tests/test_kernels.py checks every E4M3
-code, infinities, NaN and saturation on CPU, and that one kernel is generated).
+code, infinities, NaN and saturation on CPU, and that one kernel is generated). On CUDA,
+inductor lowers ``x / y`` to Triton's approximate division unless its IEEE-division switch is
+on (``torch._inductor.config.eager_numerics.division_rounding`` in torch 2.13, earlier
+``emulate_divison_rounding``): the compiled functions are built with that switch (and with
+flush-to-zero off where the torch has that switch), so a code on a rounding boundary rounds as
+eagerly; a torch with neither switch refuses ``fused`` on CUDA rather than change codes
+(tests/gpu/test_gpu_kernels.py compares every code on a GPU).
 ``fast_accum=True`` passes ``use_fast_accum=True`` to ``torch._scaled_mm``: on Hopper the FP8
 tensor cores then keep partial sums in their own reduced-precision accumulator instead of
 promoting them to F32 along K; the CPU kernel has one accumulation and ignores it. Its error
@@ -37,20 +48,96 @@ def _dequantize(codes: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
     return (codes.to(torch.float32) * weight_scale.reshape(())).to(dtype)
 
 
+DEQUANT_CHUNK_ELEMENTS = 1 << 22  # W8A16's F32 temporary: 4 Mi elements, 16 MiB
+
+
+def _dequantize_in_chunks(codes: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``_dequantize``'s bits, a row chunk at a time: at most one chunk's F32 temporary lives.
+
+    Per element the same three steps (E4M3 -> F32 is exact, one F32 multiply by the same 0-d
+    scale, one rounding to ``dtype``), so the result is bit-identical to ``_dequantize``.
+    """
+    rows, cols = codes.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=codes.device)
+    step = max(1, DEQUANT_CHUNK_ELEMENTS // max(1, cols))
+    scale = weight_scale.reshape(())
+    for start in range(0, rows, step):
+        length = min(step, rows - start)
+        # mul computes in F32 (both operands) and rounds once into the ``dtype`` output.
+        torch.mul(codes.narrow(0, start, length).to(torch.float32), scale, out=out.narrow(0, start, length))
+    return out
+
+
+@functools.cache
+def ieee_division_options() -> dict[str, bool] | None:
+    """The inductor options that make a compiled ``x / y`` round as eager does on CUDA; ``None``
+    when this torch has no such switch (then a compiled quantization may differ on CUDA)."""
+    from torch._inductor import config
+
+    numerics = getattr(config, "eager_numerics", None)
+    if numerics is not None and hasattr(numerics, "division_rounding"):  # torch 2.13
+        options = {"eager_numerics.division_rounding": True}
+        if hasattr(numerics, "disable_ftz"):
+            options["eager_numerics.disable_ftz"] = True
+        return options
+    if hasattr(config, "emulate_divison_rounding"):  # the switch's first name (sic), before eager_numerics
+        return {"emulate_divison_rounding": True}
+    return None
+
+
 @functools.cache
 def _fused(fn):
-    """``fn`` compiled once per process; ``dynamic=True`` so token counts do not recompile it."""
-    return torch.compile(fn, fullgraph=True, dynamic=True)
+    """``fn`` compiled once per process; ``dynamic=True`` so token counts do not recompile it.
+
+    With the IEEE-division switch when the torch has one: it changes Triton's code only (the CPU
+    code inductor writes divides exactly either way)."""
+    return torch.compile(fn, fullgraph=True, dynamic=True, options=ieee_division_options() or {})
+
+
+def _check_fused_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda" and ieee_division_options() is None:
+        raise RuntimeError(
+            f"fused FP8 kernels on CUDA need inductor's IEEE-division switch, which torch {torch.__version__} "
+            "lacks: compiled, x / input_scale could round an E4M3 code differently from eager; run with "
+            "fused=False (the default)"
+        )
 
 
 def quantize_activation(x2d: torch.Tensor, input_scale: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """``clamp(x / input_scale, ±448) -> E4M3`` with TorchAO's own primitive (bit-identical to its path)."""
-    return (_fused(_quantize) if fused else _quantize)(x2d, input_scale)
+    if fused:
+        _check_fused_device(x2d)
+        # Few graphs: dynamo guards on an input's strides and, for a view, on its base's sizes,
+        # so every layout a model hands its linears (transposed, channels-last, sliced, a 3-D
+        # input's 2-D view) would otherwise be one more recompile of the one shared function,
+        # until fullgraph=True fails at the recompile limit (8). Contiguous (a copy of the
+        # input only where the codes would need one anyway) and detached (no view base: free).
+        if not x2d.is_contiguous():
+            x2d = x2d.clone(memory_format=torch.contiguous_format)
+        return _fused(_quantize)(x2d.detach(), input_scale.detach())
+    return _quantize(x2d, input_scale)
 
 
 def dequantize(weight: StaticFloat8Tensor, dtype: torch.dtype, *, fused: bool = False) -> torch.Tensor:
-    """``weight.float() * weight_scale`` (docs/checkpoint-format.md), rounded once to ``dtype``; a temporary."""
-    return (_fused(_dequantize) if fused else _dequantize)(weight.qdata, weight.scale, dtype)
+    """``weight.float() * weight_scale`` (docs/checkpoint-format.md), rounded once to ``dtype``; a temporary
+    in ``dtype`` (compiled: one kernel; eagerly: row chunks, ``DEQUANT_CHUNK_ELEMENTS``)."""
+    if fused:
+        _check_fused_device(weight.qdata)
+        # Detached: FSDP2's gathered codes are a view of the all-gather buffer (see above).
+        return _fused(_dequantize)(weight.qdata.detach(), weight.scale.detach(), dtype)
+    return _dequantize_in_chunks(weight.qdata, weight.scale, dtype)
+
+
+def row_major(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` as CUDA's ``_scaled_mm`` takes a first operand: unit column stride and a larger
+    row stride (torch's meta kernel: ``stride[0] > stride[1] and stride[1] == 1``); ``codes``
+    itself when it already is (the usual case: free), else a contiguous copy. A transposed input
+    or a channels-last one flattened with ``permute(0, 2, 3, 1).reshape(B, H*W, C)`` hands its
+    layout on to the codes (an elementwise op keeps its input's strides); a (1, K) view may even
+    have row stride 1, which ``is_contiguous`` accepts and ``_scaled_mm`` does not."""
+    if codes.stride(-1) == 1 and codes.stride(0) >= max(2, codes.shape[-1]):
+        return codes
+    return codes.clone(memory_format=torch.contiguous_format)
 
 
 def fp8_gemm(
@@ -68,10 +155,15 @@ def fp8_gemm(
     several projections can share one quantized activation (TorchAO's path re-quantizes
     per projection and refuses an already-quantized input).
     """
+    if bias is not None and bias.dtype != out_dtype:
+        # CUDA's _scaled_mm: "Bias must be Float16 to compute Half output" (and BFloat16 for
+        # BFloat16); the CPU kernel takes any. Activations in another half dtype than the
+        # module's compute dtype meet a bias in the compute dtype here.
+        bias = bias.to(out_dtype)
     return addmm_float8_unwrapped_inference(
-        x_q,
+        row_major(x_q),
         input_scale.reshape(1, 1),
-        weight.qdata.t(),  # column-major view of the row-major (out, in) codes, as _scaled_mm wants
+        row_major(weight.qdata).t(),  # column-major view of the row-major (out, in) codes, as _scaled_mm wants
         weight.scale.reshape(1, 1),
         output_dtype=out_dtype,
         bias=bias,

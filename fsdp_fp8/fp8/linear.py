@@ -3,7 +3,9 @@
 It fills the gaps TorchAO 0.18's ``PrototypeFloat8Tensor`` linear has: a zero-row input
 (TorchAO divides by the row count) returns an empty output, and inputs of any rank are
 flattened to 2-D tokens first (TorchAO's (1, 1) activation scale does not broadcast
-against >2-D inputs). The bias stays in high precision.
+against >2-D inputs). The bias stays in high precision, cast to the activations' dtype when
+they come in another one (CUDA's ``_scaled_mm`` and ``F.linear`` take the bias in the output
+dtype).
 """
 
 from __future__ import annotations
@@ -108,15 +110,18 @@ class Float8StaticLinear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_empty(out_shape)
+        bias = self.bias
         if self.mode == "a16":
-            y = F.linear(x2d, dequantize(weight, x.dtype, fused=self.fused), self.bias)
+            if bias is not None and bias.dtype != x.dtype:
+                bias = bias.to(x.dtype)  # F.linear takes one dtype (fp8_gemm does the same for W8A8)
+            y = F.linear(x2d, dequantize(weight, x.dtype, fused=self.fused), bias)
         else:
             input_scale = weight.act_quant_scale
             if self.shared is not None:
                 codes = self.shared.quantize(x, x2d, input_scale, fused=self.fused)
             else:
                 codes = quantize_activation(x2d, input_scale, fused=self.fused)
-            y = fp8_gemm(codes, input_scale, weight, self.bias, x.dtype, fast_accum=self.fast_accum)
+            y = fp8_gemm(codes, input_scale, weight, bias, x.dtype, fast_accum=self.fast_accum)
         return y.reshape(out_shape)
 
 

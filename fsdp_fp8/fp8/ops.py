@@ -3,7 +3,9 @@ through TorchAO's own API (``StaticFloat8Tensor.implements``).
 
 FSDP2 shards a parameter with ordinary aten ops (``torch.chunk`` -> split, ``new_zeros``,
 ``narrow`` -> slice, ``copy_``, ``view(-1)``, ``as_strided`` when it unpads the gathered
-rows), and ``to_empty`` / ``.to()`` run ``empty_like`` / ``_to_copy``. The subclass
+rows), and ``to_empty`` / ``.to()`` run ``empty_like`` / ``_to_copy``; its CPU offload
+(``CPUOffloadPolicy``) adds ``is_pinned`` / ``_pin_memory`` and a ``non_blocking`` ``_to_copy``
+to the device before each all-gather. The subclass
 inherits TorchAO 0.18's op table (``__init_subclass__`` copies it), and TorchAO's entries for
 ``detach``, ``clone``, ``copy_`` and ``t`` serve static tensors as they are. For the ops in
 ``FSDP_OPS`` TorchAO's entry fails on them, or there is none; the comment on each says how.
@@ -77,9 +79,11 @@ def _copy(func, types, args, kwargs):
     self, src = args[0], args[1]
     if kwargs or not (type(self) is type(src) is StaticFloat8Tensor and self.shape == src.shape):
         return _TORCHAO[aten.copy_.default](func, types, args, kwargs)
-    self.qdata.copy_(src.qdata)
-    self.scale.copy_(src.scale)
-    self.act_quant_scale.copy_(src.act_quant_scale)
+    # The aten op, not Tensor.copy_: on a CPU build that method's Python binding wants a CUDA
+    # device guard, so a fake CUDA tensor (tests/test_fake_cuda_fsdp.py) could not be copied.
+    aten.copy_.default(self.qdata, src.qdata)
+    aten.copy_.default(self.scale, src.scale)
+    aten.copy_.default(self.act_quant_scale, src.act_quant_scale)
     return self
 
 
@@ -88,8 +92,8 @@ def _scales_on(self: StaticFloat8Tensor, device) -> tuple[torch.Tensor, torch.Te
     scale = torch.empty((1, 1), dtype=torch.float32, device=device)
     act = torch.empty((1, 1), dtype=torch.float32, device=device)
     if not (scale.is_meta or self.scale.is_meta):
-        scale.copy_(self.scale)
-        act.copy_(self.act_quant_scale)
+        aten.copy_.default(scale, self.scale)  # the op, as in _copy
+        aten.copy_.default(act, self.act_quant_scale)
     return scale, act
 
 
@@ -122,14 +126,35 @@ def _to_copy(func, types, args, kwargs):
     dtype = kwargs.get("dtype") or self.dtype
     if not dtype.is_floating_point or dtype.itemsize == 1:
         raise TypeError(f"cannot cast a static FP8 weight to {dtype}; its codes stay E4M3")
+    # non_blocking passes through: FSDP2's CPU offload copies each pinned shard to the device
+    # with non_blocking=True before every all-gather (FSDPParam.all_gather_inputs).
+    non_blocking = bool(kwargs.get("non_blocking", False))
     moved = rebuild(
         self,
-        self.qdata.to(device),
-        scale=self.scale.to(device),
-        act_quant_scale=self.act_quant_scale.to(device),
+        self.qdata.to(device, non_blocking=non_blocking),
+        scale=self.scale.to(device, non_blocking=non_blocking),
+        act_quant_scale=self.act_quant_scale.to(device, non_blocking=non_blocking),
         dtype=dtype,
     )
     return return_and_correct_aliasing(func, args, kwargs, moved)
+
+
+def _inner(self: StaticFloat8Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return self.qdata, self.scale, self.act_quant_scale
+
+
+def _is_pinned(func, types, args, kwargs):
+    """Pinned when the codes and both scales are: a non_blocking copy of one pageable scale
+    would be synchronous."""
+    return all(func(t, *args[1:], **kwargs) for t in _inner(args[0]))
+
+
+def _pin_memory(func, types, args, kwargs):
+    """Page-locked copies of the codes and both scales (``Tensor.pin_memory`` asks ``is_pinned``
+    first, so a pinned weight is never copied again)."""
+    self = args[0]
+    codes, scale, act = (func(t, *args[1:], **kwargs) for t in _inner(self))
+    return rebuild(self, codes, scale=scale, act_quant_scale=act)
 
 
 # op -> our entry. Each is needed: TorchAO 0.18's entry fails on a static tensor as noted.
@@ -150,6 +175,15 @@ FSDP_OPS = {
     aten.empty_like.default: _empty_like,
     # Module.to(dtype): TorchAO's keeps the old compute dtype (and takes any dtype silently).
     aten._to_copy.default: _to_copy,
+}
+# op -> our entry for FSDP2's CPU offload, ``fully_shard(offload_policy=CPUOffloadPolicy())``:
+# FSDPParam pins each padded shard at init (``padded_sharded_param.pin_memory()``, which asks
+# ``is_pinned`` first) and again after to_empty / a reload (``if not local_tensor.is_pinned():
+# local_tensor.cpu().pin_memory()``). None in TorchAO (``NotImplementedError: aten.is_pinned``).
+# Pinning needs an accelerator: on a CPU-only build these reach the inner tensors' own error.
+OFFLOAD_OPS = {
+    aten.is_pinned.default: _is_pinned,
+    aten._pin_memory.default: _pin_memory,
 }
 # op -> our entry where TorchAO's is right but slow: its generic path rebuilds the tensor
 # through every field and re-derives the op's alias schema, and FSDP2 runs these on every
@@ -180,7 +214,7 @@ def _register() -> None:
     missing = sorted(str(op) for op in needed if op not in inherited or ours.get(op) is not inherited[op])
     if missing:
         raise KeyError(f"StaticFloat8Tensor did not inherit TorchAO's entries for {missing}")
-    for op, impl in (FSDP_OPS | FAST_OPS).items():
+    for op, impl in (FSDP_OPS | FAST_OPS | OFFLOAD_OPS).items():
         StaticFloat8Tensor.implements(op)(impl)
 
 

@@ -156,7 +156,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
             else:
                 payload = torch.zeros(padded_shape, dtype=torch.uint8, device=codes.device)
                 if codes.numel() > 0:
-                    payload[: codes.shape[0]].copy_(codes.view(torch.uint8))
+                    payload.narrow(0, 0, codes.shape[0]).copy_(codes.view(torch.uint8))
         return (payload,), (tuple(outer_size),)
 
     def fsdp_post_all_gather(
@@ -171,7 +171,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
         _require_static(self, "fsdp_post_all_gather")
         (gathered,) = all_gather_outputs
         (outer_size,) = metadata
-        codes = gathered.view(E4M3)[: outer_size[0]]
+        codes = gathered.view(E4M3).narrow(0, 0, outer_size[0])  # narrow: fakeable, unlike [:n]
         if out is not None:
             _require_static(out, "fsdp_post_all_gather(out=)")
             if out.qdata.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr():
@@ -204,7 +204,19 @@ def make_static_fp8_weight(
     input_scale: torch.Tensor,
     compute_dtype: torch.dtype,
 ) -> StaticFloat8Tensor:
-    """Wrap E4M3 codes and their two per-tensor scales; ``compute_dtype`` is the activation dtype."""
+    """Wrap E4M3 codes and their two per-tensor scales; ``compute_dtype`` is the activation dtype.
+
+    The scales are moved to the codes' device as F32 (a ``torch.tensor(0.01)`` next to CUDA codes
+    would otherwise meet them in ``_scaled_mm``, which refuses operands on two devices), and the
+    codes are made row-major when they are not (``_scaled_mm`` takes the weight as the
+    column-major transpose of row-major codes). Both are no-ops for what the loader builds.
+    """
+    if qdata.dim() == 2 and not (qdata.stride(-1) == 1 and qdata.stride(0) >= max(2, qdata.shape[-1])):
+        qdata = qdata.clone(memory_format=torch.contiguous_format)
+    weight_scale, input_scale = (
+        s if s.device == qdata.device and s.dtype == torch.float32 else s.to(qdata.device, torch.float32)
+        for s in (weight_scale, input_scale)
+    )
     return StaticFloat8Tensor(
         qdata,
         weight_scale.reshape(1, 1),

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_fp8.format.hub import resolve_hub_path
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 from fsdp_fp8.format.step_policy import resolve_step_policy
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
@@ -126,6 +127,7 @@ def load_pipeline(
     device: torch.device | None = None,
     step_policy: str | dict = "auto",
     towers: TowerSpec | None = None,
+    read_options: ReadOptions = DEFAULT_READ_OPTIONS,
     **components,
 ):
     """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
@@ -133,7 +135,8 @@ def load_pipeline(
     transformer loaded by fsdp_fp8 and sharded over ``mesh`` (default: every rank).
 
     ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy
-    dict. ``towers`` overrides the tower map (``fsdp_fp8.load.towers``). Other keyword
+    dict. ``towers`` overrides the tower map (``fsdp_fp8.load.towers``); ``read_options`` goes to
+    ``load_model`` (the reads' threads, request size, staging and prefetch budgets). Other keyword
     arguments go to the pipeline's ``from_pretrained`` (e.g. ``safety_checker=None``); a
     ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is refused, and
     ``local_files_only`` is always set. Collective under a process group, like ``load_model``.
@@ -147,7 +150,9 @@ def load_pipeline(
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     kwargs = safe_pretrained_kwargs(**components)  # refuses trust_remote_code / custom_pipeline
     device = device or default_device()
-    loaded: LoadedModel = load_model(None, root / TRANSFORMER, mesh, device=device, towers=towers)
+    loaded: LoadedModel = load_model(
+        None, root / TRANSFORMER, mesh, device=device, towers=towers, read_options=read_options
+    )
     model = loaded.model
     policy = resolve_step_policy(
         loaded.checkpoint.quant.step_policy, step_policy, str(root / TRANSFORMER / "config.json")

@@ -1,13 +1,16 @@
 """``load_model``: the one-call path from a checkpoint directory to a loaded, sharded model.
 
-open -> build on meta -> plan -> ranks agree -> swap FP8 linears -> fully_shard
-(blocks, then root) -> to_empty (non-persistent buffers kept) -> rank-slice load
+open -> build on meta -> plan -> ranks agree -> start prefetch -> one collective phase:
+swap FP8 linears, fully_shard (blocks, then root), to_empty (non-persistent buffers kept),
+stop prefetch, rank-slice reads -> one agreement on the outcome
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,26 +18,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.format.step_policy import parse_step_policy
-from fsdp_fp8.fp8.linear import cuda_shape_problems
-from fsdp_fp8.load.agreement import (
+from fsdp_fp8.collective import (
     DEFAULT_TIMEOUT_S,
     agree_or_raise,
     checkpoint_facts,
+    collective_phase,
+    mark_unusable,
     model_facts,
     outcome_timeout_s,
     plan_facts,
     side_group,
 )
-from fsdp_fp8.load.agreement import distributed as _many_ranks
+from fsdp_fp8.collective import distributed as _many_ranks
+from fsdp_fp8.errors import CheckpointError
+from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
+from fsdp_fp8.format.step_policy import parse_step_policy
+from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
-from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_problems, shard_model, shard_size
-from fsdp_fp8.load.loader import LoadReport, load_checkpoint, mark_unusable
+from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_position, mesh_problems, offloads_to_cpu, shard_model
+from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
 from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
+from fsdp_fp8.load.prefetch import start_prefetch
+from fsdp_fp8.load.preflight import device_facts, device_problems, ensure_process_group
 from fsdp_fp8.load.swap import swap_fp8_linears
 from fsdp_fp8.load.towers import TOWERS_HINT, TowerSpec, needs_towers, resolve_towers, tower_problems
 
@@ -79,6 +88,7 @@ class PlannedLoad:
     architecture: Architecture | None
     problems: list[str]
     towers: dict[str, str] | None = None  # the tower map (fsdp_fp8.load.towers), when one is known
+    cause: BaseException | None = None  # an unexpected exception (e.g. in model_fn), kept for its traceback
 
 
 def plan_model_load(
@@ -94,7 +104,7 @@ def plan_model_load(
     """Open, resolve the architecture, build on meta and plan, exactly as ``load_model`` does
     on each rank, collecting every problem instead of raising. Touches no process group and
     reads no tensor data beyond the scales: ``python -m fsdp_fp8 verify`` runs this."""
-    checkpoint = model = plan = arch = tower_map = None
+    checkpoint = model = plan = arch = tower_map = cause = None
     problems: list[str] = []
     try:
         checkpoint = open_checkpoint(path)
@@ -111,8 +121,10 @@ def plan_model_load(
     except CheckpointError as exc:
         problems += exc.problems
     except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
-        problems.append(f"{type(exc).__name__}: {exc}")
-    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        problems.append(f"{type(exc).__name__}: {exc} (raised at {where.filename}:{where.lineno} in {where.name})")
+        cause = exc  # the CheckpointError raised after the agreement chains it: the user's frame shows
+    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map, cause)
 
 
 def _tower_map(spec: TowerSpec | None, arch, model, checkpoint, plan) -> tuple[dict[str, str] | None, list[str]]:
@@ -145,6 +157,10 @@ def load_model(
     strict_kv_scales: bool = False,
     towers: TowerSpec | None = None,
     agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
+    read_options: ReadOptions = DEFAULT_READ_OPTIONS,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int = True,
 ) -> LoadedModel:
     """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
 
@@ -168,82 +184,121 @@ def load_model(
 
     ``agreement_timeout_s``: how long a rank waits for its peers in the agreement before
     loading; the agreement after the reads adds the time the slowest rank's forecast bytes
-    take at ``agreement.ASSUMED_READ_BYTES_PER_S``. A later peer is named in a
+    take at ``collective.ASSUMED_READ_BYTES_PER_S``. A later peer is named in a
     ``PeerLostError``. The agreements run on a gloo side group (docs/reliability.md).
+    ``read_options``: threads, request size, staging and prefetch budgets of this load's reads.
+    ``mp_policy``, ``offload_policy``, ``reshard_after_forward``: passed to ``fully_shard``
+    (``fsdp_wrap.shard_model``). Under ``CPUOffloadPolicy`` the model is materialized in host
+    memory and each rank reads its rows straight into its host shards (no device copy during
+    the load); buffers, which FSDP2 does not manage, go to ``device``.
+
+    The steps, in the order they run::
+
+        plan (every rank alone) -> agree -> start prefetch ->
+        collective_phase: swap, shard, materialize, stop prefetch, read rows
     """
+    ensure_process_group(agreement_timeout_s)  # under torchrun: never a silent unsharded load per rank
     device = device or default_device()
     distributed = dist.is_available() and dist.is_initialized()
     if _many_ranks():
         side_group(agreement_timeout_s, f"cannot load {path}")  # collective: before any rank can fail or die
-    problems = _setup_problems(device, mesh, distributed)
     planned = plan_model_load(
         model_fn, path, key_map, device=device, strict=strict, strict_kv_scales=strict_kv_scales, towers=towers
     )
-    checkpoint, model, plan, arch = planned.checkpoint, planned.model, planned.plan, planned.architecture
-    problems += planned.problems
-    facts = None
-    if plan is not None:  # else this rank has a problem, which the others learn in the agreement
-        facts = {**checkpoint_facts(checkpoint), "load plan": plan_facts(plan), **model_facts(model, device, mesh)}
-    try:
-        agree_or_raise(problems, facts, f"cannot load {path}", timeout_s=agreement_timeout_s)
-    except BaseException as exc:
-        if model is not None:  # refused: nothing was changed, and nothing may run either
-            mark_unusable(model, str(exc))
-        if checkpoint is not None:
-            checkpoint.close()
-        raise
+    planned.problems[:0] = _setup_problems(device, mesh, distributed, planned.plan)
+    _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
+    model, plan, checkpoint = planned.model, planned.plan, planned.checkpoint
     _warn_not_strict(plan)
-
-    swapped: list[str] = []
-
-    def prepare() -> None:
-        swapped.extend(swap_fp8_linears(model, plan))
-        if distributed:
-            shard_model(model, mesh or default_mesh(device.type))
-        materialize(model, device)  # keeps non-persistent buffers and tied parameters
-
-    shards = shard_size(mesh) if distributed else 1  # the forecast is per shard coordinate
+    fsdp_options = _fsdp_options(mp_policy, offload_policy, reshard_after_forward, distributed)
+    on_host = offloads_to_cpu(offload_policy) and distributed  # sharded parameters live in host memory
+    shards, shard = _shard_position(mesh, distributed)  # the rows this rank will hold once sharded
+    timeout_s = outcome_timeout_s(plan, shards, agreement_timeout_s)
+    prefetch = start_prefetch(plan, shards, shard, read_options.prefetch_bytes)
     try:
-        # Which rows this rank will hold once ``prepare`` has sharded the model (what a prefetch hints).
-        position = (shards, mesh.get_local_rank(mesh.ndim - 1)) if distributed and mesh is not None else None
-        report = load_checkpoint(
-            model,
-            plan,
-            prepare=prepare,
-            timeout_s=outcome_timeout_s(plan, shards, agreement_timeout_s),
-            position=position,
-        )
+        with collective_phase(model, "load", timeout_s, failed="checkpoint load failed"):
+            swapped = swap_fp8_linears(model, plan)
+            if distributed:
+                shard_model(model, mesh or default_mesh(device.type), **fsdp_options)
+            materialize(model, torch.device("cpu") if on_host else device)  # keeps buffers and ties
+            if on_host:
+                _buffers_to(model, device)
+            prefetched = prefetch.stop()
+            t0 = time.perf_counter()
+            rows = read_rows(model, plan, read_options)
     except BaseException:
+        prefetch.stop()
         checkpoint.close()  # the model is dead: its descriptors go too
         raise
+    report = load_report(rows, plan, time.perf_counter() - t0, prefetched)
     # On success the descriptors stay with LoadedModel.checkpoint (save_checkpoint reads the
     # source through them); checkpoint.close() or garbage collection releases them.
     model.eval()
-    return LoadedModel(
-        model=model,
-        checkpoint=checkpoint,
-        plan=plan,
-        report=report,
-        fp8_linears=swapped,
-        architecture=arch,
-        towers=planned.towers,
-    )
+    return LoadedModel(model, checkpoint, plan, report, swapped, planned.architecture, planned.towers)
 
 
-def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool) -> list[str]:
-    """What would make the first collective hang or land on the wrong device."""
+def _agree_on_plan(planned: PlannedLoad, device: torch.device, mesh, context: str, timeout_s: float) -> None:
+    """The agreement before anything changes: every rank's problems and the digests of what it
+    read and built. On a refusal the model refuses to run and the files are closed."""
+    facts = None
+    if planned.plan is not None:  # else this rank has a problem, which the others learn in the agreement
+        facts = {
+            **checkpoint_facts(planned.checkpoint),
+            "load plan": plan_facts(planned.plan),
+            **model_facts(planned.model, device, mesh),
+        }
+    try:
+        agree_or_raise(planned.problems, facts, context, timeout_s=timeout_s)
+    except BaseException as exc:
+        if planned.model is not None:  # refused: nothing was changed, and nothing may run either
+            mark_unusable(planned.model, str(exc))
+        if planned.checkpoint is not None:
+            planned.checkpoint.close()
+        if isinstance(exc, CheckpointError) and planned.cause is not None:
+            raise exc from planned.cause  # the traceback of the user's line (model_fn) shows under it
+        raise
+
+
+def _fsdp_options(mp_policy, offload_policy, reshard_after_forward, distributed: bool) -> dict:
+    """The ``fully_shard`` options the caller set (only those: the defaults stay FSDP2's); a
+    warning when there is no process group to shard over, so they are ignored."""
+    options = {
+        name: value
+        for name, value, default in (
+            ("mp_policy", mp_policy, None),
+            ("offload_policy", offload_policy, None),
+            ("reshard_after_forward", reshard_after_forward, True),
+        )
+        if value is not default
+    }
+    if options and not distributed:
+        log.warning("no process group: the model is not sharded and %s are ignored", ", ".join(sorted(options)))
+    return options
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer onto ``device`` (FSDP2 offloads parameters only; the forward runs there)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def _shard_position(mesh: DeviceMesh | None, distributed: bool) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) the model will have once sharded over
+    ``mesh`` (default: every rank); what the prefetch hints and the outcome timeout is sized from."""
+    if not distributed:
+        return 1, 0
+    return mesh_position(mesh) if mesh is not None else (dist.get_world_size(), dist.get_rank())
+
+
+def _setup_problems(device: torch.device, mesh: DeviceMesh | None, distributed: bool, plan) -> list[str]:
+    """What would make the first collective hang or land on the wrong device (the mesh; the
+    GPU's capability, two ranks on one GPU, the device passed vs the current one)."""
     problems = []
     if mesh is not None:
         world = dist.get_world_size() if distributed else 1
         problems += [f"mesh: {p}" for p in mesh_problems(mesh, device.type, world)]
-    if distributed and device.type == "cuda" and dist.get_backend() == "nccl":
-        current = torch.cuda.current_device()
-        if device.index is not None and current != device.index:
-            problems.append(
-                f"this rank loads onto {device} but its current CUDA device is cuda:{current}; "
-                f"call torch.cuda.set_device({device.index}) before init_process_group"
-            )
-    return problems
+    return problems + device_problems(device_facts(device, len(plan.fp8) if plan is not None else 0))
 
 
 def _warn_not_strict(plan) -> None:

@@ -11,11 +11,14 @@ shard-dim size, never on its global rank and the world size (``shard_position``)
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_fp8.format.sharding import chunk_rows
 
 HSDP_DIM_NAMES = ("replicate", "shard")
 
@@ -107,16 +110,40 @@ def primary_replica(mesh: DeviceMesh) -> list[int]:
     return lines[0]
 
 
-def shard_position(model: nn.Module) -> tuple[int, int]:
-    """(shard-dim size, this rank's shard coordinate) of a sharded model; (1, 0) if unsharded.
+def mesh_position(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) on ``mesh``; (1, 0) without one.
 
     This, not (world size, rank), says which rows the rank holds and reads: under HSDP the
     ranks at one shard coordinate of different replicas hold the same rows.
     """
-    mesh = model_mesh(model)
     if mesh is None:
         return 1, 0
     return mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+
+
+def shard_position(model: nn.Module) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) of a sharded model; (1, 0) if unsharded."""
+    return mesh_position(model_mesh(model))
+
+
+def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
+    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds
+    (``(0, 0)`` for none): ``format.sharding.chunk_rows`` of its shard coordinate.
+
+    Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
+    chunk of this rank's shard coordinate, the same on every replica.
+    """
+    if not isinstance(param, DTensor):
+        return param, 0, (param.shape[0] if param.ndim else 1)
+    *outer, inner = param.placements
+    local = param._local_tensor
+    if inner != Shard(0) or not all(p.is_replicate() for p in outer) or param.ndim == 0:
+        raise NotImplementedError(
+            f"`{name}` is sharded as {param.placements} (local shape {tuple(local.shape)} of "
+            f"{tuple(param.shape)}); only dim-0 sharding (FSDP2's Shard(0)) is loaded"
+        )
+    start, stop = chunk_rows(param.shape[0], *mesh_position(param.device_mesh))
+    return (local, start, stop) if stop > start else (local, 0, 0)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -162,17 +189,41 @@ def fp32_units(model: nn.Module, inside: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each block (resharding after forward), then the root (which does not).
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+) -> nn.Module:
+    """``fully_shard`` each block, then the root, with the ``fully_shard`` options a user passes
+    (torchtitan's ``apply_fsdp`` passes the same): ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``), ``offload_policy`` (``CPUOffloadPolicy``: sharded parameters live in
+    host memory, all-gathered onto the device per unit) and ``reshard_after_forward`` for the blocks
+    (the root keeps FSDP2's own default, which does not reshard it).
 
-    The blocks are wrapped with ``reshard_after_forward=False`` and then set to ``True``: the
-    same behaviour as passing ``True``, without the metadata ``fully_shard`` computes at wrap
-    time for resharding to a smaller group (``reshard_after_forward=<int>``, unused here), which
-    costs a second ``torch.chunk`` of every parameter (bench/setup_cost.py).
+    With ``reshard_after_forward=True`` the blocks are wrapped with ``False`` and then set to
+    ``True``: the same behaviour as passing ``True``, without the metadata ``fully_shard`` computes
+    at wrap time for resharding to a smaller group (``reshard_after_forward=<int>``), which costs a
+    second ``torch.chunk`` of every parameter (bench/setup_cost.py).
     """
+    options = {}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
     units = blocks(model)
     for block in units + fp32_units(model, units):
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        block.set_reshard_after_forward(True, recurse=False)
-    fully_shard(model, mesh=mesh)
+        if reshard_after_forward is True:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, **options)
+            block.set_reshard_after_forward(True, recurse=False)
+        else:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
+
+
+def offloads_to_cpu(offload_policy: OffloadPolicy | None) -> bool:
+    """Whether ``offload_policy`` keeps the sharded parameters in host memory."""
+    return isinstance(offload_policy, CPUOffloadPolicy)

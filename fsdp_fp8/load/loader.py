@@ -9,7 +9,7 @@ an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.load
 the per-tensor scales are filled from memory. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
 If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
-by the agreement timeout, ``fsdp_fp8.load.agreement``), this rank marks the model unusable and
+by the agreement timeout, ``fsdp_fp8.collective``), this rank marks the model unusable and
 raises a ``PeerLostError`` saying so: the model is never left usable after a failed load.
 
 What is read is checked in the same pass, on the rank that read it: the FP8 codes of every
@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import logging
 import resource
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp_fp8.errors import LoadFailedError, ModelUnusableError, PeerLostError, raise_if_problems
+from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, collective_phase, outcome_timeout_s, rank_and_world
+from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import read_schedule, slice_reader
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.sharding import staging_ring
-from fsdp_fp8.load.agreement import DEFAULT_TIMEOUT_S, distributed, exchange, merge_rank_problems, outcome_timeout_s
-from fsdp_fp8.load.fsdp_wrap import shard_position
-from fsdp_fp8.load.meta_build import storage_tensors, tensors_on_meta
+from fsdp_fp8.fp8.codes_check import CodeCheck, nan_code_problems
+from fsdp_fp8.load.fsdp_wrap import local_rows, shard_position
+from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
 from fsdp_fp8.load.staging import StagingRing
 
@@ -56,38 +54,18 @@ class LoadReport:
     tensors: int
     bytes_read: int
     bytes_held: int
-    seconds: float  # the load after ``prepare``: the reads and the agreement on their outcome
+    seconds: float  # after the model is set up: the reads and the agreement on their outcome
     read_seconds: float  # the reads alone: what GB/s is measured over (waiting for peers is not I/O)
     peak_rss_bytes: int
     peak_device_bytes: int | None
     # host time in the FP8 NaN-code check, summed over the reader's workers that run it as reads
     # land (overlapping the other reads), plus the check of staged codes (on CUDA: launching it)
     code_check_seconds: float = 0.0
-    prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache during ``prepare``
+    prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache while the model was set up
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
-
-
-def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
-    """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds.
-
-    Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
-    chunk of this rank's shard coordinate, the same on every replica.
-    """
-    if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        if tuple(shape[1:]) != tuple(param.shape[1:]):
-            raise NotImplementedError(
-                f"`{name}` is sharded as {param.placements} (local shape {tuple(shape)} of "
-                f"{tuple(param.shape)}); only dim-0 sharding (FSDP2's Shard(0)) is loaded"
-            )
-        local = param._local_tensor
-        rows = shape[0] if len(shape) else 1
-        start = offset[0] if len(offset) and rows else 0
-        return local, start, start + rows
-    return param, 0, (param.shape[0] if param.ndim else 1)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -113,21 +91,37 @@ def _pieces(entry, start: int, stop: int, dest: torch.Tensor, stage_cpu: bool = 
     return [Piece(entry, offset, nbytes, dest_bytes, staged=True)]
 
 
-def _read_pieces(pieces: list[Piece], device: torch.device, progress: LoadProgress, after_read=None) -> list[str]:
+def _read_pieces(
+    pieces: list[Piece],
+    device: torch.device,
+    progress: LoadProgress,
+    after_read=None,
+    *,
+    options: ReadOptions = DEFAULT_READ_OPTIONS,
+    counted: list[int] | None = None,
+) -> list[str]:
     """Every piece read (``read_schedule``), staged ones through one ring; the problems.
-    ``after_read``: run by the reader's workers on bytes read in place (``read_schedule.run``)."""
+    ``after_read``: run by the reader's workers on bytes read in place (``read_schedule.run``);
+    ``counted[0]`` grows by every byte read (this load's own count)."""
     staged = sum(p.nbytes for p in pieces if p.staged)
-    slot, slots = staging_ring(staged, slice_reader.STAGING_BYTES)
+    slot, slots = staging_ring(staged, options.staging_bytes)
     ring = StagingRing(slot, slots, device) if staged else None
-    requests = read_schedule.schedule(pieces, staged_bytes=slot)
-    done = [0]
+    requests = read_schedule.schedule(pieces, request_bytes=options.request_bytes, staged_bytes=slot)
+    done = [0] if counted is None else counted
 
-    def on_read(n: int) -> None:  # finished requests' bytes (the global counter runs ahead of them)
+    def on_read(n: int) -> None:  # finished requests' bytes
         done[0] += n
         progress.update(done[0])
 
     try:
-        problems = read_schedule.run(requests, stage=ring, on_read=on_read, after_read=after_read)
+        problems = read_schedule.run(
+            requests,
+            stage=ring,
+            threads=options.threads,
+            in_flight=options.in_flight,
+            on_read=on_read,
+            after_read=after_read,
+        )
     except BaseException:
         if ring is not None:  # no copy may still read from the ring once it is released...
             try:
@@ -150,244 +144,134 @@ def _named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     raise KeyError(f"`{name}` is neither a parameter nor a buffer of the model (was it changed after planning?)")
 
 
-def nan_code_flag(codes: torch.Tensor) -> torch.Tensor:
-    """0-d bool on ``codes``' device: does any E4M3 code have the NaN pattern S.1111.111?
+@dataclass
+class _Targets:
+    """What ``_targets`` found: the pieces to read, the codes to check on their device, the
+    bytes the targets hold and the device they are on."""
 
-    0x7F is the largest int8 and 0xFF the largest uint8, so two max-reductions over the bytes,
-    with no temporary, find both patterns: a few percent of the read, on the same memory.
-    """
-    u8 = codes.reshape(-1).view(torch.uint8)
-    if u8.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=codes.device)
-    return (u8.amax() == 0xFF) | (u8.view(torch.int8).amax() == 0x7F)
-
-
-def nan_code_count(codes: torch.Tensor) -> int:
-    """How many E4M3 codes have a NaN pattern (0x7F / 0xFF); one flag check first, so the usual
-    answer (none) costs the two max-reductions alone."""
-    if not bool(nan_code_flag(codes)):
-        return 0
-    return int(((codes.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).sum())
+    pieces: list[Piece]
+    staged_codes: list[tuple]
+    held: int
+    device: torch.device
 
 
-def _nan_code_problem(entry, count: int) -> str:
-    return (
-        f"`{entry.key}` in {entry.file} holds {count} FP8 codes that are NaN in E4M3 (0x7F / 0xFF); "
-        "ModelOpt saturates to +-448 and never writes them"
-    )
+def _targets(model: nn.Module, plan, stage_cpu: bool) -> _Targets:
+    """Every read of this rank as pieces; the scales (validated when the checkpoint was opened,
+    never read twice) filled from memory on the way."""
+    found = _Targets([], [], 0, torch.device("cpu"))
+    scales = plan.checkpoint.scales
+    for target in plan.fp8:
+        weight = model.get_submodule(target.module).weight
+        local, start, stop = local_rows(weight, f"{target.module}.weight")
+        mine = _pieces(target.entry.weight, start, stop, local.qdata, stage_cpu)
+        found.pieces += mine
+        local.scale.fill_(scales[target.entry.weight_scale.key])
+        local.act_quant_scale.fill_(scales[target.entry.input_scale.key])
+        found.held += local.qdata.numel() + 8
+        if any(p.staged for p in mine):  # checked on its device after the ring's copies
+            found.staged_codes.append((target.entry.weight, local.qdata))
+        found.device = local.qdata.device
+    for target in plan.tensors:
+        local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
+        if target.entry.key in scales:  # a KV-cache scale: its validated value
+            local.fill_(scales[target.entry.key])
+        else:
+            found.pieces += _pieces(target.entry, start, stop, local, stage_cpu)
+        found.held += local.numel() * local.element_size()
+        found.device = local.device
+    return found
 
 
-class CodeCheck:
-    """The FP8 NaN-code check of the bytes read into host storage, run by the reader's workers
-    on each request as it lands (``read_schedule.run(after_read=...)``): it overlaps the other
-    workers' reads instead of adding a pass over every weight after the last read."""
+@dataclass(frozen=True)
+class RowsRead:
+    """What one rank's reads did (``read_rows``)."""
 
-    def __init__(self, fp8_entries):
-        self.entries = {e.key: e for e in fp8_entries}
-        self.counts: dict[str, int] = {}
-        self.seconds = 0.0  # summed over the workers
-        self._lock = threading.Lock()
-
-    def __call__(self, request, buffers) -> None:
-        t0 = time.perf_counter()
-        found = {}
-        for piece, buf in zip(request.pieces, buffers):
-            if piece.entry.key in self.entries:
-                found[piece.entry.key] = found.get(piece.entry.key, 0) + nan_code_count(
-                    torch.frombuffer(buf, dtype=torch.uint8)
-                )
-        with self._lock:
-            for key, n in found.items():
-                self.counts[key] = self.counts.get(key, 0) + n
-            self.seconds += time.perf_counter() - t0
-
-    def problems(self) -> list[str]:
-        return [_nan_code_problem(self.entries[k], n) for k, n in sorted(self.counts.items()) if n]
+    bytes_held: int
+    tensors: int
+    bytes_read: int  # this load's bytes, counted by its own reads (never another load's)
+    read_seconds: float
+    code_check_seconds: float
 
 
-def _nan_code_problems(checks: list[tuple]) -> list[str]:
-    """The check of codes read through the staging ring, on the device that holds them after the
-    ring's copies: (entry, codes) pairs, one sync for all of them."""
-    if not checks or checks[0][1].is_meta:  # (meta: no bytes to check; tests stand in a meta model)
-        return []
-    flags = [nan_code_flag(codes) for _, codes in checks]
-    if not bool(torch.stack(flags).any()):
-        return []
-    return [_nan_code_problem(entry, nan_code_count(codes)) for (entry, codes), flag in zip(checks, flags) if flag]
-
-
-def _load_local(model: nn.Module, plan, *, stage_cpu: bool = False) -> tuple[int, int, float]:
-    """Every read this rank does; returns (bytes held by the targets, number of tensors, seconds
-    spent in the FP8 code check). ``stage_cpu`` stages CPU destinations too (tests)."""
-    held, checked_s, pieces, staged_codes = 0, 0.0, [], []
+def _load_local(
+    model: nn.Module, plan, *, options: ReadOptions = DEFAULT_READ_OPTIONS, stage_cpu: bool = False
+) -> RowsRead:
+    """Every read this rank does, then the FP8 code check and the changed-file check; raises the
+    problems once. ``stage_cpu`` stages CPU destinations too (tests)."""
+    t_read = time.perf_counter()
     in_place = CodeCheck(t.entry.weight for t in plan.fp8)
-    scales = plan.checkpoint.scales  # validated when the checkpoint was opened: never read twice
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, _ = rank_and_world()
     shards, shard = shard_position(model)  # what this rank reads: its shard coordinate's rows (HSDP too)
     progress = LoadProgress(plan.load_bytes(shards, shard), enabled=rank == 0)
-    device = torch.device("cpu")
+    counted = [0]
     with torch.no_grad():
-        for target in plan.fp8:
-            weight = model.get_submodule(target.module).weight
-            local, start, stop = local_rows(weight, f"{target.module}.weight")
-            mine = _pieces(target.entry.weight, start, stop, local.qdata, stage_cpu)
-            pieces += mine
-            local.scale.fill_(scales[target.entry.weight_scale.key])
-            local.act_quant_scale.fill_(scales[target.entry.input_scale.key])
-            held += local.qdata.numel() + 8
-            if any(p.staged for p in mine):  # checked on its device after the ring's copies
-                staged_codes.append((target.entry.weight, local.qdata))
-            device = local.qdata.device
-        for target in plan.tensors:
-            local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
-            if target.entry.key in scales:  # a KV-cache scale: its validated value
-                local.fill_(scales[target.entry.key])
-            else:
-                pieces += _pieces(target.entry, start, stop, local, stage_cpu)
-            held += local.numel() * local.element_size()
-            device = local.device
+        found = _targets(model, plan, stage_cpu)
         try:
-            problems = _read_pieces(pieces, device, progress, after_read=in_place)
+            problems = _read_pieces(
+                found.pieces, found.device, progress, after_read=in_place, options=options, counted=counted
+            )
         finally:
             progress.close()  # a failed read ends the bar's line too
         t0 = time.perf_counter()
         if not problems:  # (bytes a failed read left unwritten are not the file's: nothing to check)
-            problems += in_place.problems() + _nan_code_problems(staged_codes)
-        checked_s += in_place.seconds + time.perf_counter() - t0
+            problems += in_place.problems() + nan_code_problems(found.staged_codes)
+        checked_s = in_place.seconds + time.perf_counter() - t0
     problems += plan.checkpoint.changed_files()
     raise_if_problems(problems, "what this rank read")
-    return held, len(plan.fp8) + len(plan.tensors), checked_s
+    return RowsRead(found.held, len(plan.fp8) + len(plan.tensors), counted[0], time.perf_counter() - t_read, checked_s)
 
 
-def mark_unusable(model: nn.Module, reason: str) -> None:
-    """No module of ``model`` may compute again, and its storage is released.
-
-    Every module (not only the root: a submodule called directly would compute on partly
-    filled weights) refuses both ``module(...)`` and ``module.forward(...)``; the refusal is
-    a prepended pre-hook so it runs before FSDP2's own (lazy init, then an all-gather with
-    peers that may be gone). Parameters and buffers, FP8 codes and scales included, have their
-    storage resized to zero: nothing half-loaded stays in memory.
-    """
-    message = f"this model did not finish loading and must not be used: {reason}"
-
-    def refuse_hook(module, args):
-        raise ModelUnusableError(message)
-
-    def refuse(*args, **kwargs):
-        raise ModelUnusableError(message)
-
-    for module in model.modules():
-        module.register_forward_pre_hook(refuse_hook, prepend=True)
-        module.forward = refuse
-        module.fsdp_fp8_unusable = reason
-    for tensor in [*model.parameters(), *model.buffers()]:
-        for t in storage_tensors(tensor):
-            if not t.is_meta:
-                try:
-                    t.untyped_storage().resize_(0)
-                except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
-                    pass
+def read_rows(model: nn.Module, plan, options: ReadOptions = DEFAULT_READ_OPTIONS) -> RowsRead:
+    """This rank's rows of every tensor ``plan`` names, read into ``model``'s local storage
+    (swapped, sharded and materialized: nothing may be on meta). Local: no collective; run it
+    inside a ``collective_phase`` so a failure here reaches every rank."""
+    on_meta = tensors_on_meta(model)
+    if on_meta:
+        raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")
+    rows = _load_local(model, plan, options=options)
+    left = tensors_on_meta(model)
+    assert not left, left
+    return rows
 
 
-def _agree(ok: bool, message: str, timeout_s: float) -> list[tuple[int, str]]:
-    """Every rank's failure (rank, message); a single process just reports its own."""
-    if not distributed():
-        return [] if ok else [(dist.get_rank() if dist.is_initialized() else 0, message)]
-    gathered = exchange(
-        (dist.get_rank(), ok, message), timeout_s=timeout_s, stage="agreement on the outcome of the load", context=""
-    )
-    return [(rank, msg) for rank, rank_ok, msg in gathered if not rank_ok]
-
-
-def _prepare_while_prefetching(prepare, plan, shards: int, shard: int) -> int:
-    """Run ``prepare`` while a background thread hints this rank's first
-    ``read_schedule.prefetch_budget()`` bytes to the page cache; the bytes hinted. The rows are
-    the ``torch.chunk`` rows of shard coordinate ``shard`` of ``shards`` (the model is not sharded
-    yet); a hint for other rows would cost page cache, never a wrong byte."""
-    budget = read_schedule.prefetch_budget()
-    if budget <= 0:
-        prepare()
-        return 0
-    prefetch = read_schedule.Prefetch(read_schedule.prefetch_ranges(plan.rank_ranges(shards, shard), budget))
-    try:
-        prepare()
-    finally:
-        hinted = prefetch.stop()
-    return hinted
-
-
-def load_checkpoint(
-    model: nn.Module,
-    plan,
-    *,
-    prepare=None,
-    timeout_s: float | None = None,
-    position: tuple[int, int] | None = None,
-) -> LoadReport:
-    """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
-    which names the checkpoint and every entry to read.
-
-    Collective when a process group is up (on the agreement's gloo side group). On any rank's
-    failure every rank raises the same error and no module of the model computes again
-    (``mark_unusable``). ``prepare``, if given, runs first inside that agreement (``load_model``
-    passes the swap, ``fully_shard`` and ``to_empty``, so a rank failing there fails every rank
-    too). ``timeout_s``: how long a rank waits for the slowest peer's outcome; default
-    ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast over the
-    shard-dim size (``fsdp_wrap.shard_size``). ``position``: (shard-dim size, this rank's shard
-    coordinate) the model will have after ``prepare``, whose rows a prefetch hints
-    (``read_schedule.PREFETCH_BYTES``) and whose forecast sizes the default timeout; default:
-    what the model has now, (world size, rank) before ``prepare`` shards it (a 1-D mesh). An HSDP
-    caller passing ``prepare`` passes it (``load_model`` does).
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    read_before = slice_reader.bytes_read()
-    t0 = time.perf_counter()
-    shards, shard = position or ((world, rank) if prepare is not None else shard_position(model))
-    if timeout_s is None:
-        timeout_s = outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)
-    ok, message, held, count, read_s, checked_s, prefetched = True, "", 0, 0, 0.0, 0.0, 0
-    try:
-        if prepare is not None:
-            prefetched = _prepare_while_prefetching(prepare, plan, shards, shard)
-            read_before, t0 = slice_reader.bytes_read(), time.perf_counter()
-        on_meta = tensors_on_meta(model)
-        if on_meta:
-            raise RuntimeError(f"materialize the model before loading; still on meta: {on_meta[:5]}")
-        t_read = time.perf_counter()
-        held, count, checked_s = _load_local(model, plan)
-        read_s = time.perf_counter() - t_read
-        left = tensors_on_meta(model)
-        assert not left, left
-    except Exception as exc:  # every rank must learn of it: re-raised below after agreement
-        ok, message = False, f"{type(exc).__name__}: {exc}"
-        log.error("rank %d: load failed: %s", rank, message)
-    try:
-        failures = _agree(ok, message, timeout_s)
-    except PeerLostError as exc:  # a peer died, failed, or was slower than the timeout
-        reason = str(exc)
-        if not ok:
-            reason = f"rank {rank}: {message}; {reason}"
-        mark_unusable(model, reason)
-        raise PeerLostError(f"checkpoint load failed: {reason}") from exc
-    if failures:
-        problems = merge_rank_problems(failures, world)
-        mark_unusable(model, "; ".join(problems))
-        raise LoadFailedError(problems, f"checkpoint load failed on {len(failures)} of {world} ranks")
-    device_peak = (
-        torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
+def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0) -> LoadReport:
+    """The ``LoadReport`` of a load whose reads did ``rows`` and that took ``seconds``."""
+    rank, world = rank_and_world()
+    device_peak = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this process's own device
+        device_peak = torch.cuda.max_memory_allocated(torch.cuda.current_device())
     return LoadReport(
         rank=rank,
         world_size=world,
         fp8_linears=len(plan.fp8),
-        tensors=count,
-        bytes_read=slice_reader.bytes_read() - read_before,
-        bytes_held=held,
-        seconds=time.perf_counter() - t0,
-        read_seconds=read_s,
+        tensors=rows.tensors,
+        bytes_read=rows.bytes_read,
+        bytes_held=rows.bytes_held,
+        seconds=seconds,
+        read_seconds=rows.read_seconds,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         peak_device_bytes=device_peak,
-        code_check_seconds=checked_s,
+        code_check_seconds=rows.code_check_seconds,
         prefetch_bytes=prefetched,
     )
+
+
+def load_checkpoint(
+    model: nn.Module, plan, *, timeout_s: float | None = None, options: ReadOptions = DEFAULT_READ_OPTIONS
+) -> LoadReport:
+    """Fill a swapped, sharded and materialized model following ``plan`` (from ``plan_load``),
+    which names the checkpoint and every entry to read: ``read_rows`` in one
+    ``collective_phase``.
+
+    Collective when a process group is up (on the agreement's gloo side group). On any rank's
+    failure every rank raises the same error and no module of the model computes again
+    (``mark_unusable``). ``timeout_s``: how long a rank waits for the slowest peer's outcome;
+    default ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast
+    over the model's shard-dim size (``fsdp_wrap.shard_position``).
+    """
+    if timeout_s is None:
+        timeout_s = outcome_timeout_s(plan, shard_position(model)[0], DEFAULT_TIMEOUT_S)
+    t0 = time.perf_counter()
+    with collective_phase(model, "load", timeout_s, failed="checkpoint load failed"):
+        rows = read_rows(model, plan, options)
+    return load_report(rows, plan, time.perf_counter() - t0)

@@ -1,7 +1,8 @@
 """Build a model on the meta device with real buffers, then materialize it on a device.
 
 Parameters go to meta as they are registered and their initializers are skipped (a
-Super-class model would otherwise spend minutes filling weights we overwrite). Buffers
+Super-class model would otherwise spend minutes filling weights we overwrite), for the calling
+thread only and only inside the block (``meta_init``). Buffers
 stay real: non-persistent ones (rotary ``inv_freq``, ...) are in no checkpoint, and
 ``to_empty`` would leave garbage in them, so ``materialize`` puts them back. This is the
 idea behind accelerate's ``init_empty_weights(include_buffers=False)``. ``materialize``
@@ -11,10 +12,14 @@ also keeps tied parameters tied, which ``to_empty`` alone does not.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from fsdp_fp8.collective.unusable import storage_tensors  # noqa: F401 - one definition, used here too
 
 _INIT_FUNCTIONS = (
     "uniform_",
@@ -34,26 +39,70 @@ _INIT_FUNCTIONS = (
 )
 
 
-@contextlib.contextmanager
-def meta_init() -> Iterator[None]:
-    """Inside this block every new parameter lives on meta; buffers are built for real."""
+_inside = threading.local()  # .depth: how deep this thread is in meta_init blocks
+_installed = {"count": 0}  # threads inside meta_init now; the wrappers are in place while > 0
+_install_lock = threading.Lock()
+_originals: dict = {}
+
+
+def _building_on_meta() -> bool:
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _install() -> None:
+    """Put the wrappers in place (the first thread to enter). Each wrapper does the original's
+    work unless *its calling thread* is inside ``meta_init``: another thread building a model
+    meanwhile gets real, initialized parameters."""
     register = nn.Module.register_parameter
+    _originals["register_parameter"] = register
 
     def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
+        if param is not None and param.device.type != "meta" and _building_on_meta():
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    def skipping(fn):
+        @functools.wraps(fn)
+        def init(tensor, *args, **kwargs):
+            return tensor if _building_on_meta() else fn(tensor, *args, **kwargs)
+
+        return init
+
     nn.Module.register_parameter = register_on_meta
     for name in _INIT_FUNCTIONS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        _originals[name] = getattr(nn.init, name)
+        setattr(nn.init, name, skipping(_originals[name]))
+
+
+def _uninstall() -> None:
+    nn.Module.register_parameter = _originals.pop("register_parameter")
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, _originals.pop(name))
+
+
+@contextlib.contextmanager
+def meta_init() -> Iterator[None]:
+    """Inside this block every new parameter this thread makes lives on meta and its
+    initializer is skipped; buffers are built for real.
+
+    Scoped to the block and to the calling thread: ``nn.Module.register_parameter`` and the
+    ``nn.init`` initializers are wrapped only while some thread is inside a ``meta_init`` block
+    (the originals are back when the last one leaves), and the wrappers act only for threads
+    inside one.
+    """
+    with _install_lock:
+        if _installed["count"] == 0:
+            _install()
+        _installed["count"] += 1
+    _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+        _inside.depth -= 1
+        with _install_lock:
+            _installed["count"] -= 1
+            if _installed["count"] == 0:
+                _uninstall()
 
 
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,15 +152,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         module = model.get_submodule(module_name)
         module._buffers[buf_name] = value.to(device)
     _retie(model, ties)
-
-
-def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``tensor``'s data on this rank: a DTensor's local shard, and a
-    tensor subclass's inner tensors (FP8 codes and scales)."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    if hasattr(local, "__tensor_flatten__"):
-        return [getattr(local, n) for n in local.__tensor_flatten__()[0]]
-    return [local]
 
 
 def tensors_on_meta(model: nn.Module) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,8 +21,9 @@ import torch.nn as nn
 from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.sharding import RankForecast, chunk_rows, entry_rank_bytes, rank_forecast
+from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast, rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ class LoadPlan:
 
     def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
         """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into
-        an accelerator (``staging_bytes`` defaults to ``slice_reader.STAGING_BYTES``)."""
+        an accelerator (``staging_bytes`` defaults to ``ReadOptions().staging_bytes``)."""
         if staging_bytes is None:
-            staging_bytes = slice_reader.STAGING_BYTES  # read at call time: tests and users may change it
+            staging_bytes = DEFAULT_READ_OPTIONS.staging_bytes
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
         return rank_forecast(
             fp8,
@@ -105,10 +106,7 @@ class LoadPlan:
         parameter, buffers whole): what the load will read, known before the model is sharded."""
         out, whole = [], self.replicated
         for entry in self.read_entries():
-            if entry.shape and entry.key not in whole:
-                start, stop = chunk_rows(entry.shape[0], world_size, rank)
-            else:
-                start, stop = 0, entry.shape[0] if entry.shape else 1
+            start, stop = rank_rows(entry.shape, world_size, rank, replicated=entry.key in whole)
             offset, nbytes = slice_reader.row_range(entry, start, stop)
             out.append((entry, offset, nbytes))
         return out
@@ -138,6 +136,148 @@ def _fused_experts(target: str, modules: dict[str, nn.Module]) -> str | None:
     return match["experts"] if any(p.ndim == 3 for p in holder.parameters(recurse=False)) else None
 
 
+def _dtype_fix(mismatches: list[tuple[torch.dtype, torch.dtype]]) -> str:
+    """How to fix the dtype refusals at once, said once when there are several (a model built
+    in another dtype: every high-precision tensor is refused, and one fix covers them all)."""
+    if len(mismatches) < 2:
+        return ""
+    wanted = max({c for c, _ in mismatches}, key=[c for c, _ in mismatches].count)
+    built = sorted({str(m) for _, m in mismatches})
+    return (
+        f"; to fix all {len(mismatches)} dtype refusals: build the model in the checkpoint's dtype "
+        f"({wanted}, not {', '.join(built)}: e.g. `model.to({wanted})` in model_fn, or `torch_dtype={wanted}` "
+        "for a transformers / diffusers class), or pass model_fn=None to build the class config.json names"
+    )
+
+
+@dataclass
+class _Planning:
+    """What ``plan_load`` collects while it walks the checkpoint (every list grows, nothing raises)."""
+
+    checkpoint: Checkpoint
+    key_map: Callable[[str], str | None]
+    modules: dict[str, nn.Module]
+    state: dict[str, torch.Tensor]  # parameters and persistent buffers
+    owner: dict[int, str] = field(default_factory=dict)  # id(model tensor) -> checkpoint key; catches ties
+    problems: list[str] = field(default_factory=list)
+    dtype_mismatches: list[tuple[torch.dtype, torch.dtype]] = field(default_factory=list)  # (checkpoint, model)
+    dtype_problem_at: list[int] = field(default_factory=list)  # where in ``problems`` each refusal is
+    fp8: list[Fp8Target] = field(default_factory=list)
+    tensors: list[TensorTarget] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    kv_unused: list[str] = field(default_factory=list)
+    fused: dict[str, list[str]] = field(default_factory=dict)  # experts module -> per-expert FP8 weights
+
+    def claim(self, model_key: str, ckpt_key: str) -> bool:
+        tensor_id = id(self.state[model_key])
+        if tensor_id in self.owner:
+            self.problems.append(f"`{ckpt_key}` and `{self.owner[tensor_id]}` both map to model `{model_key}`")
+            return False
+        self.owner[tensor_id] = ckpt_key
+        return True
+
+    def fp8_linear(self, name: str, m) -> None:
+        """One checkpoint FP8 linear: a target, or why not."""
+        own_keys = [m.weight.key, m.weight_scale.key, m.input_scale.key]
+        where = f"`{m.weight.key}` in {m.weight.file}"
+        mapped = self.key_map(m.weight.key)
+        if mapped is None:
+            self.skipped.extend(own_keys)
+            return
+        if not mapped.endswith(".weight"):
+            self.problems.append(f"{where} maps to `{mapped}`, which is not a `.weight`")
+            return
+        target = mapped[: -len(".weight")]
+        module = self.modules.get(target)
+        if module is None and (experts := _fused_experts(target, self.modules)) is not None:
+            self.fused.setdefault(experts, []).append(m.weight.key)
+            return
+        if module is None:
+            self.unexpected.extend(own_keys)
+            return
+        problem = _linear_problem(where, target, module)
+        if problem:
+            self.problems.append(problem)
+            return
+        expected = (module.out_features, module.in_features)
+        if m.weight.shape != expected or tuple(module.weight.shape) != expected:
+            self.problems.append(
+                f"{where} has shape {m.weight.shape} but the model expects {expected} for `{target}.weight`"
+            )
+        if (m.bias is None) != (module.bias is None):
+            has = "has" if m.bias is not None else "has no"
+            self.problems.append(
+                f"{where}: the checkpoint {has} `{name}.bias` but model `{target}` "
+                f"{'has no' if module.bias is None else 'has a'} bias"
+            )
+        if self.claim(mapped, m.weight.key):
+            self.fp8.append(Fp8Target(target, m, module.out_features, module.in_features, module.weight.dtype))
+
+    def tensor(self, key: str, entry: TensorEntry) -> None:
+        """One high-precision tensor or KV-cache scale: a target, or why not."""
+        mapped = self.key_map(key)
+        if mapped is None:
+            self.skipped.append(key)
+            return
+        if mapped not in self.state:
+            (self.kv_unused if key in self.checkpoint.kv_scales else self.unexpected).append(key)
+            return
+        have = self.state[mapped]
+        where = f"`{key}` in {entry.file}"
+        if entry.shape != tuple(have.shape):
+            self.problems.append(
+                f"{where} has shape {entry.shape} but the model expects {tuple(have.shape)} for `{mapped}`"
+            )
+        if entry.torch_dtype != have.dtype:
+            self.problems.append(
+                f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
+                f"{have.dtype}; refusing to cast silently"
+            )
+            self.dtype_mismatches.append((entry.torch_dtype, have.dtype))
+            self.dtype_problem_at.append(len(self.problems) - 1)
+        if self.claim(mapped, key):
+            self.tensors.append(TensorTarget(mapped, entry, replicated=not isinstance(have, nn.Parameter)))
+
+    def fused_problems(self) -> list[str]:
+        found = []
+        for experts, keys in sorted(self.fused.items()):
+            holder = self.modules[experts]
+            params = ", ".join(f"`{n}` {tuple(p.shape)}" for n, p in holder.named_parameters(recurse=False))
+            found.append(
+                f"{len(keys)} per-expert FP8 linears (`{keys[0]}`, ...) in the checkpoint, but model module "
+                f"`{experts}` is a {type(holder).__name__} with fused expert parameters {params}: per-expert "
+                "static-FP8 weights each carry their own scale and cannot be loaded into fused tensors; "
+                "refusing rather than loading the model without its experts"
+            )
+        return found
+
+    def kv_scale_problems(self, strict_kv_scales: bool) -> list[str]:
+        if not self.kv_unused:
+            return []
+        what = (
+            f"{len(self.kv_unused)} FP8 KV-cache scales (`{self.kv_unused[0]}`, ...) are in the checkpoint but "
+            "the model has no tensor for them (its attention does not quantize the KV cache)"
+        )
+        if strict_kv_scales:
+            return [f"{what}; refusing under strict_kv_scales"]
+        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank plans: one says it
+            logger.warning("%s: present but unused; the KV cache stays in the model dtype", what)
+        return []
+
+
+def _linear_problem(where: str, target: str, module: nn.Module) -> str | None:
+    """Why model module ``target`` cannot take an FP8 weight (already quantized, not a Linear)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and _quantized(weight):
+        return (
+            f"{where}: model module `{target}` is already quantized (weight is {type(weight).__name__} {weight.dtype})"
+        )
+    if not isinstance(module, nn.Linear):
+        return f"{where}: model module `{target}` is a {type(module).__name__}, not an nn.Linear"
+    return None
+
+
 def plan_load(
     checkpoint: Checkpoint,
     model: nn.Module,
@@ -154,120 +294,33 @@ def plan_load(
     linears that meet fused 3-D expert parameters are always refused: loading the rest
     would leave the experts empty.
     """
-    key_map = key_map or (lambda key: key)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
-    owner: dict[int, str] = {}  # id(model tensor) -> checkpoint key filling it; catches tied weights too
-    problems: list[str] = []
-    fp8: list[Fp8Target] = []
-    tensors: list[TensorTarget] = []
-    unexpected: list[str] = []
-    skipped: list[str] = []
-    kv_unused: list[str] = []
-    fused: dict[str, list[str]] = {}  # model experts module -> per-expert FP8 checkpoint weights
-
-    def claim(model_key: str, ckpt_key: str) -> bool:
-        tensor_id = id(state[model_key])
-        if tensor_id in owner:
-            problems.append(f"`{ckpt_key}` and `{owner[tensor_id]}` both map to model `{model_key}`")
-            return False
-        owner[tensor_id] = ckpt_key
-        return True
-
+    p = _Planning(
+        checkpoint,
+        key_map or (lambda key: key),
+        dict(model.named_modules(remove_duplicate=False)),
+        model.state_dict(keep_vars=True),
+    )
     for name, m in sorted(checkpoint.fp8_modules.items()):
-        own_keys = [m.weight.key, m.weight_scale.key, m.input_scale.key]
-        where = f"`{m.weight.key}` in {m.weight.file}"
-        mapped = key_map(m.weight.key)
-        if mapped is None:
-            skipped += own_keys
-            continue
-        if not mapped.endswith(".weight"):
-            problems.append(f"{where} maps to `{mapped}`, which is not a `.weight`")
-            continue
-        target = mapped[: -len(".weight")]
-        module = modules.get(target)
-        if module is None and (experts := _fused_experts(target, modules)) is not None:
-            fused.setdefault(experts, []).append(m.weight.key)
-            continue
-        if module is None:
-            unexpected += own_keys
-            continue
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and _quantized(weight):
-            problems.append(
-                f"{where}: model module `{target}` is already quantized "
-                f"(weight is {type(weight).__name__} {weight.dtype})"
-            )
-            continue
-        if not isinstance(module, nn.Linear):
-            problems.append(f"{where}: model module `{target}` is a {type(module).__name__}, not an nn.Linear")
-            continue
-        expected = (module.out_features, module.in_features)
-        if m.weight.shape != expected or tuple(module.weight.shape) != expected:
-            problems.append(
-                f"{where} has shape {m.weight.shape} but the model expects {expected} for `{target}.weight`"
-            )
-        if (m.bias is None) != (module.bias is None):
-            has = "has" if m.bias is not None else "has no"
-            problems.append(
-                f"{where}: the checkpoint {has} `{name}.bias` but model `{target}` "
-                f"{'has no' if module.bias is None else 'has a'} bias"
-            )
-        if claim(mapped, m.weight.key):
-            fp8.append(Fp8Target(target, m, module.out_features, module.in_features, module.weight.dtype))
-
+        p.fp8_linear(name, m)
     for key, entry in sorted({**checkpoint.high_precision, **checkpoint.kv_scales}.items()):
-        mapped = key_map(key)
-        if mapped is None:
-            skipped.append(key)
-            continue
-        if mapped not in state:
-            (kv_unused if key in checkpoint.kv_scales else unexpected).append(key)
-            continue
-        have = state[mapped]
-        where = f"`{key}` in {entry.file}"
-        if entry.shape != tuple(have.shape):
-            problems.append(f"{where} has shape {entry.shape} but the model expects {tuple(have.shape)} for `{mapped}`")
-        if entry.torch_dtype != have.dtype:
-            problems.append(
-                f"{where} is {entry.dtype} ({entry.torch_dtype}) but model `{mapped}` is "
-                f"{have.dtype}; refusing to cast silently"
-            )
-        if claim(mapped, key):
-            tensors.append(TensorTarget(mapped, entry, replicated=not isinstance(have, nn.Parameter)))
-
-    for experts, keys in sorted(fused.items()):
-        holder = modules[experts]
-        params = ", ".join(f"`{n}` {tuple(p.shape)}" for n, p in holder.named_parameters(recurse=False))
-        problems.append(
-            f"{len(keys)} per-expert FP8 linears (`{keys[0]}`, ...) in the checkpoint, but model module "
-            f"`{experts}` is a {type(holder).__name__} with fused expert parameters {params}: per-expert "
-            "static-FP8 weights each carry their own scale and cannot be loaded into fused tensors; "
-            "refusing rather than loading the model without its experts"
-        )
-    if kv_unused:
-        what = (
-            f"{len(kv_unused)} FP8 KV-cache scales (`{kv_unused[0]}`, ...) are in the checkpoint but the "
-            "model has no tensor for them (its attention does not quantize the KV cache)"
-        )
-        if strict_kv_scales:
-            problems.append(f"{what}; refusing under strict_kv_scales")
-        elif not dist.is_initialized() or dist.get_rank() == 0:  # every rank plans: one says it
-            logger.warning("%s: present but unused; the KV cache stays in the model dtype", what)
-    covered = set(owner)
-    missing = sorted(k for k, v in state.items() if id(v) not in covered)
+        p.tensor(key, entry)
+    if p.dtype_problem_at:  # the fix, once, on the first refusal (one line per problem stays)
+        p.problems[p.dtype_problem_at[0]] += _dtype_fix(p.dtype_mismatches)
+    problems = p.problems + p.fused_problems() + p.kv_scale_problems(strict_kv_scales)
+    covered = set(p.owner)
+    missing = sorted(k for k, v in p.state.items() if id(v) not in covered)
     if strict:
         problems += [f"model `{k}` is not filled by any checkpoint tensor" for k in missing]
         problems += [
-            f"checkpoint tensor `{k}` in {checkpoint.tensors[k].file} has no place in the model" for k in unexpected
+            f"checkpoint tensor `{k}` in {checkpoint.tensors[k].file} has no place in the model" for k in p.unexpected
         ]
     raise_if_problems(problems, f"load plan for {checkpoint.directory}")
     return LoadPlan(
         checkpoint,
-        tuple(fp8),
-        tuple(tensors),
+        tuple(p.fp8),
+        tuple(p.tensors),
         tuple(missing),
-        tuple(sorted(unexpected)),
-        tuple(sorted(skipped)),
-        tuple(sorted(kv_unused)),
+        tuple(sorted(p.unexpected)),
+        tuple(sorted(p.skipped)),
+        tuple(sorted(p.kv_unused)),
     )

@@ -28,7 +28,10 @@ class StagingRing:
     def __init__(self, slot_bytes: int, slots: int, device: torch.device):
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.slot_bytes = slot_bytes
-        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(slots)]
+        # Pinning makes a CUDA context on the *current* device: made on the load's own device, a
+        # ring built before set_device (or for another GPU) does not put a context on GPU 0.
+        with torch.cuda.device(device) if self.cuda else nullcontext():
+            self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(slots)]
         self.views = [slice_reader.writable(b) for b in self.buffers]
         self.events: list = [None] * slots
         self.free = deque(range(slots))

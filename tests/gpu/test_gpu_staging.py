@@ -14,8 +14,8 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     from safetensors.torch import load_file
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.checkpoint import open_checkpoint
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load import loader, staging
     from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
@@ -29,9 +29,10 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
             rings.append(self)
 
     monkeypatch.setattr(loader, "StagingRing", Recorded)
-    monkeypatch.setattr(slice_reader, "STAGING_BYTES", 256 << 10)  # 4 slots of 64 KiB: reused many times
+    options = ReadOptions(staging_bytes=256 << 10)  # 4 slots of 64 KiB: reused many times
     device = torch.device("cuda", 0)
-    loaded = load_model(resolve_architecture(open_checkpoint(path).config).model_fn, path, device=device)
+    model_fn = resolve_architecture(open_checkpoint(path).config).model_fn
+    loaded = load_model(model_fn, path, device=device, read_options=options)
     (ring,) = rings
     assert ring.cuda and ring.stream is not None and all(b.is_pinned() for b in ring.buffers)
     assert ring.nbytes <= 256 << 10 and ring.copies > 4 * len(ring.buffers)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_fp8.checkpoint.plan import persistent_tensors, static_fp8_parts
 from fsdp_fp8.format.sharding import padded_rows
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
 from fsdp_fp8.load.fsdp_wrap import primary_replica
@@ -52,17 +53,6 @@ def _gather_rows(param: DTensor, local: torch.Tensor, dtype: torch.dtype) -> tor
     return full.reshape(-1).view(dtype).reshape(param.shape)
 
 
-def _entries(model: nn.Module):
-    persistent = {
-        f"{m}.{b}" if m else b
-        for m, module in model.named_modules()
-        for b in module._buffers
-        if b not in module._non_persistent_buffers_set
-    }
-    yield from model.named_parameters()
-    yield from ((n, b) for n, b in model.named_buffers() if n in persistent)
-
-
 def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0 gets full CPU tensors under the model's names (FP8 as E4M3 + 0-d F32 scales).
 
@@ -71,19 +61,19 @@ def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in _entries(model):
+    for name, tensor in persistent_tensors(model):
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
         if is_static_fp8(local):
             stem = name.removesuffix(".weight")
-            codes = local.qdata
+            codes, weight_scale, input_scale = static_fp8_parts(local)
             if isinstance(tensor, DTensor):
                 full = _gather_rows(tensor, codes, E4M3)
             else:
                 full = codes.detach().cpu().clone() if rank == 0 else None
             if rank == 0:
                 out[name] = full
-                out[f"{stem}.weight_scale"] = local.scale.detach().reshape(()).cpu().clone()
-                out[f"{stem}.input_scale"] = local.act_quant_scale.detach().reshape(()).cpu().clone()
+                out[f"{stem}.weight_scale"] = weight_scale.detach().cpu().clone()
+                out[f"{stem}.input_scale"] = input_scale.detach().cpu().clone()
             continue
         if isinstance(tensor, DTensor):
             full = _gather_rows(tensor, local.detach(), local.dtype)

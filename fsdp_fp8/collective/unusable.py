@@ -1,0 +1,58 @@
+"""A model whose collective phase failed: no module computes again, its storage is released.
+
+The reason is kept here, in one place (``unusable_reason``), for whoever must refuse such a
+model later (``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_fp8.errors import ModelUnusableError
+
+UNUSABLE_ATTRIBUTE = "fsdp_fp8_unusable"  # the reason, on every module of a refused model
+
+
+def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data on this rank: a DTensor's local shard, and a
+    tensor subclass's inner tensors (FP8 codes and scales)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    if hasattr(local, "__tensor_flatten__"):
+        return [getattr(local, n) for n in local.__tensor_flatten__()[0]]
+    return [local]
+
+
+def unusable_reason(model: nn.Module) -> str | None:
+    """Why ``model`` must not be used (``mark_unusable``), or ``None``."""
+    return getattr(model, UNUSABLE_ATTRIBUTE, None)
+
+
+def mark_unusable(model: nn.Module, reason: str) -> None:
+    """No module of ``model`` may compute again, and its storage is released.
+
+    Every module (not only the root: a submodule called directly would compute on partly
+    filled weights) refuses both ``module(...)`` and ``module.forward(...)``; the refusal is
+    a prepended pre-hook so it runs before FSDP2's own (lazy init, then an all-gather with
+    peers that may be gone). Parameters and buffers, FP8 codes and scales included, have their
+    storage resized to zero: nothing half-loaded stays in memory.
+    """
+    message = f"this model did not finish loading and must not be used: {reason}"
+
+    def refuse_hook(module, args):
+        raise ModelUnusableError(message)
+
+    def refuse(*args, **kwargs):
+        raise ModelUnusableError(message)
+
+    for module in model.modules():
+        module.register_forward_pre_hook(refuse_hook, prepend=True)
+        module.forward = refuse
+        setattr(module, UNUSABLE_ATTRIBUTE, reason)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        for t in storage_tensors(tensor):
+            if not t.is_meta:
+                try:
+                    t.untyped_storage().resize_(0)
+                except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
+                    pass

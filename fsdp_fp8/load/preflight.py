@@ -1,0 +1,114 @@
+"""What is checked before a load touches a process group or a device: whether this process is
+one of several ranks without a process group, and whether its GPU can take the load.
+
+The device checks are a pure function of the device facts (``DeviceFacts``): what the caller
+asked for, what torch and the launcher say, so they are tested on a machine without a GPU by
+handing in the facts of one. Their problems join the agreement before loading, so every rank
+raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+W8A8_CAPABILITY = (8, 9)  # torch._scaled_mm's FP8 GEMM: Ada (sm89), Hopper (sm90) and later
+
+
+def _env_int(env, name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        return default
+
+
+def ensure_process_group(timeout_s: float, env=os.environ) -> bool:
+    """Under a launcher of several ranks (``WORLD_SIZE`` > 1) with no process group yet, set one
+    up as ``launch/infer.py`` does (gloo on CPU; NCCL bound to this rank's GPU, made current,
+    on CUDA); True when it did. Without it every rank would load the whole model, unsharded."""
+    if _env_int(env, "WORLD_SIZE", 1) <= 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", _env_int(env, "LOCAL_RANK", 0) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    if dist.get_rank() == 0:
+        log.warning(
+            "WORLD_SIZE=%s but no process group was set up: fsdp_fp8 initialized one (%s) so the model "
+            "is sharded; call torch.distributed.destroy_process_group() when done",
+            env.get("WORLD_SIZE"),
+            dist.get_backend(),
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What decides whether this rank's GPU can take the load."""
+
+    device: torch.device  # where the load goes (the caller's, or ``default_device()``)
+    current_index: int | None  # torch.cuda.current_device(); None without CUDA
+    capability: tuple[int, int] | None  # of ``device``; None without CUDA
+    visible_devices: int  # torch.cuda.device_count()
+    local_rank: int  # LOCAL_RANK
+    local_world_size: int  # LOCAL_WORLD_SIZE: ranks on this node
+    cuda_visible_devices: str | None  # CUDA_VISIBLE_DEVICES, as the launcher set it
+    fp8_linears: int  # the load's FP8 linears (W8A8 at the policy's native steps)
+    nccl: bool = False  # the default process group is NCCL (its collectives use the current device)
+
+
+def device_facts(device: torch.device, fp8_linears: int, env=os.environ) -> DeviceFacts:
+    """The facts of this process, read from torch and the environment."""
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    index = device.index if device.index is not None else (torch.cuda.current_device() if cuda else None)
+    return DeviceFacts(
+        device=device,
+        current_index=torch.cuda.current_device() if cuda else None,
+        capability=tuple(torch.cuda.get_device_capability(index)) if cuda else None,
+        visible_devices=torch.cuda.device_count() if cuda else 0,
+        local_rank=_env_int(env, "LOCAL_RANK", 0),
+        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        fp8_linears=fp8_linears,
+        nccl=nccl,
+    )
+
+
+def device_problems(facts: DeviceFacts) -> list[str]:
+    """Why this rank's GPU cannot take the load (empty: it can, or the load is not onto CUDA)."""
+    if facts.device.type != "cuda":
+        return []
+    problems = []
+    if facts.fp8_linears and facts.capability is not None and tuple(facts.capability) < W8A8_CAPABILITY:
+        major, minor = facts.capability
+        problems.append(
+            f"{facts.device} has compute capability {major}.{minor}; the {facts.fp8_linears} FP8 linears run "
+            f"W8A8 (torch._scaled_mm) at the step policy's native steps, which needs >= "
+            f"{W8A8_CAPABILITY[0]}.{W8A8_CAPABILITY[1]} (Ada, Hopper or later)"
+        )
+    shared = facts.visible_devices and facts.local_world_size > facts.visible_devices
+    if shared and (facts.visible_devices > 1 or not facts.cuda_visible_devices):
+        problems.append(
+            f"{facts.local_world_size} ranks on this node (LOCAL_WORLD_SIZE) see {facts.visible_devices} "
+            f"GPU(s): LOCAL_RANK % {facts.visible_devices} puts rank {facts.local_rank} on a GPU another rank "
+            f"uses too (NCCL then fails with 'Duplicate GPU'); run one rank per GPU (torchrun "
+            f"--nproc-per-node {facts.visible_devices}) or give each rank its own CUDA_VISIBLE_DEVICES"
+        )
+    index, current = facts.device.index, facts.current_index
+    if facts.nccl and index is not None and current is not None and index != current:
+        problems.append(
+            f"this rank loads onto {facts.device} but its current CUDA device is cuda:{current}; "
+            f"call torch.cuda.set_device({index}) before init_process_group"
+        )
+    return problems
