@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 bench/load_phases.py [--size default]
 
 Phases between barriers: open_checkpoint, meta build, plan, FP8 swap, fully_shard, to_empty
-(materialize), and the rank-slice reads (``loader._load_local``: every pread of this rank,
+(materialize), and the rank-slice reads (``loader.read_rows``: every pread of this rank,
 without the final agreement; the preadv time is summed over the reader's threads). The checkpoint is evicted from the page cache before the reads.
 """
 
@@ -76,7 +76,7 @@ def main() -> int:
 
     slice_reader.preadv_into = timed
     with torch.no_grad():
-        phase("reads", lambda: loader._load_local(model, plan))
+        phase("reads", lambda: loader.read_rows(model, plan))
     slice_reader.preadv_into = real
     phases["  of which in preadv"] = pread[0]
     gathered: list = [None] * dist.get_world_size()

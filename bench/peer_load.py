@@ -109,17 +109,24 @@ class Phases:
 
 # load_model's steps, by the function that runs each (module, name) -> phase. A name a newer
 # tree no longer has is reported as not timed (``phases_missing``), never an error.
-FSDP_FP8_STEPS = [
-    ("fsdp_fp8.load.agreement", "side_group", "side group"),
-    ("fsdp_fp8.format.checkpoint", "open_checkpoint", "open"),
-    ("fsdp_fp8.load.architectures", "resolve_architecture", "resolve architecture"),
-    ("fsdp_fp8.load.plan", "plan_load", "plan"),
-    ("fsdp_fp8.load.agreement", "agree_or_raise", "agreement (plan)"),
-    ("fsdp_fp8.load.swap", "swap_fp8_linears", "swap"),
-    ("fsdp_fp8.load.fsdp_wrap", "shard_model", "fully_shard"),
-    ("fsdp_fp8.load.meta_build", "materialize", "to_empty"),
-    ("fsdp_fp8.load.loader", "_load_local", "reads"),
-    ("fsdp_fp8.load.loader", "_agree", "agreement (outcome)"),
+FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is timed)
+    ("side group", [("fsdp_fp8.collective.group", "side_group"), ("fsdp_fp8.load.agreement", "side_group")]),
+    ("open", [("fsdp_fp8.format.checkpoint", "open_checkpoint")]),
+    ("resolve architecture", [("fsdp_fp8.load.architectures", "resolve_architecture")]),
+    ("plan", [("fsdp_fp8.load.plan", "plan_load")]),
+    (
+        "agreement (plan)",
+        [("fsdp_fp8.collective.agreement", "agree_or_raise"), ("fsdp_fp8.load.agreement", "agree_or_raise")],
+    ),
+    ("start prefetch", [("fsdp_fp8.load.prefetch", "start_prefetch")]),
+    ("swap", [("fsdp_fp8.load.swap", "swap_fp8_linears")]),
+    ("fully_shard", [("fsdp_fp8.load.fsdp_wrap", "shard_model")]),
+    ("to_empty", [("fsdp_fp8.load.meta_build", "materialize")]),
+    ("reads", [("fsdp_fp8.load.loader", "read_rows"), ("fsdp_fp8.load.loader", "_load_local")]),
+    (
+        "agreement (outcome)",
+        [("fsdp_fp8.collective.phase", "agree_on_outcome"), ("fsdp_fp8.load.loader", "_agree")],
+    ),
 ]
 
 
@@ -131,11 +138,16 @@ def instrument_fsdp_fp8(phases: Phases) -> list[str]:
     import importlib
 
     missing = []
-    for module_name, attr, phase in FSDP_FP8_STEPS:
-        try:
-            original = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError):
-            missing.append(f"{module_name}.{attr}")
+    for phase, candidates in FSDP_FP8_STEPS:
+        original = None
+        for module_name, attr in candidates:
+            try:
+                original = getattr(importlib.import_module(module_name), attr)
+                break
+            except (ImportError, AttributeError):
+                continue
+        if original is None:
+            missing.append(phase)
             continue
         wrapper = phases.wrap(phase, original)
         if attr == "resolve_architecture":
@@ -165,25 +177,30 @@ def _no_check(self, request, buffers) -> None:
     return None
 
 
-EXPERIMENTS = {
-    "noprefetch": [("fsdp_fp8.format.read_schedule", "PREFETCH_BYTES", 0)],
-    "threads1": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 1)],
-    "threads2": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 2)],
-    "nocheck": [("fsdp_fp8.load.loader.CodeCheck", "__call__", _no_check)],  # the FP8 NaN-code check off
+EXPERIMENTS = {  # name -> ReadOptions fields, or a patch (owner, attribute, value)
+    "noprefetch": {"prefetch_bytes": 0},
+    "threads1": {"threads": 1},
+    "threads2": {"threads": 2},
+    "nocheck": ("fsdp_fp8.fp8.codes_check", "CodeCheck", "__call__", _no_check),  # the FP8 NaN-code check off
 }
 
 
-def apply_experiments(method: str) -> None:
+def apply_experiments(method: str) -> dict:
+    """Patch this process for the what-ifs of ``method``; the ReadOptions fields it sets."""
     import importlib
 
+    fields: dict = {}
     for name in method.split("+")[1:]:
-        for target, attr, value in EXPERIMENTS[name]:
-            module_name, _, cls = target.rpartition(".") if target.endswith("CodeCheck") else (target, "", "")
-            owner = importlib.import_module(module_name)
-            owner = getattr(owner, cls) if cls else owner
-            if not hasattr(owner, attr):
-                raise AttributeError(f"what-if {name!r}: {target} has no {attr} in this tree")
-            setattr(owner, attr, value)
+        what = EXPERIMENTS[name]
+        if isinstance(what, dict):
+            fields.update(what)
+            continue
+        module_name, owner_name, attr, value = what
+        owner = getattr(importlib.import_module(module_name), owner_name)
+        if not hasattr(owner, attr):
+            raise AttributeError(f"what-if {name!r}: {module_name}.{owner_name} has no {attr} in this tree")
+        setattr(owner, attr, value)
+    return fields
 
 
 def _known(method: str) -> bool:
@@ -275,7 +292,10 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     from fsdp_fp8.load.api import load_model
 
     slice_reader.reset_bytes_read()
-    loaded = load_model(None, directory, device=torch.device("cpu"))
+    from fsdp_fp8.format.read_options import ReadOptions
+
+    options = ReadOptions(**opts.get("_read_fields", {}))
+    loaded = load_model(None, directory, device=torch.device("cpu"), read_options=options)
     return {
         "bytes_asked": slice_reader.bytes_read(),
         "prefetch_bytes": loaded.report.prefetch_bytes,
@@ -455,8 +475,7 @@ def _rank_child(method: str, rank: int, world: int, store: str, directory: str, 
                 "_pieces": floor_span(files, sum(opts["row_bytes"][:rank]), n),
             }
         if method.startswith("fsdp_fp8"):  # the what-ifs and the timed wrappers, outside the block
-            apply_experiments(method)
-            opts = {**opts, "_missing": instrument_fsdp_fp8(phases)}
+            opts = {**opts, "_read_fields": apply_experiments(method), "_missing": instrument_fsdp_fp8(phases)}
         profiler = None
         if opts.get("profile") and rank == 0:
             import cProfile
@@ -627,6 +646,7 @@ PHASE_ORDER = [
     "meta build",
     "plan",
     "agreement (plan)",
+    "start prefetch",
     "swap",
     "fully_shard",
     "to_empty",

@@ -11,7 +11,7 @@ before the first data read scales, and the per-rank forecast the loader will fol
 ``--load`` then runs one rank's load from open to ready as ``load_model`` runs it, in this one
 process, as rank ``--rank`` of ``--world-size`` on a ``fake`` process group, wall time per phase:
 open, meta build, plan, swap, ``shard_model``, ``to_empty`` onto the CPU (the rank's shard for
-real: 8.1 GB for rank 0 of 8 at Super scale) and the rank-slice reads (``loader._load_local``:
+real: 8.1 GB for rank 0 of 8 at Super scale) and the rank-slice reads (``loader.read_rows``:
 every pread of its rows, the holes reading as zeros, and the FP8 NaN-code check). The two
 agreements need live peers and are not run; neither is the prefetch (the page cache holds no
 hole). Refused, with what it would need, when ``MemAvailable`` is below the shard + 1 GiB.
@@ -94,7 +94,8 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
         slice_reader.reset_bytes_read()
         try:
             with torch.no_grad():
-                held, _, checked_s = phase("reads", lambda: loader._load_local(model, plan))
+                rows = phase("reads", lambda: loader.read_rows(model, plan))
+            held, checked_s = rows.bytes_held, rows.code_check_seconds
         finally:  # reading a hole puts a zero page in the page cache: 8 GB of them at Super scale
             for path in directory.glob("*.safetensors"):
                 fd = os.open(path, os.O_RDONLY)
