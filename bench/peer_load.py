@@ -110,16 +110,16 @@ class Phases:
 # load_model's steps, by the function that runs each (module, name) -> phase. A name a newer
 # tree no longer has is reported as not timed (``phases_missing``), never an error.
 FSDP_FP8_STEPS = [
-    ("fsdp_fp8.load.agreement", "side_group", "side group"),
+    ("fsdp_fp8.collective.group", "side_group", "side group"),
     ("fsdp_fp8.format.checkpoint", "open_checkpoint", "open"),
     ("fsdp_fp8.load.architectures", "resolve_architecture", "resolve architecture"),
     ("fsdp_fp8.load.plan", "plan_load", "plan"),
-    ("fsdp_fp8.load.agreement", "agree_or_raise", "agreement (plan)"),
+    ("fsdp_fp8.collective.agreement", "agree_or_raise", "agreement (plan)"),
     ("fsdp_fp8.load.swap", "swap_fp8_linears", "swap"),
     ("fsdp_fp8.load.fsdp_wrap", "shard_model", "fully_shard"),
     ("fsdp_fp8.load.meta_build", "materialize", "to_empty"),
     ("fsdp_fp8.load.loader", "_load_local", "reads"),
-    ("fsdp_fp8.load.loader", "_agree", "agreement (outcome)"),
+    ("fsdp_fp8.collective.phase", "agree_on_outcome", "agreement (outcome)"),
 ]
 
 
@@ -165,10 +165,12 @@ def _no_check(self, request, buffers) -> None:
     return None
 
 
-EXPERIMENTS = {
-    "noprefetch": [("fsdp_fp8.format.read_schedule", "PREFETCH_BYTES", 0)],
-    "threads1": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 1)],
-    "threads2": [("fsdp_fp8.format.read_schedule", "READ_THREADS", 2)],
+READ_OPTIONS: dict = {}  # ReadOptions fields the what-ifs set for this trial's load
+
+EXPERIMENTS = {  # "ReadOptions": a field of the options handed to load_model
+    "noprefetch": [("ReadOptions", "prefetch_bytes", 0)],
+    "threads1": [("ReadOptions", "threads", 1)],
+    "threads2": [("ReadOptions", "threads", 2)],
     "nocheck": [("fsdp_fp8.load.loader.CodeCheck", "__call__", _no_check)],  # the FP8 NaN-code check off
 }
 
@@ -178,6 +180,9 @@ def apply_experiments(method: str) -> None:
 
     for name in method.split("+")[1:]:
         for target, attr, value in EXPERIMENTS[name]:
+            if target == "ReadOptions":
+                READ_OPTIONS[attr] = value
+                continue
             module_name, _, cls = target.rpartition(".") if target.endswith("CodeCheck") else (target, "", "")
             owner = importlib.import_module(module_name)
             owner = getattr(owner, cls) if cls else owner
@@ -272,10 +277,11 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     import torch
 
     from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load.api import load_model
 
     slice_reader.reset_bytes_read()
-    loaded = load_model(None, directory, device=torch.device("cpu"))
+    loaded = load_model(None, directory, device=torch.device("cpu"), read_options=ReadOptions(**READ_OPTIONS))
     return {
         "bytes_asked": slice_reader.bytes_read(),
         "prefetch_bytes": loaded.report.prefetch_bytes,
