@@ -38,7 +38,7 @@ Sections:
 
 ``--dry`` runs every section on the CPU with small shapes (what CI can run); ``--fake-cuda``
 runs the CUDA code paths of ``gemm``, ``step`` and ``allgather`` on fake CUDA tensors
-(bench/fake_cuda.py; torch's fake process group for the all-gather), so CUDA's layout,
+(bench/smoke_fake_cuda.py; torch's fake process group for the all-gather), so CUDA's layout,
 alignment and device rules are checked on a CPU build; there nothing is timed, and the
 sections fake CUDA cannot run say why. The exit code is 1 if any section failed or timed out.
 """
@@ -224,7 +224,7 @@ class Context:
     def place(self, t):
         """A CPU tensor on this context's device (a fake of the same layout under fake CUDA)."""
         if self.fake:
-            from fake_cuda import placed
+            from smoke_fake_cuda import placed
 
             return placed(t, self.device)
         return t.to(self.device)
@@ -846,7 +846,7 @@ SECTIONS = {
 def run_section(name: str, ctx: Context) -> None:
     """Run one section in this process (under fake CUDA when ``ctx.fake``)."""
     if ctx.fake:
-        from fake_cuda import fake_cuda
+        from smoke_fake_cuda import fake_cuda
 
         with fake_cuda():
             SECTIONS[name](ctx)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_smoke  # noqa: E402
-from fake_cuda import basic_getitem, fake_cuda  # noqa: E402
+from smoke_fake_cuda import basic_getitem, fake_cuda  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 
