@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from calibration import bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def dry(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=840,
+        timeout=bound(840),
     )
     return proc, json.loads(out.read_text()) if out.exists() else None
 
