@@ -34,6 +34,7 @@ from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
 from fsdp_fp8.load.fsdp_wrap import device_mesh
 from fsdp_fp8.load.residency import POLICIES, apply_residency
+from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import (
     METHODS,
@@ -247,7 +248,8 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(args, "pipeline", "a diffusers pipeline")
-        report, loaded = run_pipeline(args, path, device, mesh)
+        with watch_peers(stall_s=stall_s_for(args.timeout), what="during the pipeline's load or generation"):
+            report, loaded = run_pipeline(args, path, device, mesh)
         _warn_no_fp8(report["fp8_linears"], path, report)
         return {
             **report,
@@ -316,7 +318,7 @@ def run(args: argparse.Namespace) -> dict:
             log.info("step %d/%d  %s", i + 1, n, "W8A16" if routing.trace[-1] == "a16" else "W8A8")
 
     t1 = time.perf_counter()
-    with AllGatherMeter() as meter:
+    with AllGatherMeter() as meter, watch_peers(stall_s=stall_s_for(args.timeout)):
         latent = sample(
             model,
             prompt_bytes(args.prompt, model.config.vocab_size),
