@@ -193,6 +193,9 @@ import torch, torch.distributed as dist
 
 def _held(model):
     from torch.distributed.tensor import DTensor
+    for module in model.modules():  # FSDP2 keeps the root unsharded after a forward
+        if hasattr(module, "reshard"):
+            module.reshard()
     rows = []
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -278,7 +281,11 @@ def _fill(block_id: str, code: str, ckpt: str, pipeline: str, out: str) -> dict:
         )
         return {"prologue": prologue, "code": code, "shards": True}
     if "quantize_model(" in code:  # one process's own model (runtime PTQ does not shard)
-        prologue = "from fsdp_fp8.models import PRESETS, build_model\nmodel = build_model(PRESETS['tiny'])\n"
+        prologue = (
+            "import dataclasses\nfrom fsdp_fp8.models import PRESETS, build_model, init_weights\n"
+            "config = dataclasses.replace(PRESETS['tiny'], intermediate_size=96)  # FP8 needs 16-aligned\n"
+            "model = init_weights(build_model(config, device='cpu'), seed=0)\n"
+        )
         return {"prologue": prologue, "code": code, "shards": False}
     if "load_model(" in code or "load_pipeline(" in code:
         return {"prologue": _MODEL + "import fsdp_fp8\n", "code": code, "shards": True}
