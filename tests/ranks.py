@@ -25,6 +25,12 @@ every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
 ``init_process_group``, so a collective waiting on a peer that never arrives raises inside
 the rank after that long instead of at gloo's 30-minute default: the tests that check how
 the library reports such a hang use it, the way a launcher should set its own timeout.
+
+Every one of these durations is a reference-machine figure multiplied by
+``calibration.slowdown()`` (tests/calibration.py): on a busy machine the guards wait
+proportionally longer instead of failing a run that is merely slow. The factor is measured
+when the run starts and again while it waits (a machine getting busier moves the deadline
+out); the durations used are in ``results.seconds`` and in every timeout message.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
+
+from calibration import REMEASURE_S, slowdown
 
 # Once a rank fails, the others get this long to report their own failure (gloo notices a
 # dead peer at once, so they usually do) before they are killed.
@@ -65,6 +73,8 @@ class RankResults(list):
 
     exitcodes: list[int | None]
     late_deaths: dict[int, str]
+    pg_timeout: float | None  # the process group's timeout the ranks ran with (scaled)
+    seconds: dict[str, float]  # the scaled timeout and graces the run was judged by
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
@@ -75,6 +85,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     traceback of every rank that raised and the fate of every rank that died or hung.
     ``fn`` must be a module-level function; its return value must be picklable.
     ``pg_timeout``: the process group's timeout in seconds (None: torch's default).
+    ``timeout``, ``pg_timeout`` and the graces are reference-machine seconds, scaled by
+    ``calibration.slowdown()``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -82,6 +94,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     store_dir = tempfile.mkdtemp(prefix="fsdp_fp8-ranks-")
     init_method = Path(store_dir, "store").as_uri()
     ctx = mp.get_context("spawn")
+    factor = slowdown()
+    if pg_timeout is not None:
+        pg_timeout = pg_timeout * factor
     procs: list[mp.process.BaseProcess] = []
     readers: list[mp_connection.Connection] = []
     try:
@@ -97,7 +112,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             writer.close()  # the child holds the only writer: EOF then means it is gone
             procs.append(proc)
             readers.append(reader)
-        return _collect(procs, readers, timeout)
+        results = _collect(procs, readers, timeout, factor)
+        results.pg_timeout = pg_timeout
+        return results
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -108,9 +125,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _collect(procs, readers, timeout: float) -> RankResults:
+def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
     world_size = len(procs)
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     messages: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", value) | ("error", traceback)
     teardown: dict[int, str] = {}  # rank -> traceback of a failed teardown after its result
     exited: dict[int, int | None] = {}
@@ -135,22 +152,27 @@ def _collect(procs, readers, timeout: float) -> RankResults:
     stopped = ""
     while len(exited) < world_size:
         now = time.monotonic()
+        factor = max(factor, slowdown())  # re-measured every REMEASURE_S: a busier machine waits longer
+        deadline = start + timeout * factor
+        fail_grace, lag_grace = FAIL_GRACE_S * factor, LAG_GRACE_S * factor
         finished = {r for r in range(world_size) if r in messages or r in exited}
         failed = {r for r in finished if r not in messages or messages[r][0] == "error"}
         if failed and first_failure is None:
             first_failure = now
         stop_at = deadline
         if first_failure is not None:
-            stop_at = min(stop_at, first_failure + FAIL_GRACE_S)
+            stop_at = min(stop_at, first_failure + fail_grace)
         if last_finish is not None:
-            stop_at = min(stop_at, last_finish + LAG_GRACE_S)
+            stop_at = min(stop_at, last_finish + lag_grace)
         if now >= stop_at:
+            scaled = f" ({{:g}} s on the reference machine x slowdown {factor:.2f}, tests/calibration.py)"
             stopped = (
-                f"the run timed out after {timeout:.1f} s"
+                f"the run timed out after {timeout * factor:.1f} s" + scaled.format(timeout)
                 if now >= deadline
-                else f"it was still running {FAIL_GRACE_S:.0f} s after another rank failed"
+                else f"it was still running {fail_grace:.1f} s after another rank failed" + scaled.format(FAIL_GRACE_S)
                 if first_failure is not None
-                else f"it was still running {LAG_GRACE_S:.0f} s after the last other rank finished"
+                else f"it was still running {lag_grace:.1f} s after the last other rank finished"
+                + scaled.format(LAG_GRACE_S)
             )
             break
         waitables: dict[Any, tuple[str, int]] = {}
@@ -159,7 +181,7 @@ def _collect(procs, readers, timeout: float) -> RankResults:
                 waitables[procs[rank].sentinel] = ("exit", rank)
             if rank not in eof and rank not in messages:
                 waitables[readers[rank]] = ("message", rank)
-        for ready in mp_connection.wait(list(waitables), timeout=stop_at - now):
+        for ready in mp_connection.wait(list(waitables), timeout=min(stop_at - now, REMEASURE_S)):
             what, rank = waitables[ready]
             if what == "exit":
                 procs[rank].join()
@@ -189,6 +211,7 @@ def _collect(procs, readers, timeout: float) -> RankResults:
 
     results = RankResults(messages[rank][1] for rank in range(world_size))
     results.exitcodes = [exited[rank] for rank in range(world_size)]
+    results.seconds = {"timeout": timeout * factor, "fail_grace": fail_grace, "lag_grace": lag_grace}
     results.late_deaths = {
         rank: f"{_describe_exit(code)} after delivering its result"
         + (f"; teardown failed:\n{teardown[rank]}" if rank in teardown else "")

@@ -178,3 +178,173 @@ def test_the_step_by_step_snippets_run_as_written(tmp_path):
     for name, got in (("gathered", gathered), ("pieces", saved["pieces"]), ("saved", saved["saved"])):
         assert sorted(got) == sorted(source), name
         assert [k for k in source if not torch.equal(got[k], source[k])] == [], name
+
+
+# --- every README and usage.md python block, as written, under torchrun at 2 ranks -------------
+#
+# One torchrun job per block (a program of its own: a block failing on one rank cannot leave
+# the next waiting in a collective), in a namespace holding only what its placeholders stand
+# for (below). Each rank reports whether the block ran, the world size it saw and, for every
+# parameter of the model the block loaded, the rows it holds of the rows the model has.
+
+_RUNNER = r"""
+import json, os, sys, traceback
+import torch, torch.distributed as dist
+
+def _held(model):
+    from torch.distributed.tensor import DTensor
+    for module in model.modules():  # FSDP2 keeps the root unsharded after a forward
+        if hasattr(module, "reshard"):
+            module.reshard()
+    rows = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        inner = getattr(local, "qdata", local)  # an FP8 weight's codes
+        rows.append([name, int(p.shape[0]) if p.dim() else 1, int(inner.shape[0]) if inner.dim() else 1])
+    return rows
+
+blocks, out_dir, index = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
+rank = int(os.environ["RANK"])
+seen = {}
+for block in blocks[index : index + 1]:
+    namespace = {}
+    try:
+        exec(block["prologue"], namespace)
+        exec(block["code"], namespace)
+        loaded = namespace.get("loaded")
+        model = getattr(loaded, "model", None) or namespace.get("model")
+        pipe = namespace.get("pipe")
+        model = pipe.transformer if pipe is not None else model
+        seen[block["id"]] = {
+            "ok": True,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "held": _held(model) if block["shards"] else None,
+        }
+    except BaseException:
+        seen[block["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+json.dump(seen, open(os.path.join(out_dir, f"rank{rank}-block{index}.json"), "w"))
+"""
+
+_GROUP = """
+import os, torch, torch.distributed as dist
+from fsdp_fp8.load.fsdp_wrap import default_mesh
+dist.init_process_group("gloo")
+"""
+_MODEL = """
+from fsdp_fp8.models import MoTConfig, build_model
+MyModel = lambda config: build_model(MoTConfig.from_config_dict(config))
+"""
+
+
+def _doc_blocks() -> list[tuple[str, str]]:
+    return [
+        (f"{path.name}#{n}", block)
+        for path in (ROOT / "README.md", ROOT / "docs" / "usage.md")
+        for n, block in enumerate(_python_blocks(path))
+    ]
+
+
+def _fill(block_id: str, code: str, ckpt: str, pipeline: str, out: str) -> dict:
+    """What each kind of block needs bound, and whether it must shard. A standalone program
+    (``load_model`` / ``load_pipeline`` / ``save_checkpoint`` from the top) gets nothing but its
+    placeholders: it must shard at 2 ranks as written. A fragment continuing the prose above it
+    (the pieces, the step policy, PTQ) gets the state that prose set up."""
+    subs = {
+        '"/path/to/checkpoint"': repr(ckpt),
+        '"/path/to/new"': repr(f"{out}/saved-{block_id}"),
+        '"/path/to/Cosmos3-Nano-fp8"': repr(pipeline),
+        "num_frames=93": "num_frames=1",
+        "height=704": "height=32",
+        "width=1280": "width=32",
+        "num_inference_steps=35": "num_inference_steps=2",
+    }
+    if not __import__("torch").cuda.is_available():  # the snippet's own "or gloo on CPU"
+        subs['init_process_group("nccl")'] = 'init_process_group("gloo")'
+    for old, new in subs.items():
+        code = code.replace(old, new)
+    if "plan_load(" in code:
+        prologue = (
+            _GROUP
+            + _MODEL
+            + (
+                f"import fsdp_fp8\npath = {ckpt!r}\nmesh = default_mesh('cpu')\ndevice = torch.device('cpu')\n"
+                f"out_dir = {out + '/pieces'!r}\n"
+            )
+        )
+        return {"prologue": prologue, "code": code, "shards": True}
+    if "install_step_policy(" in code:
+        prologue = (
+            _GROUP + f"import fsdp_fp8\nloaded = fsdp_fp8.load_model(None, {ckpt!r})\nmodel = loaded.model\nn = 2\n"
+        )
+        return {"prologue": prologue, "code": code, "shards": True}
+    if "quantize_model(" in code:  # one process's own model (runtime PTQ does not shard)
+        prologue = (
+            "import dataclasses\nfrom fsdp_fp8.models import PRESETS, build_model, init_weights\n"
+            "config = dataclasses.replace(PRESETS['tiny'], intermediate_size=96)  # FP8 needs 16-aligned\n"
+            "model = init_weights(build_model(config, device='cpu'), seed=0)\n"
+        )
+        return {"prologue": prologue, "code": code, "shards": False}
+    if "load_model(" in code or "load_pipeline(" in code:
+        return {"prologue": _MODEL + "import fsdp_fp8\n", "code": code, "shards": True}
+    raise AssertionError(f"{block_id}: a python block this test does not know; add its placeholders:\n{code}")
+
+
+@pytest.fixture(scope="module")
+def snippets_under_torchrun(tmp_path_factory):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from calibration import bound
+
+    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
+
+    tmp = tmp_path_factory.mktemp("snippets")
+    ckpt = str(write_mot_checkpoint(tmp / "ckpt"))
+    pipeline = str(demo_checkpoint(tmp / "cache"))
+    blocks = [{"id": i, **_fill(i, code, ckpt, pipeline, str(tmp))} for i, code in _doc_blocks()]
+    (tmp / "blocks.json").write_text(json.dumps(blocks))
+    (tmp / "runner.py").write_text(_RUNNER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(tmp / "cache")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    seen: list[dict] = [{}, {}]
+    for index, block in enumerate(blocks):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(tmp / "runner.py"), str(tmp / "blocks.json"), str(tmp), str(index)]  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=bound(300))
+            tail = proc.stderr[-4000:]
+        except subprocess.TimeoutExpired as exc:  # a rank left waiting in a collective
+            tail = f"torchrun killed after {exc.timeout:.0f} s"
+        for rank in range(2):
+            report = tmp / f"rank{rank}-block{index}.json"
+            fallback = {"ok": False, "error": f"rank {rank} wrote no report:\n{tail}"}
+            seen[rank][block["id"]] = json.loads(report.read_text())[block["id"]] if report.exists() else fallback
+    return {b["id"]: b for b in blocks}, seen
+
+
+@pytest.mark.parametrize("block_id", [i for i, _ in _doc_blocks()])
+def test_every_doc_snippet_runs_and_shards_under_torchrun_at_2_ranks(snippets_under_torchrun, block_id):
+    """Each block ran on both ranks; a block that loads a model saw world size 2 on both ranks,
+    and each rank holds its half of every parameter's rows (``torch.chunk``: ceil(rows / 2) on
+    rank 0, the rest on rank 1), not a whole copy."""
+    blocks, seen = snippets_under_torchrun
+    for rank, by_block in enumerate(seen):
+        got = by_block[block_id]
+        assert got["ok"], f"rank {rank}:\n{got.get('error')}"
+        if not blocks[block_id]["shards"]:
+            continue
+        assert got["world_size"] == 2, f"rank {rank} saw world_size={got['world_size']}: not sharded"
+        assert got["held"], block_id
+        wrong = [
+            (name, rows, held)
+            for name, rows, held in got["held"]
+            if held != (-(-rows // 2) if rank == 0 else rows - -(-rows // 2))
+        ]
+        assert wrong == [], f"rank {rank} holds other than its half of: {wrong[:5]}"

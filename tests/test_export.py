@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration import bound
 from safetensors import safe_open
 
 from fsdp_fp8.cli.demo import DEMO_STEP_POLICY, demo_checkpoint
@@ -243,9 +244,9 @@ def test_demo_checkpoint_concurrent_idempotent_and_self_healing(tmp_path):
     for p in procs:
         p.start()
     try:
-        results = [queue.get(timeout=240) for _ in procs]
+        results = [queue.get(timeout=bound(240)) for _ in procs]
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=bound(60))
             assert p.exitcode == 0
     finally:
         for p in procs:  # never leave a hung process behind a failed test

@@ -23,6 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
+from calibration import bound
 from ckpt_writer import config_json_quant, edit_header, nested_config, read_raw, set_scalar, write_index, write_raw
 from ranks import RanksFailed, run_ranks
 from small_models import HIDDEN, UnevenModel, write_uneven_checkpoint
@@ -421,7 +422,7 @@ def test_hostile_checkpoint_fails_on_every_rank_naming_the_cause(observed, world
         kind, text, found = record["error"]
         assert kind == "CheckpointError", record["error"]
         assert all(n in text for n in HOSTILE[case][1]), (HOSTILE[case][1], text)
-        assert record["seconds"] < FAIL_WITHIN_S, record["seconds"]
+        assert record["seconds"] < bound(FAIL_WITHIN_S), record["seconds"]
         _assert_untouched(record)
         problems.append(found)
     # The same verdict on every rank; every rank found each problem, and it is listed once.
@@ -436,7 +437,7 @@ def test_problem_on_one_rank_fails_every_rank_before_mutation(observed, world):
         verdicts = [r["error"][2] for r in records]
         for record in records:
             assert record["error"][0] == "CheckpointError", record["error"]
-            assert record["seconds"] < FAIL_WITHIN_S
+            assert record["seconds"] < bound(FAIL_WITHIN_S)
             _assert_untouched(record)
         assert all(v == verdicts[0] for v in verdicts), verdicts
         assert verdicts[0] and all(p.startswith("rank 1: ") for p in verdicts[0]), verdicts[0]
@@ -483,7 +484,7 @@ def test_failure_during_load_fails_every_rank_and_leaves_the_model_unusable(obse
         assert kind == "LoadFailedError", record["error"]
         assert text.startswith(f"checkpoint load failed on 1 of {world} ranks: "), text
         assert all(n in text for n in needles), (needles, text)
-        assert record["seconds"] < FAIL_WITHIN_S
+        assert record["seconds"] < bound(FAIL_WITHIN_S)
         assert record["model"]["sharded"] and record["model"]["swapped"]
         _assert_unusable(record)
 
@@ -492,7 +493,7 @@ def test_failure_during_load_fails_every_rank_and_leaves_the_model_unusable(obse
 def test_the_whole_walk_is_fast(observed, world):
     # ~33 load_model calls per rank, most failing: process start-up is the bulk of it
     # (2 ranks ~20-30 s, 4 ranks ~40 s on 2 busy cores); each call is bounded above.
-    assert observed(world)["seconds"] < RUN_TIMEOUT_S, observed(world)["seconds"]
+    assert observed(world)["seconds"] < bound(RUN_TIMEOUT_S), observed(world)["seconds"]
 
 
 # --- a rank killed: every survivor raises, within seconds, and holds no usable model --------
@@ -532,9 +533,10 @@ def test_rank_killed_mid_load(world, checkpoints, tmp_path, monkeypatch):
             )
         ), text
         print(f"world {world}: survivor raised {record['seconds']:.3f} s after calling load_model")
-        assert record["seconds"] < FAIL_WITHIN_S, record["seconds"]  # gloo sees the dead peer: not the pg timeout
+        # gloo sees the dead peer: not the pg timeout
+        assert record["seconds"] < bound(FAIL_WITHIN_S), record["seconds"]
         _assert_unusable(record)
-    assert elapsed < RUN_TIMEOUT_S, elapsed  # spawn included; nobody waited for the pg timeout
+    assert elapsed < bound(RUN_TIMEOUT_S), elapsed  # spawn included; nobody waited for the pg timeout
 
 
 def test_rank_killed_before_agreement(checkpoints, tmp_path, monkeypatch):
@@ -545,5 +547,5 @@ def test_rank_killed_before_agreement(checkpoints, tmp_path, monkeypatch):
     assert kind == "PeerLostError", record["error"]
     assert "could not complete the agreement before loading with the other ranks" in text, text
     assert "rank(s) [1] left before arriving" in text and "nothing was changed" in text, text
-    assert record["seconds"] < FAIL_WITHIN_S, record["seconds"]
+    assert record["seconds"] < bound(FAIL_WITHIN_S), record["seconds"]
     assert record["model"]["all_on_meta"] and not record["model"]["swapped"] and not record["model"]["sharded"]

@@ -21,6 +21,7 @@ from unittest import mock
 
 import pytest
 import torch
+from calibration import bound
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -328,7 +329,7 @@ def test_importing_fsdp_fp8_imports_neither_transformers_nor_diffusers():
         "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('transformers', 'diffusers')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=bound(120))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 

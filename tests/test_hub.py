@@ -114,3 +114,90 @@ def test_verify_and_inspect_take_a_repo_id(hub, capsys):
     assert capsys.readouterr().out.startswith(f"OK: {snapshots['v1']} loads onto cpu as LlamaForCausalLM")
     assert cli.main(["inspect", "acme/tiny-llama"]) == 0
     assert f"checkpoint:      {snapshots['main']}" in capsys.readouterr().out
+
+
+# A hostile cache: names whose revision, ref file or snapshot would lead outside the cache.
+# Each leads (on a resolver that checks nothing) to a complete checkpoint in ``outside/``, so a
+# refusal is the only way such a name does not load it.
+
+
+@pytest.fixture
+def hostile(hub, tmp_path):
+    cache, repo, snapshots = hub
+    outside = tmp_path / "outside"
+    shutil.copytree(FIXTURE, outside)
+    # refs/evil's text names the snapshot; huggingface_hub joins it onto snapshots/ unchecked.
+    (repo / "refs" / "evil").write_text("../../../outside")
+    # refs/pr/1 (a valid ref name with slashes) at a commit whose snapshot links out of the cache.
+    linked = "c" * 40
+    (repo / "refs" / "pr").mkdir()
+    (repo / "refs" / "pr" / "1").write_text(linked)
+    (repo / "snapshots" / linked).symlink_to(outside, target_is_directory=True)
+    # A ref file outside the cache, reached by a revision climbing out of refs/.
+    (tmp_path / "x").write_text("../../../outside")
+    return cache, repo, snapshots, outside
+
+
+@pytest.mark.parametrize(
+    "name, needles",
+    [
+        ("acme/tiny-llama@../../../x", ["'../../../x'", "neither a commit hash nor a valid git ref name", "`..`"]),
+        ("REPO_ROOT@..hidden", ["'..hidden'", "`..`"]),
+        ("acme/tiny-llama@TMP/x", ["TMP/x", "starts or ends with `/`"]),
+        ("acme/tiny-llama@.hidden", ["'.hidden'", "starts with `.`"]),
+        ("acme/tiny-llama@main.lock", ["'main.lock'", "ends with `.lock`"]),
+        ("acme/tiny-llama@evil", ["'evil'", "refs/evil holds '../../../outside', not a commit hash", "TMP/outside"]),
+        ("REPO_ROOT@evil", ["'evil'", "not a commit hash", "led to TMP/outside"]),
+        ("acme/tiny-llama@pr/1", ["'pr/1'", "resolves to TMP/outside", "not a directory inside"]),
+        ("acme/tiny-llama@" + "c" * 40, ["'" + "c" * 40 + "'", "resolves to TMP/outside"]),
+    ],
+)
+def test_a_hub_name_never_leads_outside_the_cache(hostile, tmp_path, name, needles):
+    """Refused naming the name, the revision and where it would have led; nothing outside is
+    opened (a resolver that checks nothing opens ``outside/``, a complete checkpoint)."""
+    _, repo, _, outside = hostile
+    tmp = str(tmp_path.resolve())
+    name = name.replace("REPO_ROOT", str(repo)).replace("TMP", tmp)
+    with pytest.raises(FileNotFoundError) as err:
+        opened = open_checkpoint(name)
+        pytest.fail(f"{name} opened {opened.directory}")
+    message = str(err.value)
+    assert "refused" in message and repr(name) in message, message
+    for needle in needles:
+        assert needle.replace("TMP", tmp) in message, (needle, message)
+
+
+def test_a_valid_ref_name_with_slashes_still_resolves(hostile):
+    """git's rules, not a narrower pattern: ``refs/pr/1``-style names inside the cache load."""
+    _, repo, snapshots, _ = hostile
+    (repo / "refs" / "pr" / "2").write_text(V1)
+    assert open_checkpoint("acme/tiny-llama@pr/2").directory == snapshots["v1"]
+
+
+@pytest.mark.parametrize(
+    "revision, valid",
+    [
+        ("main", True),
+        ("v1.0", True),
+        ("refs/pr/1", True),
+        ("feature/x-y_z", True),
+        ("..", False),
+        ("a/../b", False),
+        ("/abs", False),
+        ("trailing/", False),
+        ("a//b", False),
+        ("a/.b", False),
+        ("a.lock", False),
+        ("end.", False),
+        ("@", False),
+        ("a@{1}", False),
+        ("sp ace", False),
+        ("ti~lde", False),
+        ("back\\slash", False),
+        ("", False),
+    ],
+)
+def test_ref_names_follow_git_check_ref_format(revision, valid):
+    from fsdp_fp8.format.hub import ref_name_problem
+
+    assert (ref_name_problem(revision) is None) == valid, ref_name_problem(revision)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from calibration import bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ def _run(tmp_path, cache, *args, nproc=None, timeout=240):
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     report = tmp_path / f"report-{nproc}.json"
     cmd += [str(ROOT / "launch" / "infer.py"), "--report", str(report), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=bound(timeout))
     return proc, (json.loads(report.read_text()) if report.exists() else None)
 
 

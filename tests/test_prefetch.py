@@ -5,6 +5,7 @@ before the first read; ``inspect`` reports the budget and what each rank would p
 from __future__ import annotations
 
 import pytest
+from calibration import bound
 from ranks import run_ranks
 
 from fsdp_fp8.cli import commands as cli
@@ -67,7 +68,8 @@ def _load(rank: int, world: int, path: str) -> dict:
     try:
         for budget in ("default", 1 << 40, SMALL_BUDGET, 0, "slow"):
             if budget == "slow":  # hints slower than the set-up: stopped part-way, and joined
-                slow[0], prefetch.PREFETCH_CALL_BYTES = 0.05, 1000
+                # Hints slowed with the machine: a busy set-up must not outlast all of them.
+                slow[0], prefetch.PREFETCH_CALL_BYTES = bound(0.05), 1000
             options = ReadOptions(prefetch_bytes={"slow": 1 << 40, "default": default}.get(budget, budget))
             events.clear()
             loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path, read_options=options)

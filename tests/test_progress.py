@@ -85,6 +85,7 @@ def test_a_real_load_shows_the_rank_forecast_and_measures_gb_per_s_over_the_read
 
 
 def _slow_peer(rank: int, world: int, path: str):
+    import os
     import time
 
     from fsdp_fp8 import load_model
@@ -92,10 +93,16 @@ def _slow_peer(rank: int, world: int, path: str):
 
     real, waited = phase.agree_on_outcome, []
 
-    def agree(*args):  # rank 1 reaches the outcome agreement 5 s after its reads
+    flag = f"{path}.rank0-waiting"
+
+    def agree(*args):  # rank 1 reaches the outcome agreement 2 s after rank 0 began to wait
         start = time.perf_counter()
-        if rank == 1:
-            time.sleep(5.0)
+        if rank == 0:
+            open(flag, "w").close()
+        else:  # ordered, not timed: a busy machine cannot give rank 0 a head start of 2 s
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            time.sleep(2.0)
         try:
             return real(*args)
         finally:
@@ -110,7 +117,7 @@ def test_gb_per_s_is_over_the_reads_not_the_wait_for_peers(tmp_path):
 
     path = write_uneven_checkpoint(tmp_path)
     report, waited = run_ranks(_slow_peer, 2, str(path), timeout=120)[0]
-    assert waited > 1.0  # rank 0 did wait for its slow peer (5 s, less any head start)
+    assert waited > 1.0  # rank 0 did wait for its slow peer (2 s after it began waiting)
     assert report.seconds >= waited  # the load's time includes the wait ...
     assert report.read_seconds <= report.seconds - waited  # ... the read time does not
     assert report.gb_per_s == report.bytes_read / report.read_seconds / 1e9

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration import bound
 from ranks import run_ranks
 from torch import nn
 
@@ -314,7 +315,7 @@ def infer(tmp_path, *args, nproc=None):
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     report = tmp_path / "report.json"
     cmd += [str(ROOT / "launch" / "infer.py"), "--report", str(report), "--steps", "2", "--latent-tokens", "8", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=bound(240))
     return proc, (json.loads(report.read_text()) if report.exists() else None)
 
 

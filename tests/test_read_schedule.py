@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from calibration import bound
 from safetensors.torch import save_file
 
 from fsdp_fp8.format import read_schedule, slice_reader
@@ -100,11 +101,13 @@ def test_reads_run_in_parallel_and_in_flight_stays_bounded(shards, monkeypatch):
     now, most, lock = [0], [0], threading.Lock()
     real = read_schedule.read_request
 
+    hold = bound(0.05)  # long enough for the other workers to start, on a busy machine too
+
     def counted(request, buffers):
         with lock:
             now[0] += 1
             most[0] = max(most[0], now[0])
-        time.sleep(0.05)
+        time.sleep(hold)
         with lock:
             now[0] -= 1
         return real(request, buffers)

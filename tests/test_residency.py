@@ -12,6 +12,7 @@ import hashlib
 
 import pytest
 import torch
+from calibration import bound
 from ranks import run_ranks
 
 from fsdp_fp8.export.modelopt import export_fp8
@@ -185,7 +186,7 @@ def _launch(tmp_path, *args):
         str(report),
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=bound(280))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(report.read_text()), proc.stdout
 

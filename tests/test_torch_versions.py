@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration import bound
 from ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _import_with_torch_version(version: str) -> subprocess.CompletedProcess:
     code = f"import torch; torch.__version__ = {version!r}; import fsdp_fp8"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=bound(120))
 
 
 @pytest.mark.parametrize("version", ["2.9.1", "2.9.0a0+git1234", "1.13.1"])

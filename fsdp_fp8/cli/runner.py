@@ -44,6 +44,7 @@ from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
 from fsdp_fp8.load.collectives import AllGatherMeter
 from fsdp_fp8.load.fsdp_wrap import device_mesh
 from fsdp_fp8.load.residency import apply_residency
+from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.runtime.sampler import sample
@@ -127,7 +128,8 @@ def run(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(args, "pipeline", "a diffusers pipeline")
-        fields, loaded = run_pipeline(args, path, device, mesh)
+        with watch_peers(stall_s=stall_s_for(args.timeout), what="during the pipeline's load or generation"):
+            fields, loaded = run_pipeline(args, path, device, mesh)
         job = _job(args, path, device, loaded, fields.pop("load_seconds"))
         return _warn_no_fp8(PipelineReport(**job, **fields), path)
     if args.prompts or args.output:
@@ -198,7 +200,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
             log.info("step %d/%d  %s", i + 1, n, "W8A16" if routing.trace[-1] == "a16" else "W8A8")
 
     t1 = time.perf_counter()
-    with AllGatherMeter() as meter:
+    with AllGatherMeter() as meter, watch_peers(stall_s=stall_s_for(args.timeout)):
         latent = sample(
             model,
             prompt_bytes(args.prompt, model.config.vocab_size),

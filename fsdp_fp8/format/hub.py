@@ -9,6 +9,14 @@ directory exists. The lookup is ``huggingface_hub.snapshot_download(..., local_f
 which reads ``refs/`` and ``snapshots/`` and makes no request; a snapshot that is not in the
 cache is an error saying so. ``huggingface_hub`` comes with ``fsdp_fp8[hf]`` and is imported
 only when a hub name is given.
+
+A name never leads out of the cache. huggingface_hub reads ``refs/<revision>`` as a path and
+takes that file's text as the snapshot's name, checking neither, so both are checked here: the
+revision must be a commit hash or a valid git ref name (git's ``check-ref-format`` rules: no
+``..``, no component starting with ``.``, no leading ``/``), a ref file must hold a commit hash,
+and the snapshot, after resolving symlinks, must be a directory directly inside that
+repository's ``snapshots/``. Anything else is refused naming the name, the revision and where
+it would have led.
 """
 
 from __future__ import annotations
@@ -17,15 +25,46 @@ import os
 import re
 from pathlib import Path
 
-# What the hub accepts as an owner and a repo name ("--" and ".." are refused there too).
-REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?:@(?P<revision>[\w./-]+))?$")
+# What the hub accepts as an owner and a repo name ("--" and ".." are refused below, as there).
+REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?:@(?P<revision>.*))?$")
+COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 _ROOT_PREFIX = "models--"
+# git check-ref-format: no control characters, space, ~ ^ : ? * [ or backslash anywhere.
+_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+
+
+def ref_name_problem(revision: str) -> str | None:
+    """Why ``revision`` is no valid git ref name (git's ``check-ref-format``), or None."""
+    if not revision:
+        return "it is empty"
+    if revision == "@":
+        return "it is `@`"
+    if match := _REF_FORBIDDEN.search(revision):
+        return f"it holds {match.group()!r}"
+    if ".." in revision:
+        return "it holds `..`"
+    if "@{" in revision:
+        return "it holds `@{`"
+    if revision.startswith("/") or revision.endswith("/") or "//" in revision:
+        return "it starts or ends with `/` or holds `//`"
+    if revision.endswith("."):
+        return "it ends with `.`"
+    for component in revision.split("/"):
+        if component.startswith("."):
+            return f"its component {component!r} starts with `.`"
+        if component.endswith(".lock"):
+            return f"its component {component!r} ends with `.lock`"
+    return None
+
+
+class HubNameRefused(FileNotFoundError):
+    """A hub name whose revision, ref or snapshot would lead outside the cache."""
 
 
 def _split_revision(path: Path) -> tuple[Path, str | None]:
     """``.../models--org--name@rev`` -> (``.../models--org--name``, ``rev``)."""
     name, at, revision = path.name.partition("@")
-    if at and name.startswith(_ROOT_PREFIX) and revision:
+    if at and name.startswith(_ROOT_PREFIX):
         return path.with_name(name), revision
     return path, None
 
@@ -41,16 +80,18 @@ def resolve_hub_path(path: str | os.PathLike) -> Path:
     root, revision = _split_revision(candidate)
     if is_repo_root(root) and (root == candidate or not candidate.exists()):
         repo = root.name[len(_ROOT_PREFIX) :].replace("--", "/", 1)
-        return _snapshot(repo, revision, str(root.parent), f"hub cache repo {root}")
+        return _snapshot(repo, revision, str(root.parent), text, f"hub cache repo {root}")
     if candidate.exists():
         return candidate
     match = REPO_ID.match(text)
     if match is None:
         return candidate  # neither a directory nor a repo id: the caller reports it missing
-    return _snapshot(match["repo"], match["revision"], None, f"{text!r} (no such directory; as a hub repo id)")
+    return _snapshot(match["repo"], match["revision"], None, text, f"{text!r} (no such directory; as a hub repo id)")
 
 
-def _snapshot(repo: str, revision: str | None, cache_dir: str | None, what: str) -> Path:
+def _snapshot(repo: str, revision: str | None, cache_dir: str | None, name: str, what: str) -> Path:
+    if revision is not None:
+        _check_revision(name, revision)
     try:
         import huggingface_hub.constants
     except ImportError:
@@ -59,6 +100,8 @@ def _snapshot(repo: str, revision: str | None, cache_dir: str | None, what: str)
             "(pip install 'fsdp_fp8[hf]'), or pass the snapshot directory itself"
         ) from None
     cache = cache_dir or huggingface_hub.constants.HF_HUB_CACHE
+    repo_dir = Path(cache, _ROOT_PREFIX + repo.replace("/", "--"))
+    _check_ref(name, revision or "main", repo_dir)
     wanted = f"{repo}@{revision}" if revision else repo
     try:
         folder = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True)
@@ -68,4 +111,43 @@ def _snapshot(repo: str, revision: str | None, cache_dir: str | None, what: str)
             f"({type(exc).__name__}: {exc}); fsdp_fp8 never downloads: fetch it first "
             f"(e.g. `hf download {repo}{f' --revision {revision}' if revision else ''}`) or set HF_HUB_CACHE"
         ) from None
-    return Path(folder)
+    return _check_snapshot(name, revision or "main", repo_dir, Path(folder))
+
+
+def _check_revision(name: str, revision: str) -> None:
+    if COMMIT_HASH.match(revision):
+        return
+    problem = ref_name_problem(revision)
+    if problem is not None:
+        raise HubNameRefused(
+            f"hub name {name!r}: revision {revision!r} is neither a commit hash nor a valid git ref name "
+            f"({problem}); it could lead outside the cache, so it is refused"
+        )
+
+
+def _check_ref(name: str, revision: str, repo_dir: Path) -> None:
+    """A ref file (``refs/<revision>``) must hold a commit hash: its text names the snapshot."""
+    if COMMIT_HASH.match(revision):
+        return
+    ref = repo_dir / "refs" / revision
+    if not ref.is_file():
+        return  # no such ref: huggingface_hub reports the snapshot missing
+    commit = ref.read_text(errors="replace").strip()
+    if not COMMIT_HASH.match(commit):
+        led = os.path.realpath(repo_dir / "snapshots" / commit) if commit else str(repo_dir / "snapshots")
+        raise HubNameRefused(
+            f"hub name {name!r}: revision {revision!r}: {ref} holds {commit[:200]!r}, not a commit hash; "
+            f"it would have led to {led}, so it is refused"
+        )
+
+
+def _check_snapshot(name: str, revision: str, repo_dir: Path, folder: Path) -> Path:
+    """The snapshot, symlinks resolved, must be a directory directly inside ``snapshots/``."""
+    snapshots = Path(os.path.realpath(repo_dir / "snapshots"))
+    real = Path(os.path.realpath(folder))
+    if real.parent != snapshots or not real.is_dir():
+        raise HubNameRefused(
+            f"hub name {name!r}: revision {revision!r}: the snapshot {folder} resolves to {real}, "
+            f"which is not a directory inside {snapshots}, so it is refused"
+        )
+    return folder

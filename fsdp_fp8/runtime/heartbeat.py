@@ -1,0 +1,198 @@
+"""Stalled peers named: a heartbeat over the job's store while the ranks generate.
+
+A rank that stops answering in the middle of generation (stopped by SIGSTOP, swapped out,
+wedged in a driver call) leaves its peers waiting inside a collective, where the backend
+either waits out the process-group timeout (``--timeout``, ten minutes by default) or, on
+gloo, ends with ``Timed out waiting ... for send operation to complete``, naming no rank.
+Instead, inside ``watch_peers()`` every rank publishes a beat to the default process group's
+store (torchrun's, served by its agent, outside every rank) each ``interval_s``, and watches
+every other rank's beats: a peer whose beat has not changed for ``stall_s`` is named by rank,
+host and pid, and every live rank exits non-zero with that line::
+
+    error (rank 0): rank 1 (host node-3, pid 4242) stopped answering: no heartbeat for 30.4 s
+    during generation (a peer is named after 30 s without one, within 32 s)
+
+The bound: a peer that stops is named within ``stall_s + 2 * interval_s`` (default 30 + 2 s;
+the launcher uses half its ``--timeout`` when that is shorter than 30 s: ``stall_s_for``).
+A rank blocked in a collective cannot raise, so the watcher prints the line and ends the
+process (``os._exit(1)``; torchrun then stops the others). When the collective raises first
+(a peer killed outright closes its connections), ``watch_peers`` waits up to the same bound
+for the beats to say who is gone and raises ``PeerLostError`` naming it, chained to the
+backend's error. A rank that leaves the block normally says so, so a peer that is merely
+ahead is never mistaken for a stalled one. If the store itself stops answering for
+``stall_s``, that is named instead (the store's host is then the one to look at).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Iterator
+
+import torch.distributed as dist
+
+from fsdp_fp8.errors import PeerLostError
+
+DEFAULT_STALL_S = 30.0  # no beat for this long: the peer is named
+DEFAULT_INTERVAL_S = 1.0  # how often each rank beats and looks at the others
+EXIT_CODE = 1
+_PREFIX = "fsdp_fp8/heartbeat"
+_watches = itertools.count()  # every rank enters its watches in the same order
+
+
+def stall_s_for(pg_timeout_s: float) -> float:
+    """The launcher's stall threshold: the default, or half the process-group timeout when
+    that is shorter, so that a stalled peer is named before the transport times out."""
+    return min(DEFAULT_STALL_S, pg_timeout_s / 2)
+
+
+def detection_bound_s(stall_s: float = DEFAULT_STALL_S, interval_s: float = DEFAULT_INTERVAL_S) -> float:
+    """How long after a peer stops it is named, at most."""
+    return stall_s + 2 * interval_s
+
+
+class _Watch:
+    def __init__(self, store, rank: int, world: int, stall_s: float, interval_s: float, what: str) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.stall_s, self.interval_s, self.what = stall_s, interval_s, what
+        self.prefix = f"{_PREFIX}/{next(_watches)}"
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        now = time.monotonic()
+        self.seen: dict[int, tuple[str | None, float]] = {r: (None, now) for r in range(world) if r != rank}
+        self.who: dict[int, str] = {}
+        self.done: set[int] = set()
+        self.store_ok = now
+        self.verdict: str | None = None
+        self.handling = threading.Event()  # the main thread is in __exit__ with an error: it raises
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    # --- the beat and the look, on one thread (the store's client is used from here only) ---
+
+    def _beat_and_look(self) -> None:
+        beat = 0
+        while not self.stop.is_set():
+            try:
+                self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid}")
+                beat += 1
+                for peer in list(self.seen):
+                    key = f"{self.prefix}/{peer}"
+                    if peer in self.done or not self.store.check([key]):
+                        continue
+                    value = self.store.get(key).decode()
+                    count, host, pid = value.split(" ", 2)
+                    with self.lock:
+                        self.who[peer] = f"host {host}, pid {pid}"
+                        if count == "done":
+                            self.done.add(peer)
+                        elif value != self.seen[peer][0]:
+                            self.seen[peer] = (value, time.monotonic())
+                with self.lock:
+                    self.store_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 - a store that fails is judged by store_ok's age
+                pass
+            self.stop.wait(self.interval_s)
+
+    # --- the judge, on another thread: local state only, so a blocked store cannot block it ---
+
+    def _stalled(self) -> str | None:
+        now = time.monotonic()
+        with self.lock:
+            late = sorted((now - since, peer) for peer, (_, since) in self.seen.items() if peer not in self.done)
+            if late and late[-1][0] >= self.stall_s:
+                silent, peer = late[-1]
+                who = self.who.get(peer, "no beat ever received")
+                return (
+                    f"rank {peer} ({who}) stopped answering: no heartbeat for {silent:.1f} s {self.what} "
+                    f"(a peer is named after {self.stall_s:g} s without one, within "
+                    f"{detection_bound_s(self.stall_s, self.interval_s):g} s)"
+                )
+            if now - self.store_ok >= self.stall_s:
+                return (
+                    f"the job's store stopped answering rank {self.rank} for {now - self.store_ok:.1f} s "
+                    f"{self.what}; its host (torchrun's MASTER_ADDR {os.environ.get('MASTER_ADDR', '?')}) "
+                    "is stalled or gone"
+                )
+        return None
+
+    def _judge(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            verdict = self._stalled()
+            if verdict is None:
+                continue
+            self.verdict = verdict
+            if self.handling.is_set():
+                return  # the main thread raises it
+            # The main thread is blocked in a collective and cannot raise: end the process.
+            print(f"error (rank {self.rank}): {verdict}", file=sys.stderr, flush=True)
+            os._exit(EXIT_CODE)
+
+    def start(self) -> None:
+        for target, name in ((self._beat_and_look, "beat"), (self._judge, "judge")):
+            threading.Thread(target=target, name=f"fsdp_fp8-heartbeat-{name}", daemon=True).start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid}")
+
+    def wait_for_verdict(self) -> str | None:
+        """After the block raised: who, if anyone, stopped beating. Waits up to the bound while
+        some peer's beat is late (a peer killed outright stops at once), and only two beats'
+        time when every peer is beating (an error of this rank's own is not held up)."""
+        start = time.monotonic()
+        deadline = start + detection_bound_s(self.stall_s, self.interval_s)
+        while time.monotonic() < deadline:
+            verdict = self.verdict or self._stalled()
+            if verdict is not None:
+                return verdict
+            now = time.monotonic()
+            with self.lock:
+                late = [
+                    p for p, (_, since) in self.seen.items() if p not in self.done and now - since > 2 * self.interval_s
+                ]
+            if not late and now - start >= 2 * self.interval_s:
+                return None
+            time.sleep(min(self.interval_s, 0.1))
+        return None
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (a group without one): nothing to beat on
+        return None
+
+
+@contextlib.contextmanager
+def watch_peers(
+    stall_s: float = DEFAULT_STALL_S, interval_s: float = DEFAULT_INTERVAL_S, what: str = "during generation"
+) -> Iterator[None]:
+    """Name a peer that stops answering inside this block (see the module's docstring).
+
+    Collective in spirit: every rank enters it around the same work. A single process, or a
+    group without a store, runs the block unwatched."""
+    if stall_s <= 0 or interval_s <= 0:
+        raise ValueError(f"watch_peers needs stall_s and interval_s > 0, got {stall_s} and {interval_s}")
+    store = _store() if dist.is_available() and dist.is_initialized() else None
+    if store is None or dist.get_world_size() == 1:
+        yield
+        return
+    watch = _Watch(store, dist.get_rank(), dist.get_world_size(), stall_s, interval_s, what)
+    watch.start()
+    try:
+        yield
+    except BaseException as exc:
+        watch.handling.set()
+        verdict = watch.wait_for_verdict() if isinstance(exc, Exception) else None
+        watch.stop.set()
+        if verdict is not None:
+            raise PeerLostError(f"{verdict}; the collective then failed: {type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        watch.finish()

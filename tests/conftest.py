@@ -1,0 +1,26 @@
+"""Session-wide test set-up: pytest-timeout's per-test hang guard scaled to the machine.
+
+The ``timeout`` in pyproject.toml (and each ``@pytest.mark.timeout``) is a reference-machine
+figure; each test's guard is that times ``calibration.slowdown()`` measured as the test starts,
+so a busy machine slows the suite down instead of failing it. The guard still fires: a test
+that hangs is stopped after the scaled time, and the report says the factor used.
+"""
+
+from __future__ import annotations
+
+import calibration
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Arm pytest-timeout's own timer with the scaled timeout (firstresult: it then skips)."""
+    import pytest_timeout
+
+    factor = calibration.slowdown()
+    item.user_properties.append(("timeout_slowdown", round(factor, 2)))
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=settings.timeout * factor))
+
+
+def pytest_report_header(config):
+    return f"slowdown factor for hang guards and timed bounds: {calibration.slowdown():.2f} (tests/calibration.py)"

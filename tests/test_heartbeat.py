@@ -1,0 +1,117 @@
+"""Stalled peers named during generation (fsdp_fp8.runtime.heartbeat), at 2 gloo ranks: each
+rank in turn stopped (SIGSTOP) or killed (SIGKILL) between two collectives, while the other
+waits in the next one with the process group's default timeout (30 minutes): the live rank is
+told which rank stopped, on which host, and exits non-zero, long before any transport timeout.
+No false alarms: a peer that is slow but alive, or one that left the block early, is not named.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+
+import pytest
+from calibration import bound
+from ranks import RanksFailed, run_ranks
+
+INTERVAL_S = 0.25
+
+
+def _stall_s() -> float:
+    # Short for the test, scaled with the machine: a starved heartbeat thread is no stall.
+    return bound(3.0)
+
+
+def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow_s: float = 0.0):
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    with watch_peers(stall_s=stall_s, interval_s=INTERVAL_S):
+        for step in range(6):
+            if rank == victim and step == 3:
+                if how == "slow":
+                    import time
+
+                    time.sleep(slow_s)  # alive (its heartbeat thread beats on), only slow
+                elif how == "raise":
+                    raise ValueError(f"rank {rank}'s own error")
+                elif how in ("stop", "kill"):
+                    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+            t = torch.ones(1)
+            dist.all_reduce(t)  # the live rank waits here for the victim
+        if how == "early" and rank == victim:
+            import time
+
+            time.sleep(slow_s)  # still inside the block, long after the other rank left it
+    return "finished"
+
+
+def _named(text: str, victim: int, stall_s: float) -> None:
+    found = re.search(
+        rf"rank {victim} \(host {re.escape(socket.gethostname())}, pid \d+\) stopped answering: "
+        rf"no heartbeat for ([0-9.]+) s during generation \(a peer is named after [0-9.]+ s without one, within",
+        text,
+    )
+    assert found, text
+    assert float(found.group(1)) >= stall_s  # named after the stated silence, never before
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_stopped_rank_is_named_and_the_live_rank_exits_non_zero(victim, capfd):
+    stall_s = _stall_s()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_generate, 2, victim, "stop", stall_s, timeout=300)
+    live = 1 - victim
+    message = str(info.value)
+    assert f"rank {live} exited with code 1 before returning a result" in message, message
+    assert f"rank {victim} returned no result and was killed" in message, message  # stopped: only the harness ends it
+    assert "timed out" not in message, message  # ended by the watcher, not by the harness's timeout
+    err = capfd.readouterr().err
+    assert f"error (rank {live}): " in err, err
+    _named(err, victim, stall_s)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_rank_is_named_by_the_live_rank(victim, monkeypatch):
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)  # the live rank must be let to report
+    stall_s = _stall_s()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_generate, 2, victim, "kill", stall_s, timeout=300)
+    live = 1 - victim
+    message = str(info.value)
+    assert f"rank {victim} died of SIGKILL before returning a result" in message, message
+    assert f"rank {live} raised:" in message and "PeerLostError: " in message, message
+    _named(message, victim, stall_s)
+    assert "the collective then failed: " in message  # gloo's own error, kept
+
+
+def test_a_slow_peer_or_one_that_left_early_is_not_named():
+    stall_s = _stall_s()
+    # Rank 1 sleeps 2 stall_s inside the block: between two collectives, then after the last
+    # one, when rank 0 has left the block (and stopped beating).
+    assert run_ranks(_generate, 2, 1, "slow", stall_s, 2 * stall_s, timeout=300) == ["finished"] * 2
+    assert run_ranks(_generate, 2, 1, "early", stall_s, 2 * stall_s, timeout=300) == ["finished"] * 2
+
+
+def test_an_error_of_a_rank_s_own_is_raised_unchanged():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_generate, 2, 1, "raise", _stall_s(), timeout=300)
+    message = str(info.value)
+    assert "ValueError: rank 1's own error" in message and "stopped answering" not in message, message
+
+
+def test_the_bound_and_a_single_process():
+    from fsdp_fp8.runtime import heartbeat
+
+    assert heartbeat.detection_bound_s() == heartbeat.DEFAULT_STALL_S + 2 * heartbeat.DEFAULT_INTERVAL_S == 32.0
+    with heartbeat.watch_peers():  # no process group: the block runs unwatched
+        pass
+    with pytest.raises(ValueError, match="stall_s and interval_s > 0, got 0 and 1.0"):
+        with heartbeat.watch_peers(stall_s=0):
+            pass
