@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
+from fsdp_fp8.interop.cfg_parallel import request_slots
 from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline
 from fsdp_fp8.load.residency import apply_residency
 from fsdp_fp8.runtime.precision import routing_of
@@ -106,7 +107,9 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
-    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy)
+    cfg_parallel = getattr(args, "cfg_parallel", False)
+    slot, slots, writes = request_slots(rank, world, cfg_parallel)  # --cfg-parallel: a pair per request
+    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy, cfg_parallel=cfg_parallel)
     load_s = time.perf_counter() - t0
     residency = apply_residency(pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=device)
     pipe.set_progress_bar_config(disable=True)
@@ -123,8 +126,8 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
         )
     results = []
     t1 = time.perf_counter()
-    for round_ in range(math.ceil(len(prompts) / world)):
-        index = rank + round_ * world
+    for round_ in range(math.ceil(len(prompts) / slots)):
+        index = slot + round_ * slots
         real = index < len(prompts)
         final = {}
 
@@ -145,9 +148,9 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
             guidance_scale=args.guidance,
             generator=torch.Generator().manual_seed(args.seed),
             callback_on_step_end=on_step,
-            output_type="pil" if real and args.output else "latent",
+            output_type="pil" if real and writes and args.output else "latent",
         )
-        if not real:  # padding: it only kept this rank in step with the others' all-gathers
+        if not (real and writes):  # padding (it kept this rank in step with the others), or the uncond rank
             continue
         row = {
             "index": index,
@@ -174,6 +177,7 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
         "pipeline": type(pipe).__name__,
         "fp8_linears": len(loaded.fp8_linears),
         "steps": args.steps,
+        "cfg_parallel": cfg_parallel,
         "load_seconds": round(load_s, 3),
         "sample_seconds": round(sample_s, 3),
         "residency": residency.as_dict(),

@@ -14,7 +14,7 @@ DIFFUSION = {"steps", "seed", "prompt", "guidance", "step_policy"}
 USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
-    "pipeline": DIFFUSION | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps"},
+    "pipeline": DIFFUSION | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),
@@ -56,6 +56,8 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     replicas = getattr(args, "replicas", 1)
     if replicas is not None and replicas != 1:
         problems += [f"--{p}" for p in replica_problems(replicas, _world_size())]
+    if getattr(args, "cfg_parallel", False) and _world_size() % 2:
+        problems.append(f"--cfg-parallel runs ranks in pairs: it needs an even world size, got {_world_size()}")
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")

@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> 
         "each, with torchrun's rank order) and replicate across them (default 1: shard over every rank)",
     )
     p.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="pipeline: ranks in pairs run the two guidance passes of each step at once (even world size)",
+    )
+    p.add_argument(
         "--resident",
         choices=POLICIES,
         default="none",
