@@ -134,7 +134,7 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, lis
         def on_step(_pipe, i, _t, kwargs, real=real, index=index):
             final["latents"] = kwargs["latents"]
             if rank == 0 and real:
-                label = "W8A16" if routing.trace[-1] == "a16" else "W8A8"
+                label = routing.trace[-1]
                 log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
             return {}
 
