@@ -50,7 +50,7 @@ PER_STEP = ("vision_tokens", "vision_timesteps", "sound_tokens", "sound_timestep
 def pair_of(rank: int, world: int) -> tuple[int, int]:
     """``(pair index, role)``: rank ``r`` is role ``r % 2`` (0 cond, 1 uncond) of pair ``r // 2``."""
     if world % 2:
-        raise ValueError(f"--cfg-parallel needs an even world size (ranks in pairs), got {world}")
+        raise ValueError(f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}")
     return rank // 2, rank % 2
 
 
