@@ -314,7 +314,9 @@ def forecast_checkpoint(
     path: str | Path, world_size: int, *, height: int, width: int, frames: int, **options
 ) -> MemoryForecast:
     """The forecast for a pipeline root (``model_index.json``) or a Cosmos 3 transformer directory."""
-    path = Path(path)
+    from fsdp_fp8.format.hub import resolve_hub_path
+
+    path = resolve_hub_path(path)
     is_pipeline = (path / "model_index.json").is_file()
     transformer = path / "transformer" if is_pipeline else path
     config = json.loads((transformer / "config.json").read_text())
@@ -332,3 +334,30 @@ def forecast_checkpoint(
         components_bytes=components_bytes(path) if is_pipeline else 0,
         **options,
     )
+
+
+# --- from a config alone (the official checkpoints, before downloading them) ------------------
+
+# The high-precision linears of the official Nano FP8 export (its ignore list).
+OFFICIAL_IGNORE = ("proj_in", "proj_out", "time_embedder", "lm_head", "visual")
+
+
+def config_tensors(config: dict, ignore: tuple[str, ...] = OFFICIAL_IGNORE) -> list[Tensor]:
+    """The tensors a ModelOpt FP8 export of ``Cosmos3OmniTransformer(**config)`` holds: every
+    linear weight outside ``ignore`` one byte per element (plus two float32 scales), the rest
+    in BF16 (``time_embedder`` in float32). Built on the meta device: no memory, no download."""
+    import torch
+    from diffusers import Cosmos3OmniTransformer
+
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer.from_config(config)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    out = []
+    for key, p in model.state_dict().items():
+        module = key.rpartition(".")[0]
+        quantized = module in linears and key.endswith(".weight") and not any(part in module for part in ignore)
+        itemsize = 1 if quantized else 4 if key.startswith("time_embedder.") else 2
+        out.append(Tensor(key, tuple(p.shape), itemsize))
+        if quantized:
+            out += [Tensor(module + ".weight_scale", (), 4), Tensor(module + ".input_scale", (), 4)]
+    return out
