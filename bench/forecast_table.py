@@ -41,9 +41,7 @@ def main() -> None:
             for world in (1, 2, 4, 8):
                 if args.cfg_parallel and world == 1:
                     continue
-                fc = forecast(
-                    tensors, shape, size, world, components_bytes=VAE_BYTES, cfg_parallel=args.cfg_parallel
-                )
+                fc = forecast(tensors, shape, size, world, components_bytes=VAE_BYTES, cfg_parallel=args.cfg_parallel)
                 t = {term.name: term.device_bytes for term in fc.terms}
                 gathered = t.get("root unit, gathered", 0) + t.get("decoder layers in flight", 0)
                 print(

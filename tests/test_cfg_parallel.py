@@ -36,9 +36,9 @@ PROMPTS = ("a red fox", "a lighthouse in a storm")
 def small_tokenizer():
     """Characters a-z, space and a few marks, the chat and vision specials, '?' for the rest."""
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     from fsdp_fp8.cli.demo import CHAT_TEMPLATE, SPECIAL_TOKENS
-    from transformers import PreTrainedTokenizerFast
 
     chars = ["?"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(" \n,.:")
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="?"))

@@ -53,9 +53,7 @@ def _measure(rank: int, world: int, root: str) -> list[dict]:
                 callback_on_step_end=end,
             )
             hook.remove()
-        forecast = forecast_checkpoint(
-            root, world, height=height, width=width, frames=frames, text_tokens=loop["text"]
-        )
+        forecast = forecast_checkpoint(root, world, height=height, width=width, frames=frames, text_tokens=loop["text"])
         out.append({"measured": loop["peak"], "forecast": forecast.device_bytes, "terms": forecast.lines()})
     return out
 

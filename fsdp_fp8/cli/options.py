@@ -14,7 +14,8 @@ DIFFUSION = {"steps", "seed", "prompt", "guidance", "step_policy"}
 USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
-    "pipeline": DIFFUSION | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel"},
+    "pipeline": DIFFUSION
+    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),

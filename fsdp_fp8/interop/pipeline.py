@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 from fsdp_fp8.format.step_policy import resolve_step_policy
-from fsdp_fp8.interop.cfg_parallel import enable_cfg_parallel, pair_of
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.interop.cfg_parallel import enable_cfg_parallel, pair_of
 from fsdp_fp8.load.api import LoadedModel, default_device, load_model
 from fsdp_fp8.load.towers import TowerSpec
 from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision

@@ -259,7 +259,9 @@ def forecast(
     terms = []
     if offload == "cpu":
         flight_shards = (2 if prefetch else 1) * max((shard[k] for k in streamed), default=0)
-        terms.append(Term("sharded weights", flight_shards, sharded, "host: pinned shards; device: the units in flight"))
+        terms.append(
+            Term("sharded weights", flight_shards, sharded, "host: pinned shards; device: the units in flight")
+        )
     else:
         terms.append(Term("sharded weights", sharded, detail=f"{len(tensors)} tensors over {world_size} rank(s)"))
     if world_size > 1:

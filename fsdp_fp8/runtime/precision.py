@@ -28,7 +28,6 @@ from fsdp_fp8.format.step_policy import StepPolicy, describe_trace
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
 
-
 W8A16, W8A8 = "W8A16", "W8A8"
 LABELS = {"a16": W8A16, "native": W8A8}  # the policy's word -> the launcher's
 
