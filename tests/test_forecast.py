@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(900)
 
 from ranks import run_ranks  # noqa: E402
 
-SIZES = ((128, 128, 9), (256, 384, 17))  # (height, width, frames): 1,600 and 7,879 tokens
+SIZES = ((128, 128, 9), (256, 384, 17))  # (height, width, frames): 967 and 7,879 tokens with the text
 TOLERANCE = 0.15
 
 
