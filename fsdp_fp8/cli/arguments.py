@@ -109,6 +109,8 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                       "the gathered blocks may take per rank (e.g. 60e9, 48GiB)")),
         (("--timeout",), dict(type=float, default=600.0, help="seconds before a stuck collective fails "
                               "(default 600)")),
+        (("--cfg-parallel",), dict(action="store_true", help="pipeline: ranks in pairs run the conditional "
+                                   "and the unconditional pass of each step at once (needs an even world)")),
     ],
     "quantizing a high-precision checkpoint at load (one process)": [
         (("--quantize",), dict(choices=QUANTIZE_METHODS, help="quantize the linears with TorchAO at load")),

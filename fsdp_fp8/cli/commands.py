@@ -155,6 +155,23 @@ def _inspect(args: argparse.Namespace) -> int:
     if ckpt is None:
         return 1
     print(summary(ckpt, args.world_size, args.replicas, ReadOptions(prefetch_bytes=args.prefetch_bytes)))
+    if args.height or args.width or args.frames:  # the per-GPU memory forecast (fsdp_fp8.runtime.forecast)
+        from fsdp_fp8.runtime.forecast import forecast_checkpoint
+
+        size = {"height": args.height or 720, "width": args.width or 1280, "frames": args.frames or 1}
+        try:
+            fc = forecast_checkpoint(
+                args.directory,
+                args.world_size or 1,
+                **size,
+                resident=args.resident,
+                offload=args.offload,
+                cfg_parallel=args.cfg_parallel,
+            )
+        except ValueError as exc:
+            print(f"error: {exc}")
+            return 1
+        print("\n".join(fc.lines()))
     return 0
 
 
@@ -314,6 +331,12 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         metavar="BYTES",
         help="with --world-size: the prefetch budget to forecast (default: every row a rank reads; 0: off)",
     )
+    inspect.add_argument("--height", type=_positive, help="with --width / --frames: forecast per-GPU peak memory")
+    inspect.add_argument("--width", type=_positive, help="pixels (forecast; default 1280)")
+    inspect.add_argument("--frames", type=_positive, help="frames (forecast; default 1: an image)")
+    inspect.add_argument("--resident", choices=("none", "all"), default="none", help="forecast: layers kept gathered")
+    inspect.add_argument("--offload", choices=("cpu",), help="forecast: FP8 shards in host memory")
+    inspect.add_argument("--cfg-parallel", action="store_true", help="forecast: guidance passes on rank pairs")
     verify = sub.add_parser(
         "verify",
         help="check the checkpoint as load_model does (open, build the model on "

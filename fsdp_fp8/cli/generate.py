@@ -24,6 +24,7 @@ from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
 from fsdp_fp8.cli.reports import PromptOutput, plural
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
+from fsdp_fp8.interop.cfg_parallel import request_slots
 from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline
 from fsdp_fp8.load.residency import apply_residency
 from fsdp_fp8.runtime.precision import routing_of
@@ -73,7 +74,9 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, obj
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
-    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy)
+    cfg_parallel = getattr(args, "cfg_parallel", False)
+    slot, slots, writes = request_slots(rank, world, cfg_parallel)  # --cfg-parallel: a pair per request
+    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy, cfg_parallel=cfg_parallel)
     load_s = time.perf_counter() - t0
     residency = apply_residency(pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=device)
     pipe.set_progress_bar_config(disable=True)
@@ -89,7 +92,7 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, obj
             plural(args.steps, "step"),
         )
     t1 = time.perf_counter()
-    mine = [_generate(pipe, routing, args, prompts, index, rank) for index in _share(len(prompts), rank, world)]
+    mine = [_generate(pipe, routing, args, prompts, index, rank, writes) for index in _share(len(prompts), slot, slots)]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
     if dist.is_initialized():
@@ -99,6 +102,7 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, obj
     fields = dict(
         pipeline=type(pipe).__name__,
         steps=args.steps,
+        cfg_parallel=cfg_parallel,
         load_seconds=round(load_s, 3),
         sample_seconds=round(sample_s, 3),
         residency=residency.as_dict(),
@@ -111,21 +115,22 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, obj
     return fields, loaded
 
 
-def _share(count: int, rank: int, world: int) -> list[int]:
-    """The prompt indices this rank runs, one per round; an index past ``count`` is padding."""
-    return [rank + round_ * world for round_ in range(math.ceil(count / world))]
+def _share(count: int, slot: int, slots: int) -> list[int]:
+    """The prompt indices this rank's slot runs, one per round; an index past ``count`` is padding."""
+    return [slot + round_ * slots for round_ in range(math.ceil(count / slots))]
 
 
-def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int) -> PromptOutput | None:
+def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, writes: bool) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
-    in step with the others' all-gathers (None)."""
+    in step with the others' all-gathers (None). ``writes`` is False on a CFG pair's uncond rank:
+    it holds the same latents as its partner, which reports and saves them (None)."""
     real = index < len(prompts)
     final = {}
 
     def on_step(_pipe, i, _t, kwargs):
         final["latents"] = kwargs["latents"]
         if rank == 0 and real:
-            label = "W8A16" if routing.trace[-1] == "a16" else "W8A8"
+            label = routing.trace[-1]
             log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
         return {}
 
@@ -139,9 +144,9 @@ def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int) ->
         guidance_scale=args.guidance,
         generator=torch.Generator().manual_seed(args.seed),
         callback_on_step_end=on_step,
-        output_type="pil" if real and args.output else "latent",
+        output_type="pil" if real and writes and args.output else "latent",
     )
-    if not real:
+    if not (real and writes):
         return None
     row = PromptOutput(
         index=index,

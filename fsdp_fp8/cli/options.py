@@ -14,7 +14,8 @@ DIFFUSION = {"steps", "seed", "prompt", "guidance", "step_policy"}
 USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
-    "pipeline": DIFFUSION | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps"},
+    "pipeline": DIFFUSION
+    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),
@@ -76,6 +77,10 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     if replicas is not None and replicas != 1:
         world = getattr(args, "nproc_per_node", None) or _world_size()
         problems += [f"--{p}" for p in _replica_problems(replicas, world)]
+    if getattr(args, "cfg_parallel", False):
+        world = getattr(args, "nproc_per_node", None) or _world_size()
+        if world % 2:
+            problems.append(f"--cfg-parallel runs ranks in pairs: it needs an even world size, got {world}")
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")

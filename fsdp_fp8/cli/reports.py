@@ -278,6 +278,7 @@ class PipelineReport(Report):
     latent_shape: list[int]
     latent_sha256: str
     outputs: list[PromptOutput]
+    cfg_parallel: bool = False  # the guidance passes ran on rank pairs (--cfg-parallel)
 
     def set_no_fp8(self) -> None:
         super().set_no_fp8()
@@ -294,7 +295,7 @@ class PipelineReport(Report):
             *_line(
                 "pipeline",
                 f"{self.pipeline}, {plural(len(self.outputs), 'prompt')}, {plural(self.steps, 'step')} each, "
-                f"in {self.sample_seconds:.2f} s",
+                f"in {self.sample_seconds:.2f} s" + (", guidance passes on rank pairs" if self.cfg_parallel else ""),
             ),
             f"precision       {_precision(self.precision_trace, self.step_policy)}",
             *_residency_line(self.residency),

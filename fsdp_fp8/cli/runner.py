@@ -197,7 +197,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
     def progress(i: int, n: int) -> None:
         step_bytes.append(meter.bytes - sum(step_bytes))
         if _rank() == 0:
-            log.info("step %d/%d  %s", i + 1, n, "W8A16" if routing.trace[-1] == "a16" else "W8A8")
+            log.info("step %d/%d  %s", i + 1, n, routing.trace[-1])
 
     t1 = time.perf_counter()
     with AllGatherMeter() as meter, watch_peers(stall_s=stall_s_for(args.timeout)):

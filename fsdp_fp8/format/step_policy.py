@@ -189,11 +189,16 @@ def _summary(policy: StepPolicy) -> str:
 
 
 def describe_trace(precisions: list[str]) -> str:
-    """Run-length summary of per-step precisions: ``"W8A16 x3 / W8A8 x44 / W8A16 x3"``."""
+    """Run-length summary of per-step precisions: ``"W8A16 x3 / W8A8 x44 / W8A16 x3"``.
+
+    ``precisions`` in the policy's words (``"a16"``, ``"native"``) or the launcher's (``"W8A16"``,
+    ``"W8A8"``, what ``PrecisionRouting.trace`` holds)."""
     runs: list[list] = []
     for p in precisions:
+        p = {label: word for word, label in _LABELS.items()}.get(p, p)
         if p not in _LABELS:
-            raise ValueError(f"unknown precision {p!r}; expected one of {list(_LABELS)}")
+            known = list(_LABELS.values()) + list(_LABELS)
+            raise ValueError(f"unknown precision {p!r}; expected one of {known}")
         if runs and runs[-1][0] == p:
             runs[-1][1] += 1
         else:

@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -36,6 +37,7 @@ from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 from fsdp_fp8.format.step_policy import resolve_step_policy
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.interop.cfg_parallel import enable_cfg_parallel, pair_of
 from fsdp_fp8.load.api import LoadedModel, default_device, load_model
 from fsdp_fp8.load.towers import TowerSpec
 from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision
@@ -128,6 +130,7 @@ def load_pipeline(
     step_policy: str | dict = "auto",
     towers: TowerSpec | None = None,
     read_options: ReadOptions = DEFAULT_READ_OPTIONS,
+    cfg_parallel: bool = False,
     **components,
 ):
     """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
@@ -141,7 +144,12 @@ def load_pipeline(
     ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is refused, and
     ``local_files_only`` is always set. Collective under a process group, like ``load_model``.
     The result carries ``pipe.fsdp_fp8`` (the ``LoadedModel``) and the routing is
-    ``pipe.transformer.fsdp_fp8_precision`` (its ``trace``: one precision per step run).
+    ``pipe.transformer.fsdp_fp8_precision`` (its ``trace``: one precision per step run,
+    ``"W8A16"`` or ``"W8A8"``; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
+
+    ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
+    (``fsdp_fp8.interop.cfg_parallel``); both ranks of a pair must then be given the same
+    request. Needs an even number of ranks.
     """
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
     index = _read_index(root)
@@ -149,6 +157,8 @@ def load_pipeline(
     if "transformer" in components:
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     kwargs = safe_pretrained_kwargs(**components)  # refuses trust_remote_code / custom_pipeline
+    if cfg_parallel:  # before the first collective: every rank sees the same world size
+        pair_of(dist.get_rank() if dist.is_initialized() else 0, dist.get_world_size() if dist.is_initialized() else 1)
     device = device or default_device()
     loaded: LoadedModel = load_model(
         None, root / TRANSFORMER, mesh, device=device, towers=towers, read_options=read_options
@@ -168,5 +178,7 @@ def load_pipeline(
     if policy is not None:
         # Prepended: refuse before FSDP's own pre-forward all-gathers anything.
         model.register_forward_pre_hook(hook.check_forward, with_kwargs=True, prepend=True)
+    if cfg_parallel:
+        enable_cfg_parallel(model)
     pipe.fsdp_fp8 = loaded
     return pipe

@@ -8,6 +8,12 @@ never switched. Which linear is in which tower comes from a tower map
 so choosing it costs no device sync and ``torch.compile`` guards on it like any constant.
 The choice is a pure function of ``(step, num_steps)``: both classifier-free-guidance
 passes of one step, and every rank, agree.
+
+One vocabulary for precisions, the launcher's: ``"W8A16"`` (weights dequantized inside the
+call, 16-bit activations) and ``"W8A8"`` (activations quantized, ``torch._scaled_mm``). The
+checkpoint's policy spells them ``"a16"`` / ``"native"`` (ModelOpt's words, kept in the file
+and in ``Float8StaticLinear.mode``); the trace, its summary and :func:`denoising_step` speak
+the launcher's.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_fp8.format.step_policy import StepPolicy
+from fsdp_fp8.format.step_policy import StepPolicy, describe_trace
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
+
+W8A16, W8A8 = "W8A16", "W8A8"
+LABELS = {"a16": W8A16, "native": W8A8}  # the policy's word -> the launcher's
 
 
 @dataclass
@@ -28,8 +37,12 @@ class PrecisionRouting:
     policy: StepPolicy | None
     generation: list[Float8StaticLinear] = field(default_factory=list)
     reasoner: list[Float8StaticLinear] = field(default_factory=list)
-    trace: list[str] = field(default_factory=list)  # the generation tower's precision per step run
+    trace: list[str] = field(default_factory=list)  # the generation tower's precision per step run: W8A16 / W8A8
     active: int = 0  # how many step contexts are open (a pipeline enters one per guidance pass)
+
+    def summary(self, start: int = 0) -> str:
+        """The trace from step ``start`` as the launcher prints it: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``."""
+        return describe_trace(self.trace[start:])
 
 
 def install_step_policy(
@@ -75,7 +88,8 @@ def routing_of(model: nn.Module) -> PrecisionRouting:
 
 @contextlib.contextmanager
 def set_step_precision(routing: PrecisionRouting, step: int, num_steps: int, *, record: bool = True) -> Iterator[str]:
-    """The generation tower at step ``step`` of ``num_steps``'s precision, W8A8 again on exit.
+    """The generation tower at step ``step`` of ``num_steps``'s precision, W8A8 again on exit;
+    yields ``"W8A16"`` or ``"W8A8"``.
 
     ``record``: append the precision to ``routing.trace`` (once per step, not per pass).
     """
@@ -83,10 +97,10 @@ def set_step_precision(routing: PrecisionRouting, step: int, num_steps: int, *, 
     for module in routing.generation:
         module.mode = precision
     if record:
-        routing.trace.append(precision)
+        routing.trace.append(LABELS[precision])
     routing.active += 1
     try:
-        yield precision
+        yield LABELS[precision]
     finally:
         routing.active -= 1
         for module in routing.generation:
@@ -95,6 +109,7 @@ def set_step_precision(routing: PrecisionRouting, step: int, num_steps: int, *, 
 
 @contextlib.contextmanager
 def denoising_step(model: nn.Module, step: int, num_steps: int) -> Iterator[str]:
-    """Run the generation tower at step ``step`` of ``num_steps``'s precision; yields it."""
+    """Run the generation tower at step ``step`` of ``num_steps``'s precision; yields it
+    (``"W8A16"`` or ``"W8A8"``)."""
     with set_step_precision(routing_of(model), step, num_steps) as precision:
         yield precision

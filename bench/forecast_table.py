@@ -1,0 +1,63 @@
+"""The per-GPU memory forecast for Cosmos 3 Nano and Super (docs/cosmos3.md), from their
+transformer shapes alone (``fsdp_fp8.runtime.forecast.config_tensors``: meta device, nothing
+downloaded). Prints a Markdown table: 1, 2, 4, 8 GPUs x 720p / 189 frames and a 1024^2 image.
+
+    python bench/forecast_table.py [--cfg-parallel]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fsdp_fp8.runtime.forecast import GiB, TransformerShape, VideoSize, config_tensors, forecast
+
+# Nano: diffusers 0.42's Cosmos3OmniTransformer defaults (36 layers, 15.2B parameters: the
+# published count). Super: the 64-layer Qwen3-VL-32B text shape per tower (64B parameters); not
+# checked against the checkpoint's config.json.
+NANO = {"num_hidden_layers": 36}
+SUPER = {
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 64,
+}
+VAE_BYTES = int(1.4e9)  # assumed: a Wan 2.x VAE in BF16, not verified
+SIZES = {"720p, 189 frames": VideoSize(720, 1280, 189), "1024^2 image": VideoSize(1024, 1024, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cfg-parallel", action="store_true")
+    args = p.parse_args()
+    print("| model | size | GPUs | weights | gathered | activations | peak per GPU |")
+    print("|---|---|---|---|---|---|---|")
+    for name, overrides in (("Nano", NANO), ("Super", SUPER)):
+        config = {**_defaults(), **overrides}
+        tensors = config_tensors(config)
+        shape = TransformerShape.from_config(config)
+        for label, size in SIZES.items():
+            for world in (1, 2, 4, 8):
+                if args.cfg_parallel and world == 1:
+                    continue
+                fc = forecast(tensors, shape, size, world, components_bytes=VAE_BYTES, cfg_parallel=args.cfg_parallel)
+                t = {term.name: term.device_bytes for term in fc.terms}
+                gathered = t.get("root unit, gathered", 0) + t.get("decoder layers in flight", 0)
+                print(
+                    f"| {name} | {label} | {world} | {t['sharded weights'] / GiB:.1f} | {gathered / GiB:.1f} | "
+                    f"{t['activations'] / GiB:.1f} | {fc.device_bytes / GiB:.1f} GiB |"
+                )
+
+
+def _defaults() -> dict:
+    import inspect
+
+    from diffusers import Cosmos3OmniTransformer
+
+    sig = inspect.signature(Cosmos3OmniTransformer.__init__)
+    return {k: v.default for k, v in sig.parameters.items() if k != "self" and v.default is not inspect._empty}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Classifier-free-guidance parallelism: the two passes of one step on the two ranks of a pair.
+
+Under FSDP every rank runs whole requests, so one prompt on two GPUs runs its conditional and
+its unconditional pass on both. With CFG-parallel, ranks ``(2k, 2k + 1)`` form a pair that
+serves one request: at each denoising step the pair's rank 0 runs the conditional pass, its
+rank 1 the unconditional pass, at the same time, and the two predictions are exchanged in one
+all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
+stay FSDP's). Each rank computes one pass per step instead of two. FSDP's collectives stay in
+lockstep: both passes run the same blocks in the same order, only the sequence lengths differ.
+
+Each pass is the same computation on the same inputs as in the sequential loop (one packed
+sequence of batch 1; ``Cosmos3OmniPipeline`` never batches cond and uncond together), so the
+latents are bit-identical to the sequential run's.
+
+The pipeline (``Cosmos3OmniPipeline``, diffusers 0.42) is not modified. It names each pass
+through ``transformer.cache_context("cond" | "uncond", step_index=i, ...)`` and calls
+``self.transformer(**kwargs)`` inside it, once per pass. The uncond pass's step-invariant
+inputs (token ids, positions, sequence indexes) exist only as the pipeline's locals and are
+first handed over at step 0's uncond call, so:
+
+- step 0 runs both passes on every rank, as the sequential loop does, and records the uncond
+  call's step-invariant keyword arguments;
+- from step 1 the pair's rank 1 runs, inside the "cond" call, the uncond pass on the recorded
+  inputs with this step's latent and timesteps (:data:`PER_STEP`); both ranks exchange; the
+  "uncond" call returns the exchanged prediction without running the model.
+
+The hook on the call is a one-method subclass of the loaded transformer's class (made at
+load, like FSDP's own ``FSDP<Class>``): its ``__call__`` asks :class:`CfgPair` whether to run
+the model or to return the partner's prediction. Before it substitutes anything it checks that
+the call's step-invariant inputs are the very objects recorded at step 0 and that both calls
+of a step receive the same latent and timesteps, and refuses (``RuntimeError``) otherwise: a
+pipeline that changed how it packs its passes is not guessed at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+COND, UNCOND = "cond", "uncond"
+# The keyword arguments that change from step to step; the pipeline passes the same objects to
+# both passes of a step (its comment on the shared per-step timestep tensors).
+PER_STEP = ("vision_tokens", "vision_timesteps", "sound_tokens", "sound_timesteps", "action_tokens", "action_timesteps")
+
+
+def pair_of(rank: int, world: int) -> tuple[int, int]:
+    """``(pair index, role)``: rank ``r`` is role ``r % 2`` (0 cond, 1 uncond) of pair ``r // 2``."""
+    if world % 2:
+        raise ValueError(f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}")
+    return rank // 2, rank % 2
+
+
+def request_slots(rank: int, world: int, cfg_parallel: bool) -> tuple[int, int, bool]:
+    """``(slot, slots, writes)``: this rank serves requests ``slot, slot + slots, ...``; ``writes``:
+    it reports and saves them (both ranks of a CFG pair hold the same latents; the cond rank writes)."""
+    if not cfg_parallel:
+        return rank, world, True
+    pair, role = pair_of(rank, world)
+    return pair, world // 2, role == 0
+
+
+def _same_object(a, b) -> bool:
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_object(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a == b
+
+
+def _signature(result) -> tuple:
+    leaves, spec = tree_flatten(result)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in leaves):
+        kinds = sorted({type(t).__name__ for t in leaves if not isinstance(t, torch.Tensor)})
+        raise RuntimeError(f"CFG-parallel exchanges tensors; the transformer returned {kinds} too")
+    return spec, tuple(None if t is None else (tuple(t.shape), t.dtype) for t in leaves)
+
+
+class CfgPair:
+    """One rank's side of a CFG pair: what each transformer call of a step does."""
+
+    def __init__(self, group, role: int):
+        self.group, self.role = group, role
+        self.current: tuple[str, int] | None = None  # (pass name, step index) of the open cache_context
+        self.uncond_static: dict | None = None  # step 0's uncond call, minus PER_STEP
+        self.cond_static: dict | None = None
+        self.signature: tuple | None = None
+        self.pending = None  # (uncond prediction, the cond call's PER_STEP values) between the two calls
+        self.exchanges = 0  # how many predictions this rank exchanged (one per step from step 1)
+
+    @contextlib.contextmanager
+    def naming(self, inner, name: str, **kwargs):
+        """``transformer.cache_context``: remember which pass of which step runs."""
+        with inner(name, **kwargs):
+            self.current = (name, kwargs.get("step_index"))
+            try:
+                yield
+            finally:
+                self.current = None
+
+    def call(self, run, args: tuple, kwargs: dict):
+        if self.current is None or args:  # outside the pipeline's loop: an ordinary call
+            return run(*args, **kwargs)
+        name, step = self.current
+        static = {k: v for k, v in kwargs.items() if k not in PER_STEP}
+        if step == 0:  # a new request: both passes here, recorded
+            result = run(**kwargs)
+            if name == COND:
+                self.cond_static, self.uncond_static, self.pending = static, None, None
+                self.signature = _signature(result)
+            elif name == UNCOND:
+                if _signature(result) != self.signature:
+                    raise RuntimeError(
+                        "CFG-parallel: the unconditional pass returned other shapes than the conditional "
+                        f"one ({_signature(result)[1]} vs {self.signature[1]}); the two cannot be exchanged"
+                    )
+                self.uncond_static = static
+            return result
+        if self.uncond_static is None:  # no guidance in this request (guidance_scale 1): one pass
+            return run(**kwargs)
+        per_step = {k: kwargs[k] for k in PER_STEP if k in kwargs}
+        if name == COND:
+            self._check(static, self.cond_static, name, step)
+            mine = run(**kwargs) if self.role == 0 else run(**self.uncond_static, **per_step)
+            other = self._exchange(mine)
+            cond, uncond = (mine, other) if self.role == 0 else (other, mine)
+            self.pending = (uncond, per_step)
+            return cond
+        if name == UNCOND:
+            self._check(static, self.uncond_static, name, step)
+            if self.pending is None or not _same_object(per_step, self.pending[1]):
+                raise RuntimeError(
+                    f"CFG-parallel: the uncond pass of step {step} did not follow its cond pass with the same "
+                    f"latent and timesteps ({', '.join(PER_STEP)}); the prediction computed for it would be wrong"
+                )
+            uncond, self.pending = self.pending[0], None
+            return uncond
+        return run(**kwargs)
+
+    def _check(self, static: dict, recorded: dict, name: str, step: int) -> None:
+        differ = sorted(set(static) ^ set(recorded)) or sorted(
+            k for k in static if not _same_object(static[k], recorded[k])
+        )
+        if differ:
+            raise RuntimeError(
+                f"CFG-parallel: the {name} pass of step {step} got other step-invariant inputs than at step 0 "
+                f"({', '.join(differ)}); fsdp_fp8 relies on the pipeline packing them once per request"
+            )
+
+    def _exchange(self, mine):
+        """The partner's prediction: one all-gather of both predictions' bytes over the pair."""
+        leaves, spec = tree_flatten(mine)  # tensors, and None for the modalities not generated
+        buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in leaves if t is not None])
+        both = [torch.empty_like(buf) for _ in range(2)]
+        dist.all_gather(both, buf, group=self.group)
+        other, out, offset = both[1 - self.role], [], 0
+        for t in leaves:
+            if t is None:
+                out.append(None)
+                continue
+            n = t.numel() * t.element_size()
+            out.append(other[offset : offset + n].view(t.dtype).reshape(t.shape))
+            offset += n
+        self.exchanges += 1
+        return tree_unflatten(out, spec)
+
+
+def enable_cfg_parallel(model: nn.Module) -> CfgPair:
+    """Make ``model`` (a pipeline's transformer, loaded and sharded) serve its pair's two passes.
+
+    Collective: every rank calls it (it makes the pair groups). Needs a process group of an
+    even size; ``model.cache_context`` must already be the one the pipeline calls.
+    """
+    if not dist.is_initialized():
+        raise ValueError("CFG-parallel needs a process group (torchrun, 2 ranks or more in pairs)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, role = pair_of(rank, world)
+    group, _ = dist.new_subgroups(group_size=2)
+    cfg = CfgPair(group, role)
+    inner = model.cache_context
+    model.cache_context = lambda name, **kwargs: cfg.naming(inner, name, **kwargs)
+    model.fsdp_fp8_cfg = cfg
+    cls = type(model)
+
+    class CfgParallel(cls):
+        def __call__(self, *args, **kwargs):
+            return self.fsdp_fp8_cfg.call(super().__call__, args, kwargs)
+
+    CfgParallel.__name__ = CfgParallel.__qualname__ = f"CfgParallel{cls.__name__}"
+    model.__class__ = CfgParallel
+    return cfg
+
+
+__all__ = ["CfgPair", "enable_cfg_parallel", "pair_of", "request_slots"]

@@ -1,0 +1,365 @@
+"""Per-GPU peak memory of a Cosmos 3 denoising run, forecast from configs and headers alone.
+
+The peak is a sum of named terms, each from what the loader and FSDP2 hold at the moment the
+largest decoder layer runs its MLP on the generation tokens (the largest working set):
+
+- ``sharded weights``: this rank's rows of every tensor, padded to ``ceil(rows / world)``
+  (``fsdp_fp8.format.sharding``); FP8 codes one byte each. ``--offload cpu`` puts them in host
+  memory and copies the shards of the units in flight to the device instead.
+- ``root unit, gathered``: FSDP2 never reshards the root (embeddings, heads, ``proj_in/out``)
+  after its first forward; it stays whole on every rank.
+- ``decoder layers in flight``: the running layer, gathered, and with forward prefetch the next
+  one's all-gather buffer (FSDP2 issues it before the running layer computes).
+- ``resident layers``: layers kept gathered between forwards (``--resident all``).
+- ``non-FP8 components``: every other component folder's safetensors (VAE, safety checker);
+  the text tokenizer holds no tensors.
+- ``activations``: the Cosmos 3 transformer at ``text + vision`` tokens (vision tokens from the
+  frame count, the VAE's compression and the patch size): the layer inputs and residuals of
+  both towers, the generation MLP's three ``tokens x intermediate`` products and its FP8
+  input, the attention's Q/K/V, rotary temporaries, the concatenated K/V and the outputs.
+  Attention itself is counted as flash attention's working set (linear in the tokens, no
+  ``tokens^2`` matrix), which is what SDPA runs on these unmasked calls on CUDA and on CPU.
+- ``latents and scheduler``: the float32 latents, their 16-bit copy, both guidance
+  predictions and the multistep solver's history.
+- ``CFG-parallel exchange``: the pair's all-gather buffers (two predictions).
+
+Not forecast: the VAE's decode working set (it runs after the transformer's activations are
+freed; decode with ``output_type="latent"`` to skip it), the CUDA context and NCCL's buffers
+(about 0.5-1 GiB per GPU; add them), allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_fp8.format.sharding import padded_rows
+
+GiB = 1 << 30
+# The pipeline's default text prefix (system prompt, chat template and a prompt): a planning
+# figure, overridable; a longer prompt adds (tokens x hidden x 2) bytes per live sequence.
+DEFAULT_TEXT_TOKENS = 512
+SOLVER_HISTORY = 2  # UniPC (solver_order 2) keeps this many past model outputs
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    device_bytes: int
+    host_bytes: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What the activations depend on, from the transformer's ``config.json``."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    latent_channels: int
+    patch: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_config(cls, config: dict) -> TransformerShape:
+        return cls(
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            heads=config["num_attention_heads"],
+            kv_heads=config["num_key_value_heads"],
+            head_dim=config["head_dim"],
+            layers=config["num_hidden_layers"],
+            latent_channels=config["latent_channel"],
+            patch=config["latent_patch_size"],
+        )
+
+
+@dataclass(frozen=True)
+class VideoSize:
+    height: int
+    width: int
+    frames: int
+    spatial: int = 16  # the VAE's compression (vae/config.json: scale_factor_spatial)
+    temporal: int = 4  # (scale_factor_temporal)
+
+    def latent(self) -> tuple[int, int, int]:
+        return (self.frames - 1) // self.temporal + 1, -(-self.height // self.spatial), -(-self.width // self.spatial)
+
+    def vision_tokens(self, patch: int) -> int:
+        f, h, w = self.latent()
+        return f * -(-h // patch) * -(-w // patch)
+
+
+@dataclass(frozen=True)
+class MemoryForecast:
+    world_size: int
+    text_tokens: int
+    vision_tokens: int
+    terms: tuple[Term, ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.device_bytes for t in self.terms)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.host_bytes for t in self.terms)
+
+    def lines(self) -> list[str]:
+        host = any(t.host_bytes for t in self.terms)
+        out = [
+            f"memory forecast per GPU, world size {self.world_size}: {self.text_tokens} text + "
+            f"{self.vision_tokens} vision tokens"
+        ]
+        for t in self.terms:
+            row = f"  {t.name:<28} {_gib(t.device_bytes):>10}"
+            if host:
+                row += f"  host {_gib(t.host_bytes):>10}"
+            out.append(row + (f"  ({t.detail})" if t.detail else ""))
+        total = f"  {'peak (sum)':<28} {_gib(self.device_bytes):>10}"
+        if host:
+            total += f"  host {_gib(self.host_bytes):>10}"
+        out.append(total)
+        out.append("  not included: VAE decode, CUDA context and NCCL buffers (~0.5-1 GiB), fragmentation")
+        return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.2f} MiB"
+
+
+def _nbytes(t: Tensor) -> int:
+    return math.prod(t.shape) * t.itemsize
+
+
+def _shard_bytes(t: Tensor, world: int) -> int:
+    if not t.shape:
+        return t.itemsize  # 0-d scales: replicated
+    return padded_rows(t.shape[0], world) * math.prod(t.shape[1:]) * t.itemsize
+
+
+def units(tensors: Iterable[Tensor], fp32_modules: Iterable[str] = ("time_embedder",)) -> dict[str, list[Tensor]]:
+    """The FSDP units ``fsdp_fp8.load.fsdp_wrap.shard_model`` makes of a Cosmos 3 transformer:
+    one per decoder layer (``layers.N``), one per float32 module, the root for the rest."""
+    fp32 = tuple(f"{m}." for m in fp32_modules)
+    out: dict[str, list[Tensor]] = {}
+    for t in tensors:
+        m = _LAYER.match(t.key)
+        name = f"layers.{m.group(1)}" if m else next((p[:-1] for p in fp32 if t.key.startswith(p)), "root")
+        out.setdefault(name, []).append(t)
+    return out
+
+
+def activation_terms(
+    shape: TransformerShape, text: int, vision: int, cfg_parallel: bool, fp8_time_embedder: bool = False
+) -> list[Term]:
+    """The transformer's working set at its widest moment, phase by phase (no autograd: a
+    temporary dies when its expression is done). A W8A8 linear quantizes its input through two
+    float32 temporaries (``clamp(x.float() / s)``, ``fsdp_fp8.fp8.kernels``): 8 bytes per input
+    element while it runs, then 1 byte of FP8 codes."""
+    e, h, inter = shape.dtype_bytes, shape.hidden, shape.intermediate
+    tokens = text + vision
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    quant = 8  # float32 temporaries of one activation quantization, per element
+    # Time embedding of every vision token (Timesteps(256) -> TimestepEmbedding in float32),
+    # beside the packed sequence and proj_in's output.
+    freq = 256
+    linear_2 = vision * h * (4 + (quant if fp8_time_embedder else 0) + 4)
+    # get_timestep_embedding: the scaled angles (freq / 2), their sin and cos, and the
+    # concatenation (freq), all float32, live at once: 2.5 x freq x 4 bytes per token.
+    time = tokens * h * e + vision * h * e + max(vision * freq * 10, vision * (freq + h) * 4, linear_2)
+    # Attention: layer inputs, normed inputs and their FP8 codes, Q/K/V, the float32 RMSNorm of
+    # Q (two temporaries), the rotary temporaries of Q, K/V concatenated for the generation
+    # pathway, the outputs and to_out's input quantization (flash attention: O(tokens), no
+    # tokens^2 matrix; SDPA runs these unmasked calls so on CUDA and on CPU).
+    attention = (
+        2 * tokens * h * e
+        + tokens * h
+        + tokens * (q + 2 * kv) * e
+        + max(2 * tokens * q * 4, 3 * tokens * q * e)
+        + 2 * tokens * kv * e
+        + tokens * q * (e + quant)
+    )
+    # MLP of the generation tower: layer inputs and residuals of both towers, the normed input
+    # and its codes, then silu(gate) * up and down_proj's input quantization.
+    mlp = 3 * tokens * h * e + vision * h * (e + 1) + vision * inter * max(3 * e, e + quant)
+    rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
+    positions = 3 * tokens * 8 + tokens * 8 * 2  # mRoPE ids and the sequence indexes (int64)
+    phases = {"time embedding": time, "attention": attention, "MLP": mlp}
+    widest = max(phases, key=phases.get)
+    terms = [
+        Term(
+            "activations",
+            phases[widest] + rope + positions,
+            detail=f"{tokens} tokens; widest: {widest} ("
+            + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items())
+            + ")",
+        )
+    ]
+    latent = vision * shape.patch**2 * shape.latent_channels
+    terms.append(
+        Term(
+            "latents and scheduler",
+            latent * (4 * (3 + SOLVER_HISTORY) + e),
+            detail="float32 latents, both predictions, solver history",
+        )
+    )
+    if cfg_parallel:
+        terms.append(Term("CFG-parallel exchange", 3 * latent * e, detail="all-gather of both predictions, one held"))
+    return terms
+
+
+def forecast(
+    tensors: list[Tensor],
+    shape: TransformerShape,
+    size: VideoSize,
+    world_size: int,
+    *,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
+    components_bytes: int = 0,
+    resident: str | int = "none",
+    offload: str | None = None,
+    cfg_parallel: bool = False,
+    prefetch: bool = True,
+) -> MemoryForecast:
+    """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg_parallel and world_size % 2:
+        raise ValueError(f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world_size}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    groups = units(tensors)
+    layers = sorted((k for k in groups if k.startswith("layers.")), key=lambda k: int(k.split(".")[1]))
+    full = {k: sum(_nbytes(t) for t in v) for k, v in groups.items()}
+    shard = {k: sum(_shard_bytes(t, world_size) for t in v) for k, v in groups.items()}
+    n_resident = len(layers) if resident == "all" else 0 if resident == "none" else int(resident)
+    if not 0 <= n_resident <= len(layers):
+        raise ValueError(f"resident must be 'none', 'all' or 0..{len(layers)} layers, got {resident!r}")
+    streamed = layers[n_resident:]
+    biggest = max((full[k] for k in streamed), default=0)
+    in_flight = (2 if prefetch else 1) * biggest if world_size > 1 else 0
+    sharded = sum(shard.values())
+    terms = []
+    if offload == "cpu":
+        flight_shards = (2 if prefetch else 1) * max((shard[k] for k in streamed), default=0)
+        terms.append(
+            Term("sharded weights", flight_shards, sharded, "host: pinned shards; device: the units in flight")
+        )
+    else:
+        terms.append(Term("sharded weights", sharded, detail=f"{len(tensors)} tensors over {world_size} rank(s)"))
+    if world_size > 1:
+        others = [k for k in groups if k != "root" and not k.startswith("layers.")]
+        root = full.get("root", 0) + sum(full[k] for k in others)  # float32 units: gathered transiently
+        terms.append(Term("root unit, gathered", root, detail="embeddings, heads, proj_in/out: never resharded"))
+        terms.append(
+            Term(
+                "decoder layers in flight",
+                in_flight,
+                detail=f"largest layer {_gib(biggest)} x {2 if prefetch else 1} (running + prefetched)",
+            )
+        )
+        if n_resident:
+            terms.append(
+                Term("resident layers", sum(full[k] for k in layers[:n_resident]), detail=f"{n_resident} kept gathered")
+            )
+    terms.append(Term("non-FP8 components", components_bytes, detail="VAE and other component weights"))
+    text = text_tokens
+    fp8_time = any(t.key.startswith("time_embedder.") and t.itemsize == 1 for t in tensors)
+    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time)
+    return MemoryForecast(world_size, text, size.vision_tokens(shape.patch), tuple(terms))
+
+
+# --- from a pipeline root or a transformer directory -----------------------------------------
+
+
+def checkpoint_tensors(transformer_dir: Path) -> list[Tensor]:
+    """Every tensor of the checkpoint at ``transformer_dir`` (headers only)."""
+    from fsdp_fp8.format.checkpoint import open_checkpoint
+
+    with open_checkpoint(transformer_dir) as ckpt:
+        return [Tensor(e.key, tuple(e.shape), e.torch_dtype.itemsize) for e in ckpt.tensors.values()]
+
+
+def components_bytes(root: Path) -> int:
+    """Bytes of every component but the transformer: their safetensors files' sizes."""
+    total = 0
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "transformer"):
+        total += sum(f.stat().st_size for f in sub.glob("*.safetensors"))
+    return total
+
+
+def vae_compression(root: Path) -> tuple[int, int]:
+    """(spatial, temporal) compression of ``root``'s VAE (diffusers ``AutoencoderKLWan`` config)."""
+    path = root / "vae" / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return int(config.get("scale_factor_spatial", 16)), int(config.get("scale_factor_temporal", 4))
+
+
+def forecast_checkpoint(
+    path: str | Path, world_size: int, *, height: int, width: int, frames: int, **options
+) -> MemoryForecast:
+    """The forecast for a pipeline root (``model_index.json``) or a Cosmos 3 transformer directory."""
+    from fsdp_fp8.format.hub import resolve_hub_path
+
+    path = resolve_hub_path(path)
+    is_pipeline = (path / "model_index.json").is_file()
+    transformer = path / "transformer" if is_pipeline else path
+    config = json.loads((transformer / "config.json").read_text())
+    if config.get("_class_name") != "Cosmos3OmniTransformer":
+        raise ValueError(
+            f"{transformer / 'config.json'}: `_class_name` is {config.get('_class_name')!r}; the activation "
+            "forecast knows Cosmos3OmniTransformer only"
+        )
+    spatial, temporal = vae_compression(path) if is_pipeline else (16, 4)
+    return forecast(
+        checkpoint_tensors(transformer),
+        TransformerShape.from_config(config),
+        VideoSize(height, width, frames, spatial, temporal),
+        world_size,
+        components_bytes=components_bytes(path) if is_pipeline else 0,
+        **options,
+    )
+
+
+# --- from a config alone (the official checkpoints, before downloading them) ------------------
+
+# The high-precision linears of the official Nano FP8 export (its ignore list).
+OFFICIAL_IGNORE = ("proj_in", "proj_out", "time_embedder", "lm_head", "visual")
+
+
+def config_tensors(config: dict, ignore: tuple[str, ...] = OFFICIAL_IGNORE) -> list[Tensor]:
+    """The tensors a ModelOpt FP8 export of ``Cosmos3OmniTransformer(**config)`` holds: every
+    linear weight outside ``ignore`` one byte per element (plus two float32 scales), the rest
+    in BF16 (``time_embedder`` in float32). Built on the meta device: no memory, no download."""
+    import torch
+    from diffusers import Cosmos3OmniTransformer
+
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer.from_config(config)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    out = []
+    for key, p in model.state_dict().items():
+        module = key.rpartition(".")[0]
+        quantized = module in linears and key.endswith(".weight") and not any(part in module for part in ignore)
+        itemsize = 1 if quantized else 4 if key.startswith("time_embedder.") else 2
+        out.append(Tensor(key, tuple(p.shape), itemsize))
+        if quantized:
+            out += [Tensor(module + ".weight_scale", (), 4), Tensor(module + ".input_scale", (), 4)]
+    return out

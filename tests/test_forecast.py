@@ -1,0 +1,96 @@
+"""The memory forecast against what a run really holds: the demo Cosmos 3 pipeline (a real
+``Cosmos3OmniPipeline`` around a ModelOpt-layout FP8 transformer) at two sizes, on 1 process and
+on 2 FSDP ranks. The measured peak is the live tensor storage on the CPU during the denoising
+loop (``fsdp_fp8.testing.live_bytes``), from the first transformer forward to the last step's
+end; the VAE's encode before the loop is a separate phase the forecast leaves out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZES = ((128, 128, 9), (256, 384, 17))  # (height, width, frames): 967 and 7,879 tokens with the text
+TOLERANCE = 0.15
+
+
+def _measure(rank: int, world: int, root: str) -> list[dict]:
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.runtime.forecast import forecast_checkpoint
+    from fsdp_fp8.testing.live_bytes import LiveBytes, module_tensors
+
+    pipe = load_pipeline(root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    out = []
+    for height, width, frames in SIZES:
+        loop: dict = {}
+        with LiveBytes("cpu", module_tensors(*modules)) as live:
+
+            def start(_module, _args, kwargs):
+                if "text" not in loop:
+                    loop["text"] = kwargs["und_len"]
+                    live.reset_peak()
+
+            def end(_pipe, _i, _t, _kwargs):
+                loop["peak"] = live.peak
+                return {}
+
+            hook = pipe.transformer.register_forward_pre_hook(start, with_kwargs=True)
+            pipe(
+                "a red fox",
+                num_frames=frames,
+                height=height,
+                width=width,
+                num_inference_steps=2,
+                guidance_scale=3.0,
+                generator=torch.Generator().manual_seed(0),
+                output_type="latent",
+                callback_on_step_end=end,
+            )
+            hook.remove()
+        forecast = forecast_checkpoint(root, world, height=height, width=width, frames=frames, text_tokens=loop["text"])
+        out.append({"measured": loop["peak"], "forecast": forecast.device_bytes, "terms": forecast.lines()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from fsdp_fp8.cli.demo import build_demo_pipeline
+
+    root = str(build_demo_pipeline(tmp_path_factory.mktemp("demo") / "root"))
+    return {1: _measure(0, 1, root), 2: run_ranks(_measure, 2, root, timeout=600)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forecast_is_within_15_percent_of_the_measured_peak_at_two_sizes(measured, world):
+    rows = measured[1] if world == 1 else [r for rank in measured[2] for r in rank]
+    assert len(rows) == len(SIZES) * (1 if world == 1 else 2)
+    for row in rows:
+        error = row["forecast"] / row["measured"] - 1
+        assert abs(error) <= TOLERANCE, f"{error:+.1%}\n" + "\n".join(row["terms"])
+    # the larger size really is dominated by activations, not weights
+    assert rows[-1]["measured"] > 5 * rows[0]["measured"]
+
+
+def test_the_terms_are_named_and_add_up():
+    from fsdp_fp8.runtime.forecast import Tensor, TransformerShape, VideoSize, forecast
+
+    shape = TransformerShape(64, 128, 4, 2, 16, 2, 4, 2)
+    tensors = [Tensor(f"layers.{i}.mlp.up_proj.weight", (128, 64), 1) for i in range(2)]
+    tensors += [Tensor("embed_tokens.weight", (100, 64), 2)]
+    one = forecast(tensors, shape, VideoSize(64, 64, 1, 4, 4), 2)
+    names = [t.name for t in one.terms]
+    assert names[:3] == ["sharded weights", "root unit, gathered", "decoder layers in flight"]
+    assert one.device_bytes == sum(t.device_bytes for t in one.terms)
+    assert dict((t.name, t.device_bytes) for t in one.terms)["decoder layers in flight"] == 2 * 128 * 64
+    off = forecast(tensors, shape, VideoSize(64, 64, 1, 4, 4), 2, offload="cpu")
+    assert off.host_bytes == one.terms[0].device_bytes and off.device_bytes < one.device_bytes
+    resident = forecast(tensors, shape, VideoSize(64, 64, 1, 4, 4), 2, resident="all")
+    assert "resident layers" in [t.name for t in resident.terms]
+    with pytest.raises(ValueError, match="even world size, got 3"):
+        forecast(tensors, shape, VideoSize(64, 64, 1), 3, cfg_parallel=True)
