@@ -142,24 +142,25 @@ class _Watch:
             self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid}")
 
     def wait_for_verdict(self) -> str | None:
-        """After the block raised: who, if anyone, stopped beating. Waits up to the bound while
-        some peer's beat is late (a peer killed outright stops at once), and only two beats'
-        time when every peer is beating (an error of this rank's own is not held up)."""
+        """After the block raised: who, if anyone, stopped beating. Waits until every peer has
+        beaten again since the error (then they are alive, and the error is this rank's own or
+        a peer's that it will report itself: None), or up to the bound, when a late peer is named
+        (a peer killed outright stops at once; its last beat may have been seen after the
+        error, so a quiet gap of a few beats is not proof of life)."""
         start = time.monotonic()
         deadline = start + detection_bound_s(self.stall_s, self.interval_s)
+        with self.lock:
+            before = {p: value for p, (value, _) in self.seen.items()}
         while time.monotonic() < deadline:
             verdict = self.verdict or self._stalled()
             if verdict is not None:
                 return verdict
-            now = time.monotonic()
             with self.lock:
-                late = [
-                    p for p, (_, since) in self.seen.items() if p not in self.done and now - since > 2 * self.interval_s
-                ]
-            if not late and now - start >= 2 * self.interval_s:
+                silent = [p for p, (value, _) in self.seen.items() if p not in self.done and value == before[p]]
+            if not silent:
                 return None
             time.sleep(min(self.interval_s, 0.1))
-        return None
+        return self.verdict or self._stalled()
 
 
 def _store():
