@@ -65,6 +65,7 @@ class _Watch:
         now = time.monotonic()
         self.seen: dict[int, tuple[str | None, float]] = {r: (None, now) for r in range(world) if r != rank}
         self.who: dict[int, str] = {}
+        self.beats_seen: dict[int, int] = {r: 0 for r in self.seen}  # new values read, per peer
         self.done: set[int] = set()
         self.store_ok = now
         self.verdict: str | None = None
@@ -92,6 +93,7 @@ class _Watch:
                             self.done.add(peer)
                         elif value != self.seen[peer][0]:
                             self.seen[peer] = (value, time.monotonic())
+                            self.beats_seen[peer] += 1
                 with self.lock:
                     self.store_ok = time.monotonic()
             except Exception:  # noqa: BLE001 - a store that fails is judged by store_ok's age
@@ -143,20 +145,23 @@ class _Watch:
 
     def wait_for_verdict(self) -> str | None:
         """After the block raised: who, if anyone, stopped beating. Waits until every peer has
-        beaten again since the error (then they are alive, and the error is this rank's own or
+        beaten twice since the error (then they are alive, and the error is this rank's own or
         a peer's that it will report itself: None), or up to the bound, when a late peer is named
         (a peer killed outright stops at once; its last beat may have been seen after the
-        error, so a quiet gap of a few beats is not proof of life)."""
+        error, so a quiet gap of a few beats is not proof of life). At most twice the bound."""
         start = time.monotonic()
-        deadline = start + detection_bound_s(self.stall_s, self.interval_s)
+        # Past the bound by as much again: the beat thread itself may have been starved, so the
+        # silent peer's last beat can have been read well after the error (a busy machine).
+        deadline = start + 2 * detection_bound_s(self.stall_s, self.interval_s)
         with self.lock:
-            before = {p: value for p, (value, _) in self.seen.items()}
+            before = dict(self.beats_seen)
         while time.monotonic() < deadline:
             verdict = self.verdict or self._stalled()
             if verdict is not None:
                 return verdict
             with self.lock:
-                silent = [p for p, (value, _) in self.seen.items() if p not in self.done and value == before[p]]
+                # two new beats: a dead peer's last one can still be read once after the error
+                silent = [p for p in self.seen if p not in self.done and self.beats_seen[p] - before[p] < 2]
             if not silent:
                 return None
             time.sleep(min(self.interval_s, 0.1))
