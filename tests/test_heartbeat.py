@@ -115,3 +115,44 @@ def test_the_bound_and_a_single_process():
     with pytest.raises(ValueError, match="stall_s and interval_s > 0, got 0 and 1.0"):
         with heartbeat.watch_peers(stall_s=0):
             pass
+
+
+def test_a_main_thread_waiting_in_the_store_does_not_stop_the_beats():
+    """A rank waiting in the store (the side group's arrival wait for a late peer) must keep
+    beating: a TCPStore client holds its lock for a whole ``wait()``, so the watch needs a
+    client of its own. One process: a peer beats on its own client, the main thread waits
+    in the store for longer than the stall threshold, and nobody may be judged stalled."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fsdp_fp8.runtime import heartbeat
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    main_client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    stall_s = 1.0
+    watch = heartbeat._Watch(heartbeat.own_client(main_client), 0, 2, stall_s, 0.1, "in the test")
+    watch.handling.set()  # a verdict is recorded for the test instead of ending the process
+    peer_client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    peer_stop = threading.Event()
+
+    def peer_beats():
+        beat = 0
+        while not peer_stop.wait(0.1):
+            peer_client.set(f"{watch.prefix}/1", f"{beat} peerhost 999")
+            beat += 1
+
+    peer = threading.Thread(target=peer_beats, daemon=True)
+    peer.start()
+    watch.start()
+    try:
+        with pytest.raises(Exception, match="(?i)timeout|timed out"):
+            main_client.wait(["never set"], timedelta(seconds=3 * stall_s))
+        assert watch.verdict is None and watch._stalled() is None, watch.verdict
+        assert watch.beats_seen[1] >= 10  # the watch kept reading the peer's beats meanwhile
+    finally:
+        peer_stop.set()
+        watch.finish()
+        peer.join()
+    assert main_client.get(f"{watch.prefix}/0").decode().startswith("done ")  # the last word

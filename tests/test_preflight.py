@@ -57,6 +57,15 @@ def test_the_device_passed_must_be_the_current_one_under_nccl():
     assert device_problems(_facts(device=torch.device("cuda", 1), current_index=0, nccl=False)) == []
 
 
+def test_a_device_this_process_does_not_see_is_a_problem_not_an_assertion():
+    # device=cuda:LOCAL_RANK under a launcher that gives each rank one visible GPU: torch's own
+    # capability query would assert on this rank alone, before the agreement.
+    facts = _facts(device=torch.device("cuda", 3), capability=None, visible_devices=1, cuda_visible_devices="3")
+    (problem,) = device_problems(facts)
+    assert "loads onto cuda:3 but this process sees 1 GPU(s) (CUDA_VISIBLE_DEVICES=3)" in problem, problem
+    assert "pass device=None" in problem
+
+
 def test_every_problem_is_listed_at_once():
     found = device_problems(_facts(capability=(8, 6), visible_devices=2, device=torch.device("cuda", 1)))
     assert len(found) == 3

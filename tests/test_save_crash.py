@@ -368,3 +368,35 @@ def test_plan_save_decides_everything_without_writing(tmp_path):
     broken = plan_save(loaded.model, unusable="rank 1: injected")  # no source, no config: two problems
     assert broken.layout is None and len(broken.problems) == 2, broken.problems
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing was written
+
+
+def test_a_symlink_destination_is_refused_before_anything_is_written(tmp_path):
+    # The rename into place replaces a link, it does not fill its target: refused up front,
+    # not after every byte was written.
+    from fsdp_fp8.checkpoint.destination import destination_problems
+
+    target = tmp_path / "empty"
+    target.mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    (problem,) = destination_problems(link)
+    assert f"{link} is a symbolic link (to {target})" in problem and f"({target})" in problem, problem
+    assert destination_problems(target) == []
+
+
+def test_a_directory_sync_error_is_raised_unless_the_filesystem_cannot_sync_directories(tmp_path, monkeypatch):
+    import errno
+
+    from fsdp_fp8.checkpoint import temp_dir
+
+    def fsync_failing(code):
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+
+        return fsync
+
+    monkeypatch.setattr(temp_dir.os, "fsync", fsync_failing(errno.EINVAL))
+    temp_dir.sync_directory(tmp_path)  # a filesystem that cannot sync a directory: the data was synced
+    monkeypatch.setattr(temp_dir.os, "fsync", fsync_failing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        temp_dir.sync_directory(tmp_path)  # a write-back failure: the save must not say it is done

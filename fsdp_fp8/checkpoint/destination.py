@@ -22,7 +22,12 @@ def destination_problems(directory: Path) -> list[str]:
     """Why a save cannot write a new checkpoint at ``directory`` (empty: it can)."""
     directory = Path(directory)
     try:
-        if directory.is_symlink() or directory.exists():
+        if directory.is_symlink():  # the rename into place would replace the link, not fill its target
+            return [
+                f"{directory} is a symbolic link (to {os.readlink(directory)}); save writes a new checkpoint "
+                f"directory in its place: name the target itself ({directory.resolve()})"
+            ]
+        if directory.exists():
             if not directory.is_dir():
                 return [f"{directory} exists and is not a directory; save writes a new checkpoint directory"]
             if any(directory.iterdir()):

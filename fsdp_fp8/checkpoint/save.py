@@ -139,14 +139,23 @@ def _agree_on_plan(plan: SavePlan, problems: list[str], begun: _Begun, directory
     return Path(verdicts[0][3]), sum(v[4] for v in verdicts)
 
 
-def _phase(stage: str, directory: Path, timeout_s: float):
+def _phase(stage: str, directory: Path, timeout_s: float, failed: str | None = None):
     """One collective phase of the save: every rank raises the same ``ExportError`` on failure."""
     return collective_phase(
         None,
         f"save's {stage}",
         timeout_s,
-        failed=f"nothing was saved at {directory}: the {stage} failed",
+        failed=failed or f"nothing was saved at {directory}: the {stage} failed",
         error=ExportError,
+    )
+
+
+def _move_failed(directory: Path) -> str:
+    """The move's failure text: rank 0 may have renamed before a peer was lost, so the
+    checkpoint may be whole; say how to tell instead of "nothing was saved"."""
+    return (
+        f"the move into place of {directory} failed: if rank 0 renamed it before the failure "
+        f"{directory} holds the whole checkpoint (check it: fsdp-fp8 verify {directory}); else nothing was saved"
     )
 
 
@@ -234,7 +243,7 @@ def save_checkpoint(
             if plan.rank == 0:
                 write_index_and_configs(tmp, plan.layout, plan.config, plan.hf_quant)
                 copy_source_files(begun.files, tmp)
-        with _phase("move into place", directory, agreement_timeout_s):
+        with _phase("move into place", directory, agreement_timeout_s, _move_failed(directory)):
             if plan.rank == 0:
                 move_into_place(tmp, directory)
                 moved = True

@@ -27,6 +27,7 @@ Only directories whose whole name matches are ever looked at; nothing else is re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -227,10 +228,21 @@ def sync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot sync a directory; the data itself was synced
+    except OSError as exc:
+        if exc.errno not in _CANNOT_SYNC_A_DIRECTORY:
+            raise  # EIO and the like: the entries may not be durable, and the save must not say it is done
     finally:
         os.close(fd)
+
+
+# What a filesystem that cannot sync a directory answers (the data itself was synced).
+_CANNOT_SYNC_A_DIRECTORY = {
+    errno.EINVAL,
+    errno.EBADF,
+    errno.ENOSYS,
+    getattr(errno, "ENOTSUP", errno.EINVAL),
+    getattr(errno, "EOPNOTSUPP", errno.EINVAL),
+}
 
 
 def move_into_place(tmp: Path, directory: Path) -> None:

@@ -291,8 +291,10 @@ def _save(args) -> int:
     code = 0
     try:
         check_destination(args.destination, args.timeout)  # before anything is loaded
-        loaded = load_model(None, args.source, device=default_device())
-        report = save_checkpoint(loaded, args.destination, max_shard_size=args.max_shard_size)
+        loaded = load_model(None, args.source, device=default_device(), agreement_timeout_s=args.timeout)
+        report = save_checkpoint(
+            loaded, args.destination, max_shard_size=args.max_shard_size, agreement_timeout_s=args.timeout
+        )
         if rank == 0:
             print(f"saved {report.directory}: {report.tensors} tensors in {report.files} files")
     except (ProblemsError, PeerLostError, OSError) as exc:

@@ -134,6 +134,12 @@ def run(args: argparse.Namespace) -> Report:
         return _warn_no_fp8(PipelineReport(**job, **fields), path)
     if args.prompts or args.output:
         raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
+    with watch_peers(stall_s=stall_s_for(args.timeout), what="during the model's load or run"):
+        return _run_model(args, path, device, mesh, t0)
+
+
+def _run_model(args: argparse.Namespace, path, device, mesh, t0: float) -> Report:
+    """A transformers / diffusers model or the reference MoT, from its config.json."""
     # The model class comes from config.json; every rank opens and plans inside load_model,
     # where the ranks agree before anything is built, sharded or read.
     loaded = load_model(None, path, mesh, device=device)
@@ -200,7 +206,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
             log.info("step %d/%d  %s", i + 1, n, routing.trace[-1])
 
     t1 = time.perf_counter()
-    with AllGatherMeter() as meter, watch_peers(stall_s=stall_s_for(args.timeout)):
+    with AllGatherMeter() as meter:  # run() watches the peers around the load and this
         latent = sample(
             model,
             prompt_bytes(args.prompt, model.config.vocab_size),

@@ -72,11 +72,13 @@ def device_facts(device: torch.device, fp8_linears: int, env=os.environ) -> Devi
     nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
     cuda = device.type == "cuda" and torch.cuda.is_available()
     index = device.index if device.index is not None else (torch.cuda.current_device() if cuda else None)
+    visible = torch.cuda.device_count() if cuda else 0
+    exists = cuda and 0 <= index < visible  # torch asserts on a device it does not see: a problem instead
     return DeviceFacts(
         device=device,
         current_index=torch.cuda.current_device() if cuda else None,
-        capability=tuple(torch.cuda.get_device_capability(index)) if cuda else None,
-        visible_devices=torch.cuda.device_count() if cuda else 0,
+        capability=tuple(torch.cuda.get_device_capability(index)) if exists else None,
+        visible_devices=visible,
         local_rank=_env_int(env, "LOCAL_RANK", 0),
         local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
@@ -90,6 +92,13 @@ def device_problems(facts: DeviceFacts) -> list[str]:
     if facts.device.type != "cuda":
         return []
     problems = []
+    index = facts.device.index
+    if index is not None and facts.visible_devices and index >= facts.visible_devices:
+        return [
+            f"this rank loads onto {facts.device} but this process sees {facts.visible_devices} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices or '(unset)'}); with one visible GPU per rank "
+            "pass device=None (fsdp_fp8 takes LOCAL_RANK modulo the visible GPUs) or cuda:0"
+        ]
     if facts.fp8_linears and facts.capability is not None and tuple(facts.capability) < W8A8_CAPABILITY:
         major, minor = facts.capability
         problems.append(

@@ -16,7 +16,7 @@ The bound: a peer that stops is named within ``stall_s + 2 * interval_s`` (defau
 the launcher uses half its ``--timeout`` when that is shorter than 30 s: ``stall_s_for``).
 A rank blocked in a collective cannot raise, so the watcher prints the line and ends the
 process (``os._exit(1)``; torchrun then stops the others). When the collective raises first
-(a peer killed outright closes its connections), ``watch_peers`` waits up to the same bound
+(a peer killed outright closes its connections), ``watch_peers`` waits up to twice that bound
 for the beats to say who is gone and raises ``PeerLostError`` naming it, chained to the
 backend's error. A rank that leaves the block normally says so, so a peer that is merely
 ahead is never mistaken for a stalled one. If the store itself stops answering for
@@ -73,7 +73,7 @@ class _Watch:
         self.stop = threading.Event()
         self.lock = threading.Lock()
 
-    # --- the beat and the look, on one thread (the store's client is used from here only) ---
+    # --- the beat and the look, on one thread, over the watch's own store client ---
 
     def _beat_and_look(self) -> None:
         beat = 0
@@ -99,6 +99,9 @@ class _Watch:
             except Exception:  # noqa: BLE001 - a store that fails is judged by store_ok's age
                 pass
             self.stop.wait(self.interval_s)
+        # The last word, from this thread: a beat can then never land after "done".
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid}")
 
     # --- the judge, on another thread: local state only, so a blocked store cannot block it ---
 
@@ -135,13 +138,15 @@ class _Watch:
             os._exit(EXIT_CODE)
 
     def start(self) -> None:
-        for target, name in ((self._beat_and_look, "beat"), (self._judge, "judge")):
-            threading.Thread(target=target, name=f"fsdp_fp8-heartbeat-{name}", daemon=True).start()
+        self.beater = threading.Thread(target=self._beat_and_look, name="fsdp_fp8-heartbeat-beat", daemon=True)
+        self.beater.start()
+        threading.Thread(target=self._judge, name="fsdp_fp8-heartbeat-judge", daemon=True).start()
 
     def finish(self) -> None:
+        """Stop beating; the beat thread says "done" as its last write. Waits for it at most
+        one stall (a store that stopped answering must not hold the rank's exit)."""
         self.stop.set()
-        with contextlib.suppress(Exception):
-            self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid}")
+        self.beater.join(timeout=min(self.stall_s, 5 * self.interval_s))
 
     def wait_for_verdict(self) -> str | None:
         """After the block raised: who, if anyone, stopped beating. Waits until every peer has
@@ -175,6 +180,22 @@ def _store():
         return None
 
 
+def own_client(store):
+    """A client of ``store`` for the watch alone: a TCPStore client holds one lock for a whole
+    ``wait()``, so a main thread waiting in the store (a late peer at the agreement) would block
+    the beats on a shared client and get live ranks named as stalled. ``clone()`` opens a new
+    connection to the same server (and keeps a PrefixStore's prefix); a store that cannot be
+    cloned (a FileStore, a torch without ``clone``) is shared: its operations do not hold a
+    lock across a wait."""
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        return clone()
+    except Exception:  # noqa: BLE001 - "not implemented" for this store type
+        return store
+
+
 @contextlib.contextmanager
 def watch_peers(
     stall_s: float = DEFAULT_STALL_S, interval_s: float = DEFAULT_INTERVAL_S, what: str = "during generation"
@@ -189,7 +210,7 @@ def watch_peers(
     if store is None or dist.get_world_size() == 1:
         yield
         return
-    watch = _Watch(store, dist.get_rank(), dist.get_world_size(), stall_s, interval_s, what)
+    watch = _Watch(own_client(store), dist.get_rank(), dist.get_world_size(), stall_s, interval_s, what)
     watch.start()
     try:
         yield
