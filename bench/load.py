@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -316,42 +315,39 @@ def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn, devi
     """One method on one rank, in a fresh process: imports first, then the measured block."""
     global DEVICE
     DEVICE = device
-    try:
-        import safetensors.torch  # noqa: F401
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
+    common.run_rank_child(rank, conn, lambda: _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device))
 
-        # fsdp_fp8's __init__ is lazy: import what the methods use (TorchAO with it), or the first
-        # method's measured block would pay for the imports.
-        import fsdp_fp8.format.checkpoint  # noqa: F401
-        import fsdp_fp8.load.api  # noqa: F401
-        import fsdp_fp8.load.architectures  # noqa: F401
-        import fsdp_fp8.models  # noqa: F401
 
-        torch.set_num_threads(1)
-        backend = "gloo"
-        if device == "cuda":  # one GPU per rank (torchrun's LOCAL_RANK), NCCL between them
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-            backend = "nccl"
-        dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
-        cfg = common.SIZES[size]
-        fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d, "p": method_p, "n": method_n}
-        fn = {**fn, "h": method_h}[method]
+def _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device) -> dict:
+    import safetensors.torch  # noqa: F401
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
+
+    # fsdp_fp8's __init__ is lazy: import what the methods use (TorchAO with it), or the first
+    # method's measured block would pay for the imports.
+    import fsdp_fp8.format.checkpoint  # noqa: F401
+    import fsdp_fp8.load.api  # noqa: F401
+    import fsdp_fp8.load.architectures  # noqa: F401
+    import fsdp_fp8.models  # noqa: F401
+
+    torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":  # one GPU per rank (torchrun's LOCAL_RANK), NCCL between them
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    cfg = common.SIZES[size]
+    fn = {"a": method_a, "b": method_b, "c": method_c, "d": method_d, "p": method_p, "n": method_n}
+    fn = {**fn, "h": method_h}[method]
+    dist.barrier()
+    with common.PeakRSS() as mem:
+        t0 = time.perf_counter()
+        out = fn(fp8_dir, bf16_dir, cfg)
         dist.barrier()
-        with common.PeakRSS() as mem:
-            t0 = time.perf_counter()
-            out = fn(fp8_dir, bf16_dir, cfg)
-            dist.barrier()
-            seconds = time.perf_counter() - t0
-        out.pop("_keep")
-        conn.send({"rank": rank, "seconds": seconds, "rss_growth": mem.growth, **out})
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        conn.send({"rank": rank, "error": traceback.format_exc()})
-    conn.close()
-    os._exit(0)  # skip interpreter finalization (docs/shutdown.md: gloo + FSDP2 can abort there)
+        seconds = time.perf_counter() - t0
+    out.pop("_keep")
+    return {"rank": rank, "seconds": seconds, "rss_growth": mem.growth, **out}
 
 
 def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:

@@ -49,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -451,70 +450,67 @@ def _io_read_bytes() -> int:
 
 
 def _rank_child(method: str, rank: int, world: int, store: str, directory: str, opts: dict, conn) -> None:
-    try:
-        for name in PRELOAD:  # (already loaded by the fork server: a no-op then)
-            __import__(name)
-        import torch
-        import torch.distributed as dist
+    common.run_rank_child(rank, conn, lambda: _rank_trial(method, rank, world, store, directory, opts))
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
-        directory = Path(directory)
-        phases = Phases()
-        fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast}.get(method.split("+")[0], method_dcp)
-        if method.startswith("floor"):
-            fn = method_floor
-        if method.startswith(("dcp-", "floor-")):
-            opts = {**opts, "threads": int(method.split("-")[1])}
-        if method.startswith("floor"):  # the pre-touched buffer and the span, outside the block
-            n = opts["row_bytes"][rank]
-            files = [(str(p), p.stat().st_size) for p in common.checkpoint_files(directory)]
-            opts = {
-                **opts,
-                "_buffer": torch.ones(n, dtype=torch.uint8),
-                "_pieces": floor_span(files, sum(opts["row_bytes"][:rank]), n),
-            }
-        if method.startswith("fsdp_fp8"):  # the what-ifs and the timed wrappers, outside the block
-            opts = {**opts, "_read_fields": apply_experiments(method), "_missing": instrument_fsdp_fp8(phases)}
-        profiler = None
-        if opts.get("profile") and rank == 0:
-            import cProfile
 
-            profiler = cProfile.Profile()
-        dist.barrier()
-        io0 = _io_read_bytes()
-        with common.PeakRSS() as mem:
-            if profiler:
-                profiler.enable()
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = fn(directory, phases, opts)
-            dist.barrier()
-            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if profiler:
-                profiler.disable()
-        disk = _io_read_bytes() - io0 if io0 >= 0 else -1
-        out.pop("_keep")
-        result = {
-            "rank": rank,
-            "seconds": seconds,
-            "rss_growth": mem.growth,
-            "disk_read_bytes": disk,
-            "phases": dict(phases.seconds),
-            "phases_cpu": dict(phases.cpu),
-            "cpu_s": cpu,
-            **out,
+def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, opts: dict) -> dict:
+    for name in PRELOAD:  # (already loaded by the fork server: a no-op then)
+        __import__(name)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    directory = Path(directory)
+    phases = Phases()
+    fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast}.get(method.split("+")[0], method_dcp)
+    if method.startswith("floor"):
+        fn = method_floor
+    if method.startswith(("dcp-", "floor-")):
+        opts = {**opts, "threads": int(method.split("-")[1])}
+    if method.startswith("floor"):  # the pre-touched buffer and the span, outside the block
+        n = opts["row_bytes"][rank]
+        files = [(str(p), p.stat().st_size) for p in common.checkpoint_files(directory)]
+        opts = {
+            **opts,
+            "_buffer": torch.ones(n, dtype=torch.uint8),
+            "_pieces": floor_span(files, sum(opts["row_bytes"][:rank]), n),
         }
+    if method.startswith("fsdp_fp8"):  # the what-ifs and the timed wrappers, outside the block
+        opts = {**opts, "_read_fields": apply_experiments(method), "_missing": instrument_fsdp_fp8(phases)}
+    profiler = None
+    if opts.get("profile") and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    dist.barrier()
+    io0 = _io_read_bytes()
+    with common.PeakRSS() as mem:
         if profiler:
-            path = Path(opts["profile"]) / f"{opts['label']}-{method}-w{world}.pstats"
-            profiler.dump_stats(str(path))
-            result["profile"] = str(path)
-        conn.send(result)
+            profiler.enable()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn(directory, phases, opts)
         dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        conn.send({"rank": rank, "error": traceback.format_exc()})
-    conn.close()
-    os._exit(0)  # skip interpreter finalization (docs/shutdown.md: gloo + FSDP2 can abort there)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if profiler:
+            profiler.disable()
+    disk = _io_read_bytes() - io0 if io0 >= 0 else -1
+    out.pop("_keep")
+    result = {
+        "rank": rank,
+        "seconds": seconds,
+        "rss_growth": mem.growth,
+        "disk_read_bytes": disk,
+        "phases": dict(phases.seconds),
+        "phases_cpu": dict(phases.cpu),
+        "cpu_s": cpu,
+        **out,
+    }
+    if profiler:
+        path = Path(opts["profile"]) / f"{opts['label']}-{method}-w{world}.pstats"
+        profiler.dump_stats(str(path))
+        result["profile"] = str(path)
+    return result
 
 
 def warm_page_cache(directory: Path) -> None:

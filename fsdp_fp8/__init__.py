@@ -85,8 +85,10 @@ _PUBLIC = {
     "export_fp8": "fsdp_fp8.export.modelopt",
     "denoising_step": "fsdp_fp8.runtime.precision",
     "install_step_policy": "fsdp_fp8.runtime.precision",
+    "routing_of": "fsdp_fp8.runtime.precision",
     "quantize_model": "fsdp_fp8.runtime.ptq",
     "load_pipeline": "fsdp_fp8.interop.pipeline",
+    "loaded_of": "fsdp_fp8.interop.pipeline",
 }
 
 __all__ = sorted(_PUBLIC)

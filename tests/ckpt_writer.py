@@ -1,4 +1,5 @@
-"""Write small test checkpoints, in any config spelling, and corrupt them byte by byte."""
+"""Write small test checkpoints, in any config spelling, corrupt them byte by byte, and read
+them back byte for byte (``raw_tensors``)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,18 @@ def set_scalar(path: Path, key: str, value: float) -> None:
     with open(path, "r+b") as f:
         f.seek(begin)
         f.write(struct.pack("<f", value))
+
+
+def raw_tensors(directory) -> dict[str, tuple[str, bytes]]:
+    """key -> (safetensors dtype, bytes), read with safetensors itself."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                out[key] = (
+                    f.get_slice(key).get_dtype(),
+                    f.get_tensor(key).reshape(-1).view(torch.uint8).numpy().tobytes(),
+                )
+    return out

@@ -53,7 +53,8 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
-    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8 import load_pipeline, routing_of
+    from fsdp_fp8.interop.cfg_parallel import cfg_pair_of
 
     pipe = load_pipeline(root, device=torch.device("cpu"), cfg_parallel=cfg_parallel)
     pipe.set_progress_bar_config(disable=True)
@@ -67,8 +68,8 @@ def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
         generator=torch.Generator().manual_seed(0),
         output_type="latent",
     )
-    routing = pipe.transformer.fsdp_fp8_precision
-    cfg = getattr(pipe.transformer, "fsdp_fp8_cfg", None)
+    routing = routing_of(pipe.transformer)
+    cfg = cfg_pair_of(pipe.transformer)
     return {
         "digest": _digest(out.video),
         "forwards": len(forwards),

@@ -176,11 +176,11 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     obs["observed"], obs["wiring"] = wiring_mismatches(policy_loaded.model, policy, policy_loaded.towers)
     _, obs["wiring_swapped"] = wiring_mismatches(policy_loaded.model, policy, swapped(policy_loaded.towers))
 
-    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8 import load_pipeline, routing_of
 
     pipe = load_pipeline(pipeline_root, device=torch.device("cpu"))
     pipe.set_progress_bar_config(disable=True)
-    generation = pipe.transformer.fsdp_fp8_precision.generation[0]
+    generation = routing_of(pipe.transformer).generation[0]
     calls = []
     handle = generation.register_forward_pre_hook(lambda m, a: calls.append(m.mode))
     out = pipe(
@@ -193,7 +193,7 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
     )
     handle.remove()
     obs["pipe_digest"], obs["pipe_calls"] = _digest(out.video), calls
-    obs["pipe_trace"] = list(pipe.transformer.fsdp_fp8_precision.trace)
+    obs["pipe_trace"] = list(routing_of(pipe.transformer).trace)
 
     # the launcher reads RANK / WORLD_SIZE; patch.dict restores the environment whatever happens
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}):
@@ -417,6 +417,28 @@ def test_a_pipeline_transformer_called_outside_a_denoising_step_is_refused(pipel
         with denoising_step(model, 4, STEPS) as precision:
             model(**inputs)
     assert precision == "W8A8"
+
+
+def test_a_loaded_pipeline_carries_no_attribute_of_ours_and_is_freed_when_dropped(pipeline_root):
+    import gc
+    import weakref
+
+    from fsdp_fp8 import load_pipeline, loaded_of, routing_of
+
+    pipe = load_pipeline(pipeline_root, device=torch.device("cpu"))
+    model = pipe.transformer
+    assert loaded_of(pipe).model is model
+    assert routing_of(model).generation  # the policy's routing, kept beside the model
+    objects = {"pipe": pipe} | {f"transformer.{n}".rstrip("."): m for n, m in model.named_modules()}
+    ours = {
+        name: sorted(k for k in vars(obj) if k.startswith("fsdp_fp8") or k == "cache_context")
+        for name, obj in objects.items()
+    }
+    assert {n: keys for n, keys in ours.items() if keys} == {}
+    refs = [weakref.ref(pipe), weakref.ref(model)]
+    del pipe, model, objects
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
 
 
 def test_outputs_are_files_an_image_or_video_reader_opens(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_writer import raw_tensors
 from ranks import run_ranks
 from small_models import uneven_model_fn, write_uneven_checkpoint
 
@@ -95,26 +96,11 @@ def saved(sources, tmp_path_factory):
     return get
 
 
-def _raw(directory) -> dict[str, tuple[str, bytes]]:
-    """key -> (safetensors dtype, bytes), read with safetensors itself."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                out[key] = (
-                    f.get_slice(key).get_dtype(),
-                    f.get_tensor(key).reshape(-1).view(torch.uint8).numpy().tobytes(),
-                )
-    return out
-
-
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("name", ["kv", "demo", "uneven"])
 def test_load_then_save_is_byte_identical_to_the_source(saved, sources, world, name):
     out, _ = saved(world)
-    source, copy = _raw(sources[name]), _raw(out / name)
+    source, copy = raw_tensors(sources[name]), raw_tensors(out / name)
     assert sorted(copy) == sorted(source)
     changed = [k for k in source if copy[k] != source[k]]
     assert not changed, changed[:5]
@@ -221,9 +207,10 @@ def test_refuses_a_non_empty_target_before_writing(tmp_path):
 
 def test_a_model_whose_load_failed_is_refused(tmp_path):
     from fsdp_fp8 import ExportError, save_checkpoint
+    from fsdp_fp8.collective.attached import UNUSABLE
 
     model = uneven_model_fn({})
-    model.fsdp_fp8_unusable = "rank 1: injected"
+    UNUSABLE.set(model, "rank 1: injected")
     with pytest.raises(ExportError, match="did not finish loading"):
         save_checkpoint(model, tmp_path / "dst", config={})
     assert not (tmp_path / "dst").exists()
@@ -299,7 +286,7 @@ def test_cli_save_writes_a_checkpoint_verify_accepts(tmp_path, capsys):
     assert main(["save", str(KV_FIXTURE), str(tmp_path / "kv"), "--max-shard-size", "20000"]) == 0
     out = capsys.readouterr().out
     assert f"saved {tmp_path / 'kv'}" in out
-    assert _raw(tmp_path / "kv") == _raw(KV_FIXTURE)
+    assert raw_tensors(tmp_path / "kv") == raw_tensors(KV_FIXTURE)
     assert main(["verify", str(tmp_path / "kv")]) == 0
     assert main(["save", str(KV_FIXTURE), str(source)]) == 1  # not empty: refused
     assert "exists and is not an empty directory" in capsys.readouterr().err

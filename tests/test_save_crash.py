@@ -21,25 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_writer import raw_tensors
 from ranks import RanksFailed, run_ranks
 from small_models import uneven_model_fn, write_uneven_checkpoint
 
 KV_FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-llama-fp8-kv"
-
-
-def _raw(directory) -> dict[str, tuple[str, bytes]]:
-    """key -> (safetensors dtype, bytes), read with safetensors itself."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                out[key] = (
-                    f.get_slice(key).get_dtype(),
-                    f.get_tensor(key).reshape(-1).view(torch.uint8).numpy().tobytes(),
-                )
-    return out
 
 
 def _save_once(source: Path, target: Path, **kwargs):
@@ -132,7 +118,7 @@ def test_a_rank_killed_mid_save_leaves_no_mix_and_nothing_survives_the_next_save
     assert all("no longer running" in line for line in said), said
     reference = _save_once(source, tmp_path / "reference" / "ckpt").directory
     assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in reference.iterdir())
-    assert _raw(target) == _raw(reference) == _raw(source)
+    assert raw_tensors(target) == raw_tensors(reference) == raw_tensors(source)
 
 
 # --- which leftovers are dead -----------------------------------------------------------------
@@ -360,7 +346,7 @@ def test_plan_save_decides_everything_without_writing(tmp_path):
     before = sorted(p.name for p in tmp_path.rglob("*"))
     plan = plan_save(loaded)
     assert plan.problems == ()
-    assert sorted(plan.layout.tensors) == sorted(_raw(source))
+    assert sorted(plan.layout.tensors) == sorted(raw_tensors(source))
     assert plan.bytes_to_write == sum(p.spec.nbytes for p in plan.layout.tensors.values())
     assert plan_save(loaded, rank=1).bytes_to_write == 0  # unsharded: rank 0 writes it all
     assert plan_save(loaded).digest == plan.digest

@@ -104,6 +104,20 @@ def test_the_meter_counts_each_collective_once_on_this_torch():
         assert torch.equal(r["out"], torch.tensor([0] * 4 + [1] * 4))
 
 
+def test_the_meter_replaces_no_function_of_torch_distributed():
+    import torch.distributed as dist
+
+    from fsdp_fp8.load import collectives
+
+    def functions():
+        return {name: getattr(dist, name) for name in collectives.NAMES if hasattr(dist, name)}
+
+    before = functions()
+    with collectives.AllGatherMeter():
+        during = functions()
+    assert during == before  # another thread's all-gathers, or a second meter, see torch's own
+
+
 @pytest.mark.parametrize(("local_rank", "count", "index"), [("0", 1, 0), ("3", 1, 0), ("9", 8, 1), ("7", 8, 7)])
 def test_local_rank_maps_onto_the_visible_gpus(monkeypatch, local_rank, count, index):
     from fsdp_fp8.load.api import local_cuda_index

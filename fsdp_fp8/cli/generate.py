@@ -25,7 +25,7 @@ from fsdp_fp8.cli.reports import PromptOutput, plural
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.cfg_parallel import request_slots
-from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline
+from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline, loaded_of
 from fsdp_fp8.load.residency import apply_residency
 from fsdp_fp8.runtime.precision import routing_of
 
@@ -81,7 +81,7 @@ def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, obj
     residency = apply_residency(pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=device)
     pipe.set_progress_bar_config(disable=True)
     routing = routing_of(pipe.transformer)
-    loaded = pipe.fsdp_fp8
+    loaded = loaded_of(pipe)
     if rank == 0:
         log.info(
             "loaded %s: %s; %s over %s, %s each",

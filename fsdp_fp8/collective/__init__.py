@@ -1,7 +1,8 @@
 """Ranks agreeing, in one place: the gloo side group and its exchange (``group``), what each
 rank describes (``facts``), the agreement before anything changes (``agreement``), one
 collective phase whose exit is the single agreement on its outcome (``phase``), and what a
-failed phase leaves behind (``unusable``). Imports only ``errors`` (and ``format``).
+failed phase leaves behind (``unusable``); what fsdp_fp8 remembers about other libraries'
+objects, held weakly in one place (``attached``). Imports only ``errors`` (and ``format``).
 """
 
 from fsdp_fp8.collective.agreement import (

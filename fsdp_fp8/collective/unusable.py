@@ -1,7 +1,7 @@
 """A model whose collective phase failed: no module computes again, its storage is released.
 
-The reason is kept here, in one place (``unusable_reason``), for whoever must refuse such a
-model later (``save_checkpoint``).
+The reason is kept in ``collective.attached.UNUSABLE`` (weakly, on every module), read back
+through ``unusable_reason`` by whoever must refuse such a model later (``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdp_fp8.collective.attached import UNUSABLE
 from fsdp_fp8.errors import ModelUnusableError
-
-UNUSABLE_ATTRIBUTE = "fsdp_fp8_unusable"  # the reason, on every module of a refused model
 
 
 def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -25,7 +24,7 @@ def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def unusable_reason(model: nn.Module) -> str | None:
     """Why ``model`` must not be used (``mark_unusable``), or ``None``."""
-    return getattr(model, UNUSABLE_ATTRIBUTE, None)
+    return UNUSABLE.get(model)
 
 
 def mark_unusable(model: nn.Module, reason: str) -> None:
@@ -34,7 +33,9 @@ def mark_unusable(model: nn.Module, reason: str) -> None:
     Every module (not only the root: a submodule called directly would compute on partly
     filled weights) refuses both ``module(...)`` and ``module.forward(...)``; the refusal is
     a prepended pre-hook so it runs before FSDP2's own (lazy init, then an all-gather with
-    peers that may be gone). Parameters and buffers, FP8 codes and scales included, have their
+    peers that may be gone), and ``forward`` is shadowed on each instance (the one attribute
+    fsdp_fp8 sets on another library's object: a direct ``forward()`` call bypasses every
+    hook, and nothing else stops it computing on released storage). Parameters and buffers, FP8 codes and scales included, have their
     storage resized to zero: nothing half-loaded stays in memory.
     """
     message = f"this model did not finish loading and must not be used: {reason}"
@@ -48,7 +49,7 @@ def mark_unusable(model: nn.Module, reason: str) -> None:
     for module in model.modules():
         module.register_forward_pre_hook(refuse_hook, prepend=True)
         module.forward = refuse
-        setattr(module, UNUSABLE_ATTRIBUTE, reason)
+        UNUSABLE.set(module, reason)
     for tensor in [*model.parameters(), *model.buffers()]:
         for t in storage_tensors(tensor):
             if not t.is_meta:

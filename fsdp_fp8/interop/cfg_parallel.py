@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fsdp_fp8.collective.attached import CFG_PAIR
+
 COND, UNCOND = "cond", "uncond"
 # The keyword arguments that change from step to step; the pipeline passes the same objects to
 # both passes of a step (its comment on the shared per-step timestep tensors).
@@ -172,7 +174,10 @@ def enable_cfg_parallel(model: nn.Module) -> CfgPair:
     """Make ``model`` (a pipeline's transformer, loaded and sharded) serve its pair's two passes.
 
     Collective: every rank calls it (it makes the pair groups). Needs a process group of an
-    even size; ``model.cache_context`` must already be the one the pipeline calls.
+    even size; ``model``'s class must already have the ``cache_context`` the pipeline calls
+    (``load_pipeline`` swaps in its step hook first). The class is swapped once more for a
+    subclass whose ``__call__`` and ``cache_context`` go through the pair; the pair is kept
+    in ``collective.attached.CFG_PAIR`` (``cfg_pair_of``).
     """
     if not dist.is_initialized():
         raise ValueError("CFG-parallel needs a process group (torchrun, 2 ranks or more in pairs)")
@@ -180,18 +185,24 @@ def enable_cfg_parallel(model: nn.Module) -> CfgPair:
     _, role = pair_of(rank, world)
     group, _ = dist.new_subgroups(group_size=2)
     cfg = CfgPair(group, role)
-    inner = model.cache_context
-    model.cache_context = lambda name, **kwargs: cfg.naming(inner, name, **kwargs)
-    model.fsdp_fp8_cfg = cfg
+    CFG_PAIR.set(model, cfg)
     cls = type(model)
 
     class CfgParallel(cls):
         def __call__(self, *args, **kwargs):
-            return self.fsdp_fp8_cfg.call(super().__call__, args, kwargs)
+            return cfg_pair_of(self).call(super().__call__, args, kwargs)
+
+        def cache_context(self, name, **kwargs):
+            return cfg_pair_of(self).naming(super().cache_context, name, **kwargs)
 
     CfgParallel.__name__ = CfgParallel.__qualname__ = f"CfgParallel{cls.__name__}"
     model.__class__ = CfgParallel
     return cfg
 
 
-__all__ = ["CfgPair", "enable_cfg_parallel", "pair_of", "request_slots"]
+def cfg_pair_of(model: nn.Module) -> CfgPair | None:
+    """``model``'s side of its CFG pair (``enable_cfg_parallel``), or ``None``."""
+    return CFG_PAIR.get(model)
+
+
+__all__ = ["CfgPair", "cfg_pair_of", "enable_cfg_parallel", "pair_of", "request_slots"]

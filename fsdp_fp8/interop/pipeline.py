@@ -12,7 +12,9 @@ The step policy runs once per scheduler step through a hook the pipeline already
 diffusers pipelines call every transformer pass inside ``transformer.cache_context(name,
 step_index=i, num_inference_steps=n, ...)`` (``Cosmos3OmniPipeline``: ``"cond"``, then
 ``"uncond"`` under classifier-free guidance). fsdp_fp8 wraps that context manager on the
-loaded transformer: on entry it sets the generation tower to the policy's precision for
+loaded transformer (its class is swapped for a subclass whose ``cache_context`` runs the
+hook, as ``fully_shard`` itself swaps the class; the hook is kept in
+``collective.attached.STEP_HOOK``, no attribute is set on the instance): on entry it sets the generation tower to the policy's precision for
 ``(i, n)``, on exit it returns it to W8A8. The precision is a pure function of ``(i, n)``, so
 both guidance passes of one step agree; the trace records each step once. A transformer
 forward outside such a context while a policy is installed is refused (the policy could
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_fp8.collective.attached import LOADED, STEP_HOOK
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
@@ -88,17 +91,20 @@ def _pipeline_class(name: str, source: Path):
 
 
 class StepHook:
-    """The transformer's ``cache_context``, wrapped to switch precision per pipeline step."""
+    """The transformer's ``cache_context``, wrapped to switch precision per pipeline step.
 
-    def __init__(self, model: nn.Module, routing: PrecisionRouting):
-        self.model = model
+    Holds no reference to the transformer (it is kept in ``STEP_HOOK``, keyed weakly by it):
+    the method it wraps comes with each call.
+    """
+
+    def __init__(self, routing: PrecisionRouting):
         self.routing = routing
-        self.inner = model.cache_context  # the bound diffusers method
         self._step: tuple[int, int] | None = None
         self._passes: set[str] = set()
 
     @contextlib.contextmanager
-    def __call__(self, name: str, **kwargs):
+    def __call__(self, inner, name: str, **kwargs):
+        """``inner(name, **kwargs)`` (diffusers' own ``cache_context``) at the step's precision."""
         step, steps = kwargs.get("step_index"), kwargs.get("num_inference_steps")
         if not (isinstance(step, int) and isinstance(steps, int)):
             raise RuntimeError(
@@ -111,7 +117,7 @@ class StepHook:
         if new_step:
             self._step, self._passes = (step, steps), set()
         self._passes.add(name)
-        with self.inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
+        with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
             yield
 
     def check_forward(self, _module, _args, _kwargs) -> None:
@@ -120,6 +126,43 @@ class StepHook:
                 "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
                 "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)"
             )
+
+
+_STEPPED: dict[type, type] = {}  # a transformer class -> its subclass with the step hook
+
+
+def stepped_class(cls: type) -> type:
+    """``cls`` with a ``cache_context`` that runs the instance's ``StepHook`` around diffusers' own.
+
+    A subclass rather than an instance attribute: an attribute named ``cache_context`` would
+    shadow diffusers' method on the instance and travel with copies; the class keeps the
+    method where diffusers' loop looks it up (``self.transformer.cache_context(...)``) and the
+    hook itself stays in ``STEP_HOOK``. One subclass per class, made once.
+    """
+    if cls not in _STEPPED:
+
+        class Stepped(cls):
+            def cache_context(self, name, **kwargs):
+                hook = STEP_HOOK.get(self)
+                if hook is None:  # a copy of a loaded transformer: its hook stayed with the original
+                    raise RuntimeError(
+                        f"this {cls.__name__} has no fsdp_fp8 step hook (only the transformer "
+                        "load_pipeline returned has one; a copy does not)"
+                    )
+                return hook(super().cache_context, name, **kwargs)
+
+        Stepped.__name__ = Stepped.__qualname__ = f"Stepped{cls.__name__}"
+        _STEPPED[cls] = Stepped
+    return _STEPPED[cls]
+
+
+def loaded_of(pipe) -> LoadedModel:
+    """The ``LoadedModel`` of ``pipe``'s transformer (``pipe`` from ``load_pipeline``): the
+    checkpoint, the load plan and report, the FP8 linears, the tower map."""
+    loaded = LOADED.get(pipe)
+    if loaded is None:
+        raise ValueError(f"this {type(pipe).__name__} was not loaded by fsdp_fp8.load_pipeline")
+    return loaded
 
 
 def load_pipeline(
@@ -143,9 +186,9 @@ def load_pipeline(
     arguments go to the pipeline's ``from_pretrained`` (e.g. ``safety_checker=None``); a
     ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is refused, and
     ``local_files_only`` is always set. Collective under a process group, like ``load_model``.
-    The result carries ``pipe.fsdp_fp8`` (the ``LoadedModel``) and the routing is
-    ``pipe.transformer.fsdp_fp8_precision`` (its ``trace``: one precision per step run,
-    ``"W8A16"`` or ``"W8A8"``; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
+    ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and ``fsdp_fp8.routing_of(pipe.transformer)``
+    the routing (its ``trace``: one precision per step run, ``"W8A16"`` or ``"W8A8"``;
+    ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``); both ranks of a pair must then be given the same
@@ -173,12 +216,13 @@ def load_pipeline(
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
             component.to(device)
-    hook = StepHook(model, routing)
-    model.cache_context = hook  # an instance attribute: shadows the method for this model only
+    hook = StepHook(routing)
+    STEP_HOOK.set(model, hook)
+    model.__class__ = stepped_class(type(model))
     if policy is not None:
         # Prepended: refuse before FSDP's own pre-forward all-gathers anything.
         model.register_forward_pre_hook(hook.check_forward, with_kwargs=True, prepend=True)
     if cfg_parallel:
         enable_cfg_parallel(model)
-    pipe.fsdp_fp8 = loaded
+    LOADED.set(pipe, loaded)
     return pipe

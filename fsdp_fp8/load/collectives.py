@@ -2,22 +2,22 @@
 
 torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name stays as
 a deprecated wrapper) and its FSDP2 calls the new name; torch 2.10-2.12 have only
-``all_gather_into_tensor``, and their FSDP2 calls that. FSDP2 looks the function up on
-``torch.distributed`` at every call, so a wrapper put there sees every parameter all-gather.
-The meter wraps each of the two names that exists: on 2.13 the old name's body calls the new
-one inside ``torch.distributed.distributed_c10d``, not through ``torch.distributed``, so a call
-by either name is counted once.
+``all_gather_into_tensor``, and their FSDP2 calls that. Both names issue the same c10d op,
+``c10d._allgather_base_``, through the dispatcher, and that op is what the meter counts: a
+``TorchDispatchMode`` (the mechanism of torch's own ``CommDebugMode``) sees each call once,
+by either name, with nothing of ``torch.distributed`` replaced. ``CommDebugMode`` itself is
+not used: entering it also registers process-wide module hooks (its module tracker).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 NAMES = ("all_gather_single", "all_gather_into_tensor")
-_active = threading.Lock()
 
 
 def all_gather_name() -> str:
@@ -30,42 +30,37 @@ def all_gather_into(output, input, group=None, async_op: bool = False):
     return getattr(dist, all_gather_name())(output, input, group=group, async_op=async_op)
 
 
-class AllGatherMeter:
+def _flat_all_gather():
+    """The c10d op behind both names (``(output, input, process_group, async_op, timeout)``)."""
+    return torch.ops.c10d._allgather_base_.default
+
+
+class AllGatherMeter(TorchDispatchMode):
     """Records the bytes this rank contributes to each flat all-gather inside a ``with`` block.
 
     ``sizes`` lists each call's input bytes in issue order (what this rank sends; every rank
     of an FSDP2 mesh sends the same padded amount) and ``bytes`` their sum; ``on_call(n)``
-    runs at each call. One meter at a time per process (it patches a module attribute).
+    runs at each call. A dispatch mode: it counts the all-gathers issued by the thread that
+    entered it (FSDP2 issues a forward's on the thread running it), and meters nest (each
+    counts what runs inside it). Every op of the block passes through its Python
+    ``__torch_dispatch__`` (one comparison, then the op): a cost per op, not per byte.
     """
 
     def __init__(self, on_call: Callable[[int], None] | None = None) -> None:
+        super().__init__()
         self.sizes: list[int] = []
         self._on_call = on_call
-        self._saved: dict[str, Callable] = {}
+        self._op = _flat_all_gather()
 
     @property
     def bytes(self) -> int:
         return sum(self.sizes)
 
-    def _wrap(self, real: Callable) -> Callable:
-        def counting(output, input, *args, **kwargs):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self._op:
+            input = args[1] if len(args) > 1 else kwargs["input_tensor"]
             n = input.numel() * input.element_size()
             self.sizes.append(n)
             if self._on_call is not None:
                 self._on_call(n)
-            return real(output, input, *args, **kwargs)
-
-        return counting
-
-    def __enter__(self) -> AllGatherMeter:
-        if not _active.acquire(blocking=False):
-            raise RuntimeError("an AllGatherMeter is already active in this process")
-        self._saved = {name: getattr(dist, name) for name in NAMES if hasattr(dist, name)}
-        for name, real in self._saved.items():
-            setattr(dist, name, self._wrap(real))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
-        _active.release()
+        return func(*args, **(kwargs or {}))

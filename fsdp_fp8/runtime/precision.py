@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from fsdp_fp8.collective.attached import PRECISION
 from fsdp_fp8.format.step_policy import StepPolicy, describe_trace
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
@@ -48,7 +49,9 @@ class PrecisionRouting:
 def install_step_policy(
     model: nn.Module, policy: StepPolicy | None, towers: Mapping[str, str] | None = None
 ) -> PrecisionRouting:
-    """Attach the routing to ``model``; ``towers`` maps linear names to a tower.
+    """Route ``model``'s FP8 linears by ``policy``; ``towers`` maps linear names to a tower. The
+    routing is returned and kept for ``model`` (``routing_of``; held weakly, in
+    ``collective.attached``).
 
     Without ``towers`` every FP8 linear belongs to the generation tower, which is exact only
     when the policy never runs the two towers differently; a policy that does (its
@@ -75,12 +78,14 @@ def install_step_policy(
     reasoner_mode = policy.reasoner_precision if policy is not None else "native"
     for module in routing.reasoner:
         module.mode = reasoner_mode
-    model.fsdp_fp8_precision = routing
+    PRECISION.set(model, routing)
     return routing
 
 
 def routing_of(model: nn.Module) -> PrecisionRouting:
-    routing = getattr(model, "fsdp_fp8_precision", None)
+    """The routing ``install_step_policy`` made for ``model`` (``load_pipeline`` installs one on
+    its transformer): ``trace``, ``summary()``, the linears of each tower."""
+    routing = PRECISION.get(model)
     if routing is None:
         raise RuntimeError("no step policy installed on this model: call install_step_policy first")
     return routing
