@@ -149,11 +149,9 @@ def load_planned(
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int = True,
 ) -> LoadedModel:
-    """The load after each rank planned alone (``fsdp_fp8.load_model`` documents the arguments)::
-
-    agree (problems + digests) -> start prefetch ->
-    collective_phase: swap, shard, materialize, stop prefetch, read rows
-    """
+    """The load after each rank planned alone: agree (problems + digests) -> start prefetch ->
+    one collective_phase: swap, shard, materialize, stop prefetch, read rows. ``path`` names
+    the load in its errors; ``fsdp_fp8.load_model`` documents the other arguments."""
     distributed = dist.is_available() and dist.is_initialized()
     planned.problems[:0] = _setup_problems(device, mesh, distributed, planned.plan)
     _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
