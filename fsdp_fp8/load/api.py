@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_fp8.collective import (
-    DEFAULT_TIMEOUT_S,
     agree_or_raise,
     checkpoint_facts,
     collective_phase,
@@ -38,7 +37,7 @@ from fsdp_fp8.collective import (
 from fsdp_fp8.collective import distributed as _many_ranks
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.checkpoint import Checkpoint
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
+from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_position, mesh_problems, offloads_to_cpu, shard_model
 from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
@@ -140,18 +139,19 @@ def join_ranks(path: str | os.PathLike, agreement_timeout_s: float) -> None:
 def load_planned(
     planned: PlannedLoad,
     path: str | os.PathLike,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | None,
     *,
     device: torch.device,
-    agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
-    read_options: ReadOptions = DEFAULT_READ_OPTIONS,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool | int = True,
+    agreement_timeout_s: float,
+    read_options: ReadOptions,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    reshard_after_forward: bool | int,
 ) -> LoadedModel:
     """The load after each rank planned alone: agree (problems + digests) -> start prefetch ->
     one collective_phase: swap, shard, materialize, stop prefetch, read rows. ``path`` names
-    the load in its errors; ``fsdp_fp8.load_model`` documents the other arguments."""
+    the load in its errors; ``fsdp_fp8.load_model`` documents the other arguments and holds
+    their defaults (every one is passed here)."""
     distributed = dist.is_available() and dist.is_initialized()
     planned.problems[:0] = _setup_problems(device, mesh, distributed, planned.plan)
     _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
