@@ -4,7 +4,7 @@
 
 The same reference MoT is loaded twice with ``load_model``: from its FP8 checkpoint and from
 its BF16 one (exported by bench/common.py, cached). Bytes are counted at the collective
-(``fsdp_fp8.load.collectives.AllGatherMeter``: the all-gather FSDP2 calls on this torch), per forward. A
+(``fsdp_fp8.runtime.collectives.AllGatherMeter``: the all-gather FSDP2 calls on this torch), per forward. A
 denoising step is what the sampler does per step: a conditional and an unconditional
 ``denoise`` (classifier-free guidance); the reasoner runs once, outside the timing.
 """
@@ -30,9 +30,9 @@ from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
+from fsdp_fp8.interop.architectures import resolve_architecture  # noqa: E402
 from fsdp_fp8.load.api import local_cuda_index  # noqa: E402
-from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.load.collectives import AllGatherMeter  # noqa: E402
+from fsdp_fp8.runtime.collectives import AllGatherMeter  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -108,8 +108,8 @@ def method_p(fp8_dir, bf16_dir, cfg) -> dict:
 def method_a(fp8_dir, bf16_dir, cfg, options=None) -> dict:
     from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.read_options import ReadOptions
-    from fsdp_fp8.load.api import load_model
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.load import load_model
 
     slice_reader.reset_bytes_read()
     arch = resolve_architecture(cfg.to_config_dict())
@@ -157,7 +157,7 @@ def _open_and_shard(fp8_dir):
     import torch  # noqa: F401
 
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears
@@ -327,8 +327,8 @@ def _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device) -> dict:
     # fsdp_fp8's __init__ is lazy: import what the methods use (TorchAO with it), or the first
     # method's measured block would pay for the imports.
     import fsdp_fp8.format.checkpoint  # noqa: F401
-    import fsdp_fp8.load.api  # noqa: F401
-    import fsdp_fp8.load.architectures  # noqa: F401
+    import fsdp_fp8.interop.architectures  # noqa: F401
+    import fsdp_fp8.interop.load  # noqa: F401
     import fsdp_fp8.models  # noqa: F401
 
     torch.set_num_threads(1)

@@ -24,8 +24,8 @@ import common  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format import slice_reader  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.interop.architectures import resolve_architecture  # noqa: E402
 from fsdp_fp8.load import loader  # noqa: E402
-from fsdp_fp8.load.architectures import resolve_architecture  # noqa: E402
 from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
 from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402

@@ -71,8 +71,9 @@ PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "fsdp_fp8.format.checkpoint",
     "fsdp_fp8.load.api",
-    "fsdp_fp8.load.architectures",
-    "fsdp_fp8.load.hf_build",
+    "fsdp_fp8.interop.load",
+    "fsdp_fp8.interop.architectures",
+    "fsdp_fp8.interop.hf_build",
     "fsdp_fp8.models",
 ]
 
@@ -111,7 +112,7 @@ class Phases:
 FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is timed)
     ("side group", [("fsdp_fp8.collective.group", "side_group"), ("fsdp_fp8.load.agreement", "side_group")]),
     ("open", [("fsdp_fp8.format.checkpoint", "open_checkpoint")]),
-    ("resolve architecture", [("fsdp_fp8.load.architectures", "resolve_architecture")]),
+    ("resolve architecture", [("fsdp_fp8.interop.architectures", "resolve_architecture")]),
     ("plan", [("fsdp_fp8.load.plan", "plan_load")]),
     (
         "agreement (plan)",
@@ -288,7 +289,7 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     import torch
 
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.load.api import load_model
+    from fsdp_fp8.interop.load import load_model
 
     slice_reader.reset_bytes_read()
     from fsdp_fp8.format.read_options import ReadOptions

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.load.architectures import resolve_architecture
+from fsdp_fp8.interop.architectures import resolve_architecture
 from fsdp_fp8.load.fsdp_wrap import shard_model
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load

@@ -54,8 +54,8 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.interop.architectures import resolve_architecture
     from fsdp_fp8.load import loader
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.load.fsdp_wrap import shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears

@@ -44,8 +44,8 @@ _check_torch()
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "Architecture": "fsdp_fp8.load.architectures",
-    "resolve_architecture": "fsdp_fp8.load.architectures",
+    "Architecture": "fsdp_fp8.interop.architectures",
+    "resolve_architecture": "fsdp_fp8.interop.architectures",
     "Checkpoint": "fsdp_fp8.format.checkpoint",
     "open_checkpoint": "fsdp_fp8.format.checkpoint",
     "CheckpointError": "fsdp_fp8.errors",
@@ -80,7 +80,7 @@ _PUBLIC = {
     "SaveReport": "fsdp_fp8.checkpoint.save",
     "save_checkpoint": "fsdp_fp8.checkpoint.save",
     "LoadedModel": "fsdp_fp8.load.api",
-    "load_model": "fsdp_fp8.load.api",
+    "load_model": "fsdp_fp8.interop.load",
     "export_bf16": "fsdp_fp8.export.modelopt",
     "export_fp8": "fsdp_fp8.export.modelopt",
     "denoising_step": "fsdp_fp8.runtime.precision",

@@ -361,7 +361,7 @@ def test_a_policy_whose_towers_agree_needs_no_map(tmp_path):
 
 def test_a_tower_map_that_misses_an_fp8_linear_is_refused(policy_dir):
     from fsdp_fp8 import CheckpointError, load_model
-    from fsdp_fp8.load.towers import cosmos3_towers
+    from fsdp_fp8.runtime.towers import cosmos3_towers
 
     def partial(model):
         return {k: v for k, v in cosmos3_towers(model).items() if k != "layers.1.mlp_moe_gen.down_proj"}
@@ -380,7 +380,7 @@ def test_diffusers_own_classification_swaps_the_attention_projections():
         pytest.skip("this diffusers has no _classify_cosmos3_linear")
     from diffusers import Cosmos3OmniTransformer
 
-    from fsdp_fp8.load.towers import cosmos3_towers
+    from fsdp_fp8.runtime.towers import cosmos3_towers
 
     ours = cosmos3_towers(Cosmos3OmniTransformer.from_config(Cosmos3OmniTransformer.load_config(FIXTURE)))
     differ = sorted(n for n, t in ours.items() if t != "other" and classify(n) != t)

@@ -44,6 +44,7 @@ class _Injected(OSError):
 
 def _inject(rank: int, case: dict, stack) -> None:
     """Arrange this rank's fault for ``case`` (undone by ``stack`` when the case ends)."""
+    import fsdp_fp8.interop.load as composed
     import fsdp_fp8.load.api as api
     from fsdp_fp8.format import read_schedule
 
@@ -73,7 +74,7 @@ def _inject(rank: int, case: dict, stack) -> None:
 
         stack.enter_context(mock.patch.object(read_schedule, "read_request", dying_read))
     elif fault == "die_open":
-        stack.enter_context(mock.patch.object(api, "open_checkpoint", lambda path: os._exit(17)))
+        stack.enter_context(mock.patch.object(composed, "open_checkpoint", lambda path: os._exit(17)))
     elif fault is not None:
         raise AssertionError(fault)
 
@@ -90,7 +91,7 @@ def _model_state(model, failed: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_fp8 import Float8StaticLinear, ModelUnusableError
-    from fsdp_fp8.load.collectives import all_gather_name
+    from fsdp_fp8.runtime.collectives import all_gather_name
 
     if model is None:
         return {"built": False}

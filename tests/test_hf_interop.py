@@ -266,7 +266,7 @@ def test_kv_scales_load_into_a_model_that_has_a_place_for_them():
     """An attention that quantizes its KV cache (vLLM keeps the scales on the attention):
     key_map renames ModelOpt's `k_proj.k_scale` and the scales load like any tensor."""
     from fsdp_fp8 import load_model
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
 
     def with_kv_buffers(config):
         model = resolve_architecture(config).model_fn(config)
@@ -303,8 +303,8 @@ def test_moe_with_fused_experts_is_refused_whole(strict):
 
 
 def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypatch):
-    from fsdp_fp8.load import hf_build as hf
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop import hf_build as hf
+    from fsdp_fp8.interop.architectures import resolve_architecture
 
     with pytest.raises(ValueError, match=r"has no model class 'NoSuchForCausalLM'"):
         resolve_architecture({"architectures": ["NoSuchForCausalLM"], "model_type": "llama"})
@@ -325,7 +325,7 @@ def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypa
 
 def test_importing_fsdp_fp8_imports_neither_transformers_nor_diffusers():
     code = (
-        "import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.cli.runner, fsdp_fp8.load.architectures, fsdp_fp8.load.hf_build, "
+        "import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.interop.load, fsdp_fp8.cli.runner, fsdp_fp8.interop.architectures, fsdp_fp8.interop.hf_build, "
         "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('transformers', 'diffusers')))"
     )

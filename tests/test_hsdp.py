@@ -53,8 +53,8 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
 
     from fsdp_fp8 import device_mesh, gather_state_dict, load_model, save_checkpoint
     from fsdp_fp8.load import loader
-    from fsdp_fp8.load.collectives import AllGatherMeter
-    from fsdp_fp8.load.residency import apply_residency
+    from fsdp_fp8.runtime.collectives import AllGatherMeter
+    from fsdp_fp8.runtime.residency import apply_residency
 
     cpu = torch.device("cpu")
     obs: dict = {}

@@ -56,6 +56,7 @@ def _nan_codes_in_last_row(directory: Path, key: str) -> None:
 
 
 def _fault(rank: int, case: dict, stack) -> None:
+    import fsdp_fp8.interop.load as composed
     import fsdp_fp8.load.api as api
     from fsdp_fp8.collective import agreement
     from fsdp_fp8.format import read_schedule
@@ -91,9 +92,9 @@ def _fault(rank: int, case: dict, stack) -> None:
 
         stack.enter_context(mock.patch.object(read_schedule, "read_request", broken))
     elif fault == "slow_open":
-        real_open = api.open_checkpoint
+        real_open = composed.open_checkpoint
         stack.enter_context(
-            mock.patch.object(api, "open_checkpoint", lambda p: (time.sleep(case["sleep"]), real_open(p))[1])
+            mock.patch.object(composed, "open_checkpoint", lambda p: (time.sleep(case["sleep"]), real_open(p))[1])
         )
     elif fault == "slow_read":
         real_read = read_schedule.read_request

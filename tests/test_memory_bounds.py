@@ -72,7 +72,7 @@ def _load_cpu(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8 import load_model
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
     from fsdp_fp8.models import build_model  # noqa: F401 - imported before the measured block
 
     arch = resolve_architecture(CONFIG.to_config_dict())

@@ -43,8 +43,8 @@ def _load(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8 import load_model
     from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.interop.architectures import resolve_architecture
     from fsdp_fp8.load import prefetch
-    from fsdp_fp8.load.architectures import resolve_architecture
 
     events: list[tuple[str, float, tuple]] = []
     real_advise, real_read = os.posix_fadvise, read_schedule.read_request

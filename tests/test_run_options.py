@@ -281,8 +281,8 @@ def test_a_usage_error_is_printed_by_rank_0_only(monkeypatch, capsys):
 
 def test_the_choices_parsed_without_torch_are_the_librarys():
     from fsdp_fp8.cli.arguments import QUANTIZE_METHODS, RESIDENT_POLICIES
-    from fsdp_fp8.load.residency import POLICIES
     from fsdp_fp8.runtime.ptq import METHODS
+    from fsdp_fp8.runtime.residency import POLICIES
 
     assert (RESIDENT_POLICIES, QUANTIZE_METHODS) == (POLICIES, METHODS)
 

@@ -231,7 +231,7 @@ def test_a_saved_checkpoint_gets_the_users_umask(tmp_path, mask):
 
 
 def test_cli_save_refuses_a_bad_destination_before_loading(tmp_path, capsys, monkeypatch):
-    import fsdp_fp8.load.api as api
+    import fsdp_fp8.interop.load as api
     from fsdp_fp8.cli.commands import main
 
     loads = []

@@ -110,7 +110,7 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 def _load_small(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_model
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
 
     reads = []
     real = slice_reader.preadv_into

@@ -36,7 +36,7 @@ already exists is refused unless --overwrite is given.
 Exit status: 0 success, 1 a failure while loading or running (one "error:" line),
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
 
-RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.load.residency.POLICIES (a test holds them equal)
+RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.runtime.residency.POLICIES (a test holds them equal)
 QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64

@@ -181,7 +181,7 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
 
     from fsdp_fp8.format.files import file_sha256
-    from fsdp_fp8.load.api import plan_model_load
+    from fsdp_fp8.interop.load import plan_model_load
 
     device = torch.device(args.device)
     planned = plan_model_load(None, args.directory, device=device)
@@ -284,7 +284,8 @@ def _save(args) -> int:
     from fsdp_fp8.checkpoint.save import save_checkpoint
     from fsdp_fp8.cli.runner import init_distributed
     from fsdp_fp8.cli.shutdown import shutdown_distributed
-    from fsdp_fp8.load.api import default_device, load_model
+    from fsdp_fp8.interop.load import load_model
+    from fsdp_fp8.load.api import default_device
 
     init_distributed(args.timeout)  # a process group only under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0

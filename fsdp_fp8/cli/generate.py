@@ -26,8 +26,8 @@ from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.cfg_parallel import request_slots
 from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline, loaded_of
-from fsdp_fp8.load.residency import apply_residency
 from fsdp_fp8.runtime.precision import routing_of
+from fsdp_fp8.runtime.residency import apply_residency
 
 log = logging.getLogger("fsdp_fp8")
 

@@ -40,13 +40,14 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace, resolve_step_policy
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
-from fsdp_fp8.load.api import default_device, load_model, local_cuda_index
-from fsdp_fp8.load.collectives import AllGatherMeter
+from fsdp_fp8.interop.load import load_model
+from fsdp_fp8.load.api import default_device, local_cuda_index
 from fsdp_fp8.load.fsdp_wrap import device_mesh
-from fsdp_fp8.load.residency import apply_residency
+from fsdp_fp8.runtime.collectives import AllGatherMeter
 from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
 from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
+from fsdp_fp8.runtime.residency import apply_residency
 from fsdp_fp8.runtime.sampler import sample
 
 log = logging.getLogger("fsdp_fp8")

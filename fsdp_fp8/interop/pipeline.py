@@ -41,9 +41,10 @@ from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_
 from fsdp_fp8.format.step_policy import resolve_step_policy
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.interop.cfg_parallel import enable_cfg_parallel, pair_of
-from fsdp_fp8.load.api import LoadedModel, default_device, load_model
-from fsdp_fp8.load.towers import TowerSpec
+from fsdp_fp8.interop.load import load_model
+from fsdp_fp8.load.api import LoadedModel, default_device
 from fsdp_fp8.runtime.precision import PrecisionRouting, install_step_policy, set_step_precision
+from fsdp_fp8.runtime.towers import TowerSpec
 
 MODEL_INDEX = "model_index.json"
 TRANSFORMER = "transformer"
@@ -181,7 +182,7 @@ def load_pipeline(
     transformer loaded by fsdp_fp8 and sharded over ``mesh`` (default: every rank).
 
     ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy
-    dict. ``towers`` overrides the tower map (``fsdp_fp8.load.towers``); ``read_options`` goes to
+    dict. ``towers`` overrides the tower map (``fsdp_fp8.runtime.towers``); ``read_options`` goes to
     ``load_model`` (the reads' threads, request size, staging and prefetch budgets). Other keyword
     arguments go to the pipeline's ``from_pretrained`` (e.g. ``safety_checker=None``); a
     ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is refused, and

@@ -1,8 +1,11 @@
-"""``load_model``: the one-call path from a checkpoint directory to a loaded, sharded model.
-
-open -> build on meta -> plan -> ranks agree -> start prefetch -> one collective phase:
+"""The load's steps that ``fsdp_fp8.load_model`` (``fsdp_fp8.interop.load``) composes, and
+what it returns (``LoadedModel``): join the ranks, build on meta and plan into a
+``PlannedLoad``, then ``load_planned``: ranks agree -> start prefetch -> one collective phase:
 swap FP8 linears, fully_shard (blocks, then root), to_empty (non-persistent buffers kept),
-stop prefetch, rank-slice reads -> one agreement on the outcome
+stop prefetch, rank-slice reads -> one agreement on the outcome.
+
+Which class a ``config.json`` names and the tower map sit above this layer (``interop``,
+``runtime``); they reach the load only as a ``model_fn`` and the problems of a ``PlannedLoad``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_fp8.collective import (
-    DEFAULT_TIMEOUT_S,
     agree_or_raise,
     checkpoint_facts,
     collective_phase,
@@ -33,11 +36,9 @@ from fsdp_fp8.collective import (
 )
 from fsdp_fp8.collective import distributed as _many_ranks
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
-from fsdp_fp8.format.step_policy import parse_step_policy
+from fsdp_fp8.format.checkpoint import Checkpoint
+from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.fp8.linear import cuda_shape_problems
-from fsdp_fp8.load.architectures import Architecture, known_towers, resolve_architecture
 from fsdp_fp8.load.fsdp_wrap import default_mesh, mesh_position, mesh_problems, offloads_to_cpu, shard_model
 from fsdp_fp8.load.loader import LoadReport, load_report, read_rows
 from fsdp_fp8.load.meta_build import materialize, meta_init
@@ -45,7 +46,9 @@ from fsdp_fp8.load.plan import LoadPlan, plan_load
 from fsdp_fp8.load.prefetch import start_prefetch
 from fsdp_fp8.load.preflight import device_facts, device_problems, ensure_process_group
 from fsdp_fp8.load.swap import swap_fp8_linears
-from fsdp_fp8.load.towers import TOWERS_HINT, TowerSpec, needs_towers, resolve_towers, tower_problems
+
+if TYPE_CHECKING:  # the layer above: a LoadedModel only carries what it resolved
+    from fsdp_fp8.interop.architectures import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class LoadedModel:
     report: LoadReport
     fp8_linears: list[str]
     architecture: Architecture | None = None  # set when load_model resolved the model from config.json
-    towers: dict[str, str] | None = None  # linear name -> tower (fsdp_fp8.load.towers), when one is known
+    towers: dict[str, str] | None = None  # linear name -> tower (fsdp_fp8.runtime.towers), when one is known
 
 
 def local_cuda_index() -> int:
@@ -79,132 +82,77 @@ def default_device() -> torch.device:
 
 @dataclass
 class PlannedLoad:
-    """What ``load_model`` knows before the ranks agree: every field the steps got to
-    (``None`` past the first that failed) and every problem that refuses the load."""
+    """What a load knows before the ranks agree: every field the steps got to (``None`` past
+    the first that failed) and every problem that refuses the load. Filled step by step by
+    ``fsdp_fp8.interop.load.plan_model_load`` (open, class, ``plan_on_meta``, tower map)."""
 
-    checkpoint: Checkpoint | None
-    model: nn.Module | None  # on meta
-    plan: LoadPlan | None
-    architecture: Architecture | None
-    problems: list[str]
-    towers: dict[str, str] | None = None  # the tower map (fsdp_fp8.load.towers), when one is known
+    checkpoint: Checkpoint | None = None
+    model: nn.Module | None = None  # on meta
+    plan: LoadPlan | None = None
+    architecture: Architecture | None = None
+    problems: list[str] = field(default_factory=list)
+    towers: dict[str, str] | None = None  # the tower map (fsdp_fp8.runtime.towers), when one is known
     cause: BaseException | None = None  # an unexpected exception (e.g. in model_fn), kept for its traceback
 
+    def refuse(self, exc: Exception) -> None:
+        """``exc`` as a problem the other ranks learn in the agreement (a rank that raised here
+        would strand them in it); an unexpected one is kept as ``cause`` for its traceback."""
+        if isinstance(exc, CheckpointError):
+            self.problems += exc.problems
+            return
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        self.problems.append(f"{type(exc).__name__}: {exc} (raised at {where.filename}:{where.lineno} in {where.name})")
+        self.cause = exc  # the CheckpointError raised after the agreement chains it: the user's frame shows
 
-def plan_model_load(
-    model_fn: Callable[[dict], nn.Module] | None,
-    path: str | os.PathLike,
+
+def plan_on_meta(
+    planned: PlannedLoad,
+    model_fn: Callable[[dict], nn.Module],
     key_map: Callable[[str], str | None] | None = None,
     *,
     device: torch.device,
     strict: bool = True,
     strict_kv_scales: bool = False,
-    towers: TowerSpec | None = None,
-) -> PlannedLoad:
-    """Open, resolve the architecture, build on meta and plan, exactly as ``load_model`` does
-    on each rank, collecting every problem instead of raising. Touches no process group and
-    reads no tensor data beyond the scales: ``python -m fsdp_fp8 verify`` runs this."""
-    checkpoint = model = plan = arch = tower_map = cause = None
-    problems: list[str] = []
-    try:
-        checkpoint = open_checkpoint(path)
-        if model_fn is None:
-            arch = resolve_architecture(checkpoint.config, f"{checkpoint.directory}/config.json", checkpoint)
-            model_fn = arch.model_fn
-        with meta_init():
-            model = model_fn(checkpoint.config)
-        plan = plan_load(checkpoint, model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales)
-        tower_map, more = _tower_map(towers, arch, model, checkpoint, plan)
-        problems += more
-        if device.type == "cuda":
-            problems += cuda_shape_problems(plan.fp8)
-    except CheckpointError as exc:
-        problems += exc.problems
-    except Exception as exc:  # any failure here must reach every rank, not strand them in a collective
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        problems.append(f"{type(exc).__name__}: {exc} (raised at {where.filename}:{where.lineno} in {where.name})")
-        cause = exc  # the CheckpointError raised after the agreement chains it: the user's frame shows
-    return PlannedLoad(checkpoint, model, plan, arch, problems, tower_map, cause)
-
-
-def _tower_map(spec: TowerSpec | None, arch, model, checkpoint, plan) -> tuple[dict[str, str] | None, list[str]]:
-    """The tower map (the user's, else the class's), and what is wrong with it for this
-    checkpoint: a step policy that runs the towers differently needs one (fail-closed)."""
-    if spec is None:
-        spec = arch.towers if arch is not None else known_towers(model)
-    towers = resolve_towers(spec, model)
-    raw = checkpoint.quant.step_policy
-    source = f"{checkpoint.directory}/config.json"
-    if towers is None:
-        if raw is not None and needs_towers(parse_step_policy(raw, source)):
-            return None, [
-                f"{source}: the step policy's `reasoner` ({raw.get('reasoner')!r}) differs from its steps, but "
-                f"{arch.name if arch else type(model).__name__} has no known tower map, so fsdp_fp8 cannot tell "
-                f"the reasoner's linears from the generation tower's; {TOWERS_HINT}"
-            ]
-        return None, []
-    return towers, tower_problems(towers, [t.module for t in plan.fp8], "the tower map")
-
-
-def load_model(
-    model_fn: Callable[[dict], nn.Module] | None,
-    path: str | os.PathLike,
-    mesh: DeviceMesh | None = None,
-    key_map: Callable[[str], str | None] | None = None,
-    *,
-    device: torch.device | None = None,
-    strict: bool = True,
-    strict_kv_scales: bool = False,
-    towers: TowerSpec | None = None,
-    agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
-    read_options: ReadOptions = DEFAULT_READ_OPTIONS,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool | int = True,
-) -> LoadedModel:
-    """Build ``model_fn(config_dict)`` on meta and load the checkpoint at ``path`` into it.
-
-    ``model_fn=None`` builds the class the checkpoint's ``config.json`` names (our reference
-    model, or a transformers / diffusers class with ``fsdp_fp8[hf]``; see
-    ``fsdp_fp8.load.architectures``). ``strict_kv_scales`` refuses FP8 KV-cache scales the model
-    has no place for instead of warning (``fsdp_fp8.load.plan``).
-
-    With a process group up, this is collective: the model is ``fully_shard``-ed over
-    ``mesh`` (default: a 1-D mesh over every rank) and each rank loads only its rows. A 2-D
-    ``(replicate, shard)`` mesh (``fsdp_wrap.device_mesh(device_type, replicas)``) is HSDP: rows
-    are split over the shard dim and every replica group reads the checkpoint once. A mesh that
-    is not 1-D or 2-D, not over every rank of the default group, or on another device type is
-    refused on every rank before anything is sharded. Without a process group, it
-    loads a plain single-process model. ``towers`` maps linear names to towers for the step
-    policy (``fsdp_fp8.load.towers``); without it the class's own map is used (our reference
-    MoT, diffusers ``Cosmos3OmniTransformer``), and a checkpoint whose step policy runs the
-    towers differently is refused for a class that has none. Every rank raises the same error
-    if any rank finds a problem, or if the ranks read different configs, index, headers or
-    scales, or built different models or plans, before anything is swapped, sharded or read.
-
-    ``agreement_timeout_s``: how long a rank waits for its peers in the agreement before
-    loading; the agreement after the reads adds the time the slowest rank's forecast bytes
-    take at ``collective.ASSUMED_READ_BYTES_PER_S``. A later peer is named in a
-    ``PeerLostError``. The agreements run on a gloo side group (docs/reliability.md).
-    ``read_options``: threads, request size, staging and prefetch budgets of this load's reads.
-    ``mp_policy``, ``offload_policy``, ``reshard_after_forward``: passed to ``fully_shard``
-    (``fsdp_wrap.shard_model``). Under ``CPUOffloadPolicy`` the model is materialized in host
-    memory and each rank reads its rows straight into its host shards (no device copy during
-    the load); buffers, which FSDP2 does not manage, go to ``device``.
-
-    The steps, in the order they run::
-
-        plan (every rank alone) -> agree -> start prefetch ->
-        collective_phase: swap, shard, materialize, stop prefetch, read rows
-    """
-    ensure_process_group(agreement_timeout_s)  # under torchrun: never a silent unsharded load per rank
-    device = device or default_device()
-    distributed = dist.is_available() and dist.is_initialized()
-    if _many_ranks():
-        side_group(agreement_timeout_s, f"cannot load {path}")  # collective: before any rank can fail or die
-    planned = plan_model_load(
-        model_fn, path, key_map, device=device, strict=strict, strict_kv_scales=strict_kv_scales, towers=towers
+) -> None:
+    """Build ``model_fn(config)`` on meta and plan it against ``planned.checkpoint`` (opened),
+    into ``planned``: the model is kept before the plan, so a refused plan still marks it
+    unusable. Raises what ``model_fn`` or ``plan_load`` raise (``PlannedLoad.refuse`` keeps it);
+    touches no process group and reads no tensor data beyond the scales."""
+    checkpoint = planned.checkpoint
+    with meta_init():
+        planned.model = model_fn(checkpoint.config)
+    planned.plan = plan_load(
+        checkpoint, planned.model, key_map=key_map, strict=strict, strict_kv_scales=strict_kv_scales
     )
+    if device.type == "cuda":
+        planned.problems += cuda_shape_problems(planned.plan.fp8)
+
+
+def join_ranks(path: str | os.PathLike, agreement_timeout_s: float) -> None:
+    """Before any rank can fail or die: a process group under torchrun (never a silent
+    unsharded load per rank), and the gloo side group the agreements run on (collective)."""
+    ensure_process_group(agreement_timeout_s)
+    if _many_ranks():
+        side_group(agreement_timeout_s, f"cannot load {path}")
+
+
+def load_planned(
+    planned: PlannedLoad,
+    path: str | os.PathLike,
+    mesh: DeviceMesh | None,
+    *,
+    device: torch.device,
+    agreement_timeout_s: float,
+    read_options: ReadOptions,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    reshard_after_forward: bool | int,
+) -> LoadedModel:
+    """The load after each rank planned alone: agree (problems + digests) -> start prefetch ->
+    one collective_phase: swap, shard, materialize, stop prefetch, read rows. ``path`` names
+    the load in its errors; ``fsdp_fp8.load_model`` documents the other arguments and holds
+    their defaults (every one is passed here)."""
+    distributed = dist.is_available() and dist.is_initialized()
     planned.problems[:0] = _setup_problems(device, mesh, distributed, planned.plan)
     _agree_on_plan(planned, device, mesh, f"cannot load {path}", agreement_timeout_s)
     model, plan, checkpoint = planned.model, planned.plan, planned.checkpoint

@@ -4,7 +4,7 @@ The generation (denoising) tower follows the checkpoint's step policy, step by s
 understanding ("reasoner") tower runs once per request and takes the policy's
 ``reasoner`` precision outright; linears in neither tower ("other": embedders, heads) are
 never switched. Which linear is in which tower comes from a tower map
-(``fsdp_fp8.load.towers``). The selector is a plain Python attribute on each linear,
+(``fsdp_fp8.runtime.towers``). The selector is a plain Python attribute on each linear,
 so choosing it costs no device sync and ``torch.compile`` guards on it like any constant.
 The choice is a pure function of ``(step, num_steps)``: both classifier-free-guidance
 passes of one step, and every rank, agree.
@@ -27,7 +27,7 @@ from torch import nn
 from fsdp_fp8.collective.attached import PRECISION
 from fsdp_fp8.format.step_policy import StepPolicy, describe_trace
 from fsdp_fp8.fp8.linear import Float8StaticLinear
-from fsdp_fp8.load.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
+from fsdp_fp8.runtime.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
 
 W8A16, W8A8 = "W8A16", "W8A8"
 LABELS = {"a16": W8A16, "native": W8A8}  # the policy's word -> the launcher's

@@ -44,7 +44,7 @@ def _forward(model, device, mode):
 def cpu_reference(demo):
     from fsdp_fp8 import load_model
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
 
     model = load_model(
         resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=torch.device("cpu")
@@ -68,7 +68,7 @@ def test_nccl_world_1_load_forward_matches_cpu_and_uses_scaled_mm(demo, cpu_refe
 
     from fsdp_fp8 import gather_state_dict, load_model
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_architecture
 
     device = torch.device("cuda", 0)
     loaded = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=device)
@@ -119,7 +119,7 @@ def test_uint8_all_gather_through_nccl_rebuilds_the_codes(nccl_world_1, world, r
     import torch.distributed as dist
 
     from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
-    from fsdp_fp8.load.collectives import all_gather_into
+    from fsdp_fp8.runtime.collectives import all_gather_into
 
     device = torch.device("cuda", 0)
     codes = (torch.randn(rows, 32, generator=torch.Generator().manual_seed(world)) * 40).to(E4M3).to(device)

@@ -16,8 +16,8 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     from fsdp_fp8 import load_model
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.read_options import ReadOptions
+    from fsdp_fp8.interop.architectures import resolve_architecture
     from fsdp_fp8.load import loader, staging
-    from fsdp_fp8.load.architectures import resolve_architecture
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     path = write_mot_checkpoint(tmp_path / "ckpt")

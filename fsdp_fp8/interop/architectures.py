@@ -5,7 +5,7 @@
     architectures == [<a transformers class>] -> transformers _from_config
                                                (kind "causal_lm" for *ForCausalLM, else "transformers")
 
-transformers and diffusers are optional (``fsdp_fp8[hf]``) and imported by ``fsdp_fp8.load.hf_build``
+transformers and diffusers are optional (``fsdp_fp8[hf]``) and imported by ``fsdp_fp8.interop.hf_build``
 only when a checkpoint names one of their classes.
 """
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_fp8.load import hf_build as hf
-from fsdp_fp8.load.towers import cosmos3_towers
+from fsdp_fp8.interop import hf_build as hf
 from fsdp_fp8.models import MoTConfig, build_model, linear_towers
 from fsdp_fp8.models.mot_config import CLASS_NAME as MOT_CLASS_NAME
+from fsdp_fp8.runtime.towers import cosmos3_towers
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Architecture:
 
 
 # Tower maps of diffusers / transformers classes, by the class name config.json gives
-# (fsdp_fp8.load.towers); a class not here has none, and a step policy that needs one is
+# (fsdp_fp8.runtime.towers); a class not here has none, and a step policy that needs one is
 # refused unless the user passes `towers=`.
 KNOWN_TOWERS: dict[str, Callable[[nn.Module], dict[str, str]]] = {"Cosmos3OmniTransformer": cosmos3_towers}
 
