@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,3 +45,33 @@ def test_another_thread_building_meanwhile_gets_real_initialized_parameters():
     torch.manual_seed(0)
     assert torch.equal(real.weight, nn.Linear(8, 8).weight)  # exactly nn.Linear's own init
     assert out["meta"].weight.is_meta and not out["meta_buffer"].is_meta  # buffers stay real
+
+
+def test_transformers_own_initializers_are_skipped_on_meta(monkeypatch):
+    """transformers calls the copies of the ``nn.init`` initializers it took at import
+    (``TORCH_INIT_FUNCTIONS``): inside the block those are skipped too, and put back after it."""
+    transformers = pytest.importorskip("transformers")
+    init = pytest.importorskip("transformers.initialization")
+    calls = []
+    original = init.TORCH_INIT_FUNCTIONS["normal_"]
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setitem(init.TORCH_INIT_FUNCTIONS, "normal_", counting)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    with meta_init():
+        model = transformers.LlamaForCausalLM._from_config(config)
+    assert all(p.is_meta for p in model.parameters())
+    assert calls == []
+    assert init.TORCH_INIT_FUNCTIONS["normal_"] is counting  # the table is as it was
+    transformers.LlamaForCausalLM._from_config(config)  # outside the block: transformers' init runs
+    assert calls

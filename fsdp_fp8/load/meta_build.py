@@ -1,8 +1,9 @@
 """Build a model on the meta device with real buffers, then materialize it on a device.
 
 Parameters go to meta as they are registered and their initializers are skipped (a
-Super-class model would otherwise spend minutes filling weights we overwrite), for the calling
-thread only and only inside the block (``meta_init``). Buffers
+Super-class model would otherwise spend minutes filling weights we overwrite; transformers'
+own copies of the initializers too), for the calling thread only and only inside the block
+(``meta_init``). Buffers
 stay real: non-persistent ones (rotary ``inv_freq``, ...) are in no checkpoint, and
 ``to_empty`` would leave garbage in them, so ``materialize`` puts them back. This is the
 idea behind accelerate's ``init_empty_weights(include_buffers=False)``. ``materialize``
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -72,12 +74,31 @@ def _install() -> None:
     for name in _INIT_FUNCTIONS:
         _originals[name] = getattr(nn.init, name)
         setattr(nn.init, name, skipping(_originals[name]))
+    hf = _transformers_init_functions()
+    for name in _INIT_FUNCTIONS:
+        if name in hf:
+            _originals[("transformers", name)] = hf[name]
+            hf[name] = skipping(hf[name])
 
 
 def _uninstall() -> None:
     nn.Module.register_parameter = _originals.pop("register_parameter")
     for name in _INIT_FUNCTIONS:
         setattr(nn.init, name, _originals.pop(name))
+    hf = _transformers_init_functions()
+    for name in _INIT_FUNCTIONS:
+        if ("transformers", name) in _originals:
+            hf[name] = _originals.pop(("transformers", name))
+
+
+def _transformers_init_functions() -> dict:
+    """transformers' own copy of the ``nn.init`` initializers (``TORCH_INIT_FUNCTIONS``, taken
+    when it was imported: its ``_init_weights`` calls those, so wrapping ``nn.init`` alone
+    does not skip them, and each ``normal_`` on a meta tensor runs torch's Python reference
+    decomposition, ~1 ms apiece); empty when transformers is not imported (never imported here)."""
+    module = sys.modules.get("transformers.initialization")
+    table = getattr(module, "TORCH_INIT_FUNCTIONS", None)
+    return table if isinstance(table, dict) else {}
 
 
 @contextlib.contextmanager
