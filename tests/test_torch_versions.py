@@ -107,7 +107,7 @@ def test_the_meter_counts_each_collective_once_on_this_torch():
 def test_the_meter_replaces_no_function_of_torch_distributed():
     import torch.distributed as dist
 
-    from fsdp_fp8.load import collectives
+    from fsdp_fp8.runtime import collectives
 
     def functions():
         return {name: getattr(dist, name) for name in collectives.NAMES if hasattr(dist, name)}

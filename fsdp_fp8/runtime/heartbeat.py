@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import socket
 import sys
@@ -49,6 +50,12 @@ def stall_s_for(pg_timeout_s: float) -> float:
     """The launcher's stall threshold: the default, or half the process-group timeout when
     that is shorter, so that a stalled peer is named before the transport times out."""
     return min(DEFAULT_STALL_S, pg_timeout_s / 2)
+
+
+def _tenths_up(seconds: float) -> str:
+    """``seconds`` to a tenth, rounded up: a silence just past the threshold never reads as
+    shorter than the threshold it crossed (10.502 s after a 10.502 s threshold is "10.6")."""
+    return f"{math.ceil(seconds * 10) / 10:.1f}"
 
 
 def detection_bound_s(stall_s: float = DEFAULT_STALL_S, interval_s: float = DEFAULT_INTERVAL_S) -> float:
@@ -113,7 +120,7 @@ class _Watch:
                 silent, peer = late[-1]
                 who = self.who.get(peer, "no beat ever received")
                 return (
-                    f"rank {peer} ({who}) stopped answering: no heartbeat for {silent:.1f} s {self.what} "
+                    f"rank {peer} ({who}) stopped answering: no heartbeat for {_tenths_up(silent)} s {self.what} "
                     f"(a peer is named after {self.stall_s:g} s without one, within "
                     f"{detection_bound_s(self.stall_s, self.interval_s):g} s)"
                 )
