@@ -27,7 +27,7 @@ from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
 from fsdp_fp8.format.handles import OpenFile, open_regular, present, read_json_file, short_repr
 from fsdp_fp8.format.quant_config import QuantConfig, parse_quant_config
 from fsdp_fp8.format.safetensors_header import Header, TensorEntry, read_header
-from fsdp_fp8.format.slice_reader import read_scale
+from fsdp_fp8.format.slice_reader import read_scale_value
 
 __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEntry", "open_checkpoint"]
 
@@ -167,6 +167,11 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
 
 _F32 = torch.finfo(torch.float32)
 FP8_MAX = 448.0  # the largest E4M3 magnitude: codes * scale must stay finite in float32
+# float32 rounds a real to inf from the midpoint between its largest finite value (2^128 - 2^104)
+# and 2^128 up (ties go to the even 2^128). A float32 scale times 448 (= 7 * 2^6) is exact in
+# float64, so comparing that product with the midpoint is float32's own ``scale * 448`` overflow,
+# without building a tensor per scale (tests/test_value_checks.py covers both sides).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, float]) -> bool:
@@ -178,7 +183,7 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
         )
         return False
     try:
-        value = float(read_scale(entry))
+        value = read_scale_value(entry)
     except (OSError, ValueError) as exc:
         problems.append(f"`{entry.key}` in {entry.file}: cannot read the scale: {exc}")
         return False
@@ -191,7 +196,7 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
             "a scale must be a normal float32 > 0"
         )
         return False
-    if math.isinf(float(torch.tensor(value, dtype=torch.float32) * FP8_MAX)):
+    if value * FP8_MAX >= _F32_OVERFLOW:
         problems.append(
             f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 (max {_F32.max:.6g})"
         )
@@ -207,23 +212,22 @@ def _classify(
     kv: dict[str, TensorEntry] = {}
     f8_weights: set[str] = set()  # modules whose weight is stored F8_E4M3, even if malformed
     for key, e in sorted(tensors.items()):
-        where = f"`{key}` in {e.file}"
         if e.dtype == "F8_E5M2":
-            problems.append(f"{where} is F8_E5M2; ModelOpt static FP8 stores F8_E4M3 only")
+            problems.append(f"`{key}` in {e.file} is F8_E5M2; ModelOpt static FP8 stores F8_E4M3 only")
         elif e.dtype != "F8_E4M3":
             continue
         elif not quant.is_modelopt_fp8:
             if config_ok:
                 problems.append(
-                    f"{where} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
+                    f"`{key}` in {e.file} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
                     "quantization config (hf_quant_config.json or config.json quantization_config)"
                 )
         elif not key.endswith(".weight"):
-            problems.append(f"{where} is F8_E4M3 but is not a linear `.weight`")
+            problems.append(f"`{key}` in {e.file} is F8_E4M3 but is not a linear `.weight`")
         else:
             f8_weights.add(key[: -len(".weight")])
             if len(e.shape) != 2:
-                problems.append(f"{where} is an FP8 weight with shape {e.shape}; expected 2-D [out, in]")
+                problems.append(f"`{key}` in {e.file} is an FP8 weight with shape {e.shape}; expected 2-D [out, in]")
     if not quant.is_modelopt_fp8:
         return fp8, dict(tensors), kv
     for module in sorted(f8_weights):
