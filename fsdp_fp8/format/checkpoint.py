@@ -212,22 +212,23 @@ def _classify(
     kv: dict[str, TensorEntry] = {}
     f8_weights: set[str] = set()  # modules whose weight is stored F8_E4M3, even if malformed
     for key, e in sorted(tensors.items()):
+        where = f"`{key}` in {e.file}"
         if e.dtype == "F8_E5M2":
-            problems.append(f"`{key}` in {e.file} is F8_E5M2; ModelOpt static FP8 stores F8_E4M3 only")
+            problems.append(f"{where} is F8_E5M2; ModelOpt static FP8 stores F8_E4M3 only")
         elif e.dtype != "F8_E4M3":
             continue
         elif not quant.is_modelopt_fp8:
             if config_ok:
                 problems.append(
-                    f"`{key}` in {e.file} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
+                    f"{where} is stored as F8_E4M3 but the checkpoint has no ModelOpt FP8 "
                     "quantization config (hf_quant_config.json or config.json quantization_config)"
                 )
         elif not key.endswith(".weight"):
-            problems.append(f"`{key}` in {e.file} is F8_E4M3 but is not a linear `.weight`")
+            problems.append(f"{where} is F8_E4M3 but is not a linear `.weight`")
         else:
             f8_weights.add(key[: -len(".weight")])
             if len(e.shape) != 2:
-                problems.append(f"`{key}` in {e.file} is an FP8 weight with shape {e.shape}; expected 2-D [out, in]")
+                problems.append(f"{where} is an FP8 weight with shape {e.shape}; expected 2-D [out, in]")
     if not quant.is_modelopt_fp8:
         return fp8, dict(tensors), kv
     for module in sorted(f8_weights):
