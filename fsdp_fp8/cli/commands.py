@@ -318,12 +318,33 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run, or "
         "fsdp-fp8 run --nproc-per-node N); 'run --help' lists its options",
     )
-    inspect = sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)")
-    inspect.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    inspect.add_argument(
-        "--world-size", type=_positive, default=None, help="also forecast what each of W ranks reads, holds and stages"
+    _add_inspect(sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)"))
+    _add_verify(
+        sub.add_parser(
+            "verify",
+            help="check the checkpoint as load_model does (open, build the model on "
+            "meta, plan); exit 0 exactly when load_model would load it",
+        )
     )
-    inspect.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
+    _add_save(
+        sub.add_parser(
+            "save",
+            help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
+            "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing",
+        )
+    )
+    return parser
+
+
+def _add_checkpoint_and_ranks(command: argparse.ArgumentParser, world_size_help: str) -> None:
+    """The arguments ``inspect`` and ``verify`` share: the checkpoint, W ranks, R replica groups."""
+    command.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
+    command.add_argument("--world-size", type=_positive, default=None, help=world_size_help)
+    command.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
+
+
+def _add_inspect(inspect: argparse.ArgumentParser) -> None:
+    _add_checkpoint_and_ranks(inspect, "also forecast what each of W ranks reads, holds and stages")
     inspect.add_argument(
         "--prefetch-bytes",
         type=_non_negative,
@@ -337,16 +358,10 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
     inspect.add_argument("--resident", choices=("none", "all"), default="none", help="forecast: layers kept gathered")
     inspect.add_argument("--offload", choices=("cpu",), help="forecast: FP8 shards in host memory")
     inspect.add_argument("--cfg-parallel", action="store_true", help="forecast: guidance passes on rank pairs")
-    verify = sub.add_parser(
-        "verify",
-        help="check the checkpoint as load_model does (open, build the model on "
-        "meta, plan); exit 0 exactly when load_model would load it",
-    )
-    verify.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    verify.add_argument(
-        "--world-size", type=_positive, default=None, help="also show what each of W ranks would read and hold"
-    )
-    verify.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
+
+
+def _add_verify(verify: argparse.ArgumentParser) -> None:
+    _add_checkpoint_and_ranks(verify, "also show what each of W ranks would read and hold")
     verify.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -361,11 +376,9 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         help=f"exit {NO_FP8_EXIT} when the checkpoint has no FP8 linear (by default that is a warning: "
         "load_model loads it, in high precision)",
     )
-    save = sub.add_parser(
-        "save",
-        help="load SOURCE (sharded under torchrun) and write it as a ModelOpt "
-        "static-FP8 checkpoint in DESTINATION (absent or empty), gathering nothing",
-    )
+
+
+def _add_save(save: argparse.ArgumentParser) -> None:
     save.add_argument("source", help="checkpoint directory, diffusers pipeline root or hub repo id")
     save.add_argument("destination", nargs="?")
     save.add_argument(
@@ -382,7 +395,6 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         help="tensor bytes per shard file (default: one file)",
     )
     save.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
-    return parser
 
 
 REPLICAS_HELP = (

@@ -208,9 +208,30 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
 def _classify(
     tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool, problems: list[str], values: dict[str, float]
 ):
-    fp8: dict[str, Fp8ModuleEntry] = {}
-    kv: dict[str, TensorEntry] = {}
-    f8_weights: set[str] = set()  # modules whose weight is stored F8_E4M3, even if malformed
+    """(FP8 modules, high-precision tensors, KV-cache scales), from the stored dtypes; every
+    problem goes to ``problems`` and every scale read to ``values``."""
+    f8_weights = _f8_weight_modules(tensors, quant, config_ok, problems)
+    if not quant.is_modelopt_fp8:
+        return {}, dict(tensors), {}
+    fp8 = _fp8_modules(tensors, f8_weights, quant, problems, values)
+    kv = _scales_and_foreign(tensors, f8_weights, problems, values)
+    _check_kv_config(kv, quant, problems)
+    claimed = (
+        {m.weight.key for m in fp8.values()}
+        | {m.weight_scale.key for m in fp8.values()}
+        | {m.input_scale.key for m in fp8.values()}
+        | set(kv)
+    )
+    high = {k: e for k, e in tensors.items() if k not in claimed}
+    return fp8, high, kv
+
+
+def _f8_weight_modules(
+    tensors: dict[str, TensorEntry], quant: QuantConfig, config_ok: bool, problems: list[str]
+) -> set[str]:
+    """The modules whose weight is stored F8_E4M3, even if malformed; F8 stored where it may
+    not be (E5M2, no ModelOpt FP8 config, not a linear `.weight`, not 2-D) is a problem."""
+    f8_weights: set[str] = set()
     for key, e in sorted(tensors.items()):
         where = f"`{key}` in {e.file}"
         if e.dtype == "F8_E5M2":
@@ -229,8 +250,18 @@ def _classify(
             f8_weights.add(key[: -len(".weight")])
             if len(e.shape) != 2:
                 problems.append(f"{where} is an FP8 weight with shape {e.shape}; expected 2-D [out, in]")
-    if not quant.is_modelopt_fp8:
-        return fp8, dict(tensors), kv
+    return f8_weights
+
+
+def _fp8_modules(
+    tensors: dict[str, TensorEntry],
+    f8_weights: set[str],
+    quant: QuantConfig,
+    problems: list[str],
+    values: dict[str, float],
+) -> dict[str, Fp8ModuleEntry]:
+    """Each F8 weight with both its valid scales, as one FP8 module entry."""
+    fp8: dict[str, Fp8ModuleEntry] = {}
     for module in sorted(f8_weights):
         weight = tensors[f"{module}.weight"]
         scales = {}
@@ -247,6 +278,15 @@ def _classify(
             if quant.is_ignored(module):
                 # The ignore list is advice, the stored dtype decides (docs/checkpoint-format.md).
                 logger.warning("`%s` matches the ignore list but is stored as F8_E4M3; loading it as FP8", module)
+    return fp8
+
+
+def _scales_and_foreign(
+    tensors: dict[str, TensorEntry], f8_weights: set[str], problems: list[str], values: dict[str, float]
+) -> dict[str, TensorEntry]:
+    """The KV-cache scales (checked); another ModelOpt mode's tensors and scales without an F8
+    weight are problems."""
+    kv: dict[str, TensorEntry] = {}
     for key, e in sorted(tensors.items()):
         if key.endswith(_FOREIGN_SUFFIXES):
             problems.append(f"`{key}` in {e.file} belongs to a ModelOpt mode other than static per-tensor FP8")
@@ -263,6 +303,11 @@ def _classify(
         elif key.endswith(KV_SCALE_SUFFIXES):
             _check_scale(e, problems, values)
             kv[key] = e
+    return kv
+
+
+def _check_kv_config(kv: dict[str, TensorEntry], quant: QuantConfig, problems: list[str]) -> None:
+    """KV-cache scales and ``kv_cache_quant_algo`` must agree."""
     if kv and quant.kv_cache_quant_algo is None:
         problems.append(
             f"KV-cache scales {sorted(kv)[:2]}... are present but the quantization config "
@@ -272,14 +317,6 @@ def _classify(
         problems.append(
             "the quantization config says kv_cache_quant_algo FP8 but there is no `*.k_scale` / `*.v_scale` tensor"
         )
-    claimed = (
-        {m.weight.key for m in fp8.values()}
-        | {m.weight_scale.key for m in fp8.values()}
-        | {m.input_scale.key for m in fp8.values()}
-        | set(kv)
-    )
-    high = {k: e for k, e in tensors.items() if k not in claimed}
-    return fp8, high, kv
 
 
 def _descriptor_problem(count: int) -> str | None:
