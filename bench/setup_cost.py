@@ -24,6 +24,12 @@ in the JSON too) and the ratios the target is stated in:
   vs fully_shard   the same fp8 sum / bf16 fully_shard alone
   swap + fully_shard   fp8 (swap + fully_shard) / bf16 fully_shard (the ratio this bench gave before)
 
+and, per phase, the CPU seconds of the cyclic garbage collector's passes (``gc.callbacks``) with
+the full (generation 2) passes counted, and the ratios with those seconds taken out of both sides:
+Python runs a full pass once the objects that survived since the last one exceed a quarter of
+all tracked objects, so whether a run pays one (~0.3 s here) depends on the process's heap as
+much as on the set-up's own objects.
+
 Also run by ``python bench/load.py --setup``.
 """
 
