@@ -24,6 +24,12 @@ in the JSON too) and the ratios the target is stated in:
   vs fully_shard   the same fp8 sum / bf16 fully_shard alone
   swap + fully_shard   fp8 (swap + fully_shard) / bf16 fully_shard (the ratio this bench gave before)
 
+and, per phase, the CPU seconds of the cyclic garbage collector's passes (``gc.callbacks``) with
+the full (generation 2) passes counted, and the ratios with those seconds taken out of both sides:
+Python runs a full pass once the objects that survived since the last one exceed a quarter of
+all tracked objects, so whether a run pays one (~0.3 s here) depends on the process's heap as
+much as on the set-up's own objects.
+
 Also run by ``python bench/load.py --setup``.
 """
 
@@ -70,26 +76,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class _Collector:
+    """CPU seconds the cyclic garbage collector ran, and its passes per generation, while on."""
+
+    def __init__(self):
+        self.cpu = 0.0
+        self.passes = [0, 0, 0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.cpu += time.process_time() - self._start
+            self.passes[info["generation"]] += 1
+
+
 class _Clock:
-    """CPU and wall seconds per phase; optionally one cProfile per phase."""
+    """CPU and wall seconds per phase, the collector's share of the CPU seconds; optionally one
+    cProfile per phase."""
 
     def __init__(self, profile: bool = False):
         self.cpu: dict[str, float] = {}
         self.wall: dict[str, float] = {}
+        self.gc: dict[str, float] = {}
+        self.gc_passes: dict[str, list[int]] = {}
         self.profiles: dict[str, cProfile.Profile] = {}
         self._profile = profile
 
     def run(self, name: str, fn):
         prof = cProfile.Profile() if self._profile else None
-        c, w = time.process_time(), time.perf_counter()
-        if prof:
-            prof.enable()
-        out = fn()
-        if prof:
-            prof.disable()
-            self.profiles[name] = prof
-        self.cpu[name] = time.process_time() - c
-        self.wall[name] = time.perf_counter() - w
+        collector = _Collector()
+        gc.callbacks.append(collector)
+        try:
+            c, w = time.process_time(), time.perf_counter()
+            if prof:
+                prof.enable()
+            out = fn()
+            if prof:
+                prof.disable()
+                self.profiles[name] = prof
+            self.cpu[name] = time.process_time() - c
+            self.wall[name] = time.perf_counter() - w
+        finally:
+            gc.callbacks.remove(collector)
+        self.gc[name], self.gc_passes[name] = collector.cpu, collector.passes
         return out
 
 
@@ -116,8 +147,9 @@ def _fp8(directory: Path, mesh, profile: bool = False) -> _Clock:
 def _bf16(config: MoTConfig, mesh, profile: bool = False) -> _Clock:
     """A plain BF16 FSDP2 set-up of the same stack."""
     clock = _Clock(profile)
-    clock.cpu["open"] = clock.cpu["plan"] = clock.cpu["swap"] = 0.0
-    clock.wall["open"] = clock.wall["plan"] = clock.wall["swap"] = 0.0
+    for phase in ("open", "plan", "swap"):
+        clock.cpu[phase] = clock.wall[phase] = clock.gc[phase] = 0.0
+        clock.gc_passes[phase] = [0, 0, 0]
 
     def build():
         with torch.device("meta"):
@@ -134,8 +166,9 @@ def _plain_fp8(config: MoTConfig, modules: list[str], mesh) -> _Clock:
     and their scales 0-d buffers (the model bench/peer_load.py hands DCP): what sharding FP8
     bytes costs without a tensor subclass."""
     clock = _Clock()
-    clock.cpu["open"] = clock.cpu["plan"] = 0.0
-    clock.wall["open"] = clock.wall["plan"] = 0.0
+    for phase in ("open", "plan"):
+        clock.cpu[phase] = clock.wall[phase] = clock.gc[phase] = 0.0
+        clock.gc_passes[phase] = [0, 0, 0]
 
     def build():
         with torch.device("meta"):
@@ -160,6 +193,11 @@ def _plain_fp8(config: MoTConfig, modules: list[str], mesh) -> _Clock:
 
 def _median(clocks: list[_Clock], attr: str) -> dict[str, float]:
     return {p: statistics.median(getattr(c, attr)[p] for c in clocks) for p in PHASES}
+
+
+def _median_mutator(clocks: list[_Clock]) -> dict[str, float]:
+    """CPU seconds per phase with the collector's passes taken out, median over the runs."""
+    return {p: statistics.median(c.cpu[p] - c.gc[p] for c in clocks) for p in PHASES}
 
 
 def ratios(fp8: dict[str, float], bf16: dict[str, float]) -> dict[str, float]:
@@ -209,6 +247,9 @@ def run(args) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     med = {k: _median(v, "cpu") for k, v in runs.items()}
     wall = {k: _median(v, "wall") for k, v in runs.items()}
+    collector = {k: _median(v, "gc") for k, v in runs.items()}
+    mutator = {k: _median_mutator(v) for k, v in runs.items()}
+    full_passes = {k: [sum(c.gc_passes[p][2] for p in PHASES) for c in v] for k, v in runs.items()}
     out = {
         "bench": "setup_cost",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -222,6 +263,10 @@ def run(args) -> dict:
         "ratios_cpu": ratios(med["fp8"], med["bf16"]),
         "plain_fp8_fully_shard_vs_bf16_cpu": med["plain fp8"]["fully_shard"] / med["bf16"]["fully_shard"],
         "ratios_wall": ratios(wall["fp8"], wall["bf16"]),
+        "median_gc_cpu_s": collector,
+        "median_cpu_without_gc_s": mutator,
+        "ratios_cpu_without_gc": ratios(mutator["fp8"], mutator["bf16"]),
+        "full_gc_passes_per_run": full_passes,
         "load_average": " ".join(f"{x:.2f}" for x in __import__("os").getloadavg()),
     }
     return out, profiles
@@ -278,6 +323,18 @@ def main(argv=None) -> int:
         f"{r['setup_ratio']:.2f} (wall {w['setup_ratio']:.2f}; target <= 1.3); / bf16 fully_shard alone = "
         f"{r['setup_vs_bf16_fully_shard']:.2f}; fp8 swap + fully_shard / bf16 fully_shard = "
         f"{r['swap_plus_fully_shard']:.2f}; everything incl. to_empty = {r['all_with_to_empty']:.2f}"
+    )
+    g = out["ratios_cpu_without_gc"]
+    print("of which the cyclic garbage collector (CPU s, median per phase; full passes per run):")
+    for kind in ("bf16", "fp8", "plain fp8"):
+        m = out["median_gc_cpu_s"][kind]
+        print(
+            f"{kind:10}" + "".join(f"{m[p]:12.3f}" for p in PHASES) + f"{sum(m[p] for p in SETUP):10.3f}"
+            f"   full passes {out['full_gc_passes_per_run'][kind]}"
+        )
+    print(
+        f"without the collector's passes: set-up ratio {g['setup_ratio']:.2f}; / bf16 fully_shard alone "
+        f"{g['setup_vs_bf16_fully_shard']:.2f}; swap + fully_shard / bf16 fully_shard {g['swap_plus_fully_shard']:.2f}"
     )
     print(
         "plain fp8 (the planned weights as plain float8_e4m3fn parameters, scales as buffers: no tensor "

@@ -52,6 +52,31 @@ def test_the_largest_and_smallest_usable_scales_load(tmp_path):
         assert math.isclose(ckpt.scales["layers.0.down.weight_scale"], big, rel_tol=1e-7)
 
 
+def _float32_neighbours_of_the_overflow() -> tuple[float, float]:
+    """The largest float32 scale whose ``448 * scale`` float32 rounds to a finite value, and the
+    next float32 up, found by float32 arithmetic itself (torch), not by the rule under test."""
+    below = torch.tensor(torch.finfo(torch.float32).max / 448, dtype=torch.float32)
+    up = torch.tensor(float("inf"), dtype=torch.float32)
+    while torch.isinf(below * 448):  # float32 max / 448 may round to a scale that overflows
+        below = torch.nextafter(below, -up)
+    while not torch.isinf(torch.nextafter(below, up) * 448):
+        below = torch.nextafter(below, up)
+    return float(below), float(torch.nextafter(below, up))
+
+
+def test_the_overflow_check_is_float32s_own_rounding_at_the_boundary(tmp_path):
+    finite, overflows = _float32_neighbours_of_the_overflow()
+    d = write_uneven_checkpoint(tmp_path / "ckpt")
+    set_scalar(d / S3, "layers.0.down.weight_scale", finite)
+    with open_checkpoint(d) as ckpt:
+        assert ckpt.scales["layers.0.down.weight_scale"] == finite
+    set_scalar(d / S3, "layers.0.down.weight_scale", overflows)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(d)
+    (problem,) = info.value.problems
+    assert "448 * scale overflows float32" in problem, problem
+
+
 def _llama(tmp_path, text_edit) -> str:
     d = tmp_path / "llama"
     shutil.copytree(FIXTURE, d)

@@ -27,7 +27,7 @@ from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
 from fsdp_fp8.format.handles import OpenFile, open_regular, present, read_json_file, short_repr
 from fsdp_fp8.format.quant_config import QuantConfig, parse_quant_config
 from fsdp_fp8.format.safetensors_header import Header, TensorEntry, read_header
-from fsdp_fp8.format.slice_reader import read_scale
+from fsdp_fp8.format.slice_reader import read_scale_value
 
 __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEntry", "open_checkpoint"]
 
@@ -167,6 +167,11 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
 
 _F32 = torch.finfo(torch.float32)
 FP8_MAX = 448.0  # the largest E4M3 magnitude: codes * scale must stay finite in float32
+# float32 rounds a real to inf from the midpoint between its largest finite value (2^128 - 2^104)
+# and 2^128 up (ties go to the even 2^128). A float32 scale times 448 (= 7 * 2^6) is exact in
+# float64, so comparing that product with the midpoint is float32's own ``scale * 448`` overflow,
+# without building a tensor per scale (tests/test_value_checks.py covers both sides).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, float]) -> bool:
@@ -178,7 +183,7 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
         )
         return False
     try:
-        value = float(read_scale(entry))
+        value = read_scale_value(entry)
     except (OSError, ValueError) as exc:
         problems.append(f"`{entry.key}` in {entry.file}: cannot read the scale: {exc}")
         return False
@@ -191,7 +196,7 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
             "a scale must be a normal float32 > 0"
         )
         return False
-    if math.isinf(float(torch.tensor(value, dtype=torch.float32) * FP8_MAX)):
+    if value * FP8_MAX >= _F32_OVERFLOW:
         problems.append(
             f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 (max {_F32.max:.6g})"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import struct
 import sys
 import threading
 
@@ -141,13 +142,26 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Ten
     return flat.view(entry.torch_dtype).view((stop_row - start_row, *entry.shape[1:]))
 
 
-def read_scale(entry: TensorEntry) -> torch.Tensor:
-    """A one-element F32 tensor (any shape) as a 0-d float32 tensor."""
+def _require_scale(entry: TensorEntry) -> None:
     if entry.dtype != "F32" or entry.numel != 1:
         raise ValueError(
             f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
             f"got {entry.dtype} shape {entry.shape}"
         )
+
+
+def read_scale(entry: TensorEntry) -> torch.Tensor:
+    """A one-element F32 tensor (any shape) as a 0-d float32 tensor."""
+    _require_scale(entry)
     flat = torch.empty(4, dtype=torch.uint8)
     _pread_into(entry, entry.begin, writable(flat))
     return flat.view(torch.float32).reshape(())
+
+
+def read_scale_value(entry: TensorEntry) -> float:
+    """``float(read_scale(entry))`` without a tensor: ``open_checkpoint`` checks every scale
+    of the checkpoint (1,792 at Super scale), and the tensor cost more than the read."""
+    _require_scale(entry)
+    raw = bytearray(4)
+    _pread_into(entry, entry.begin, memoryview(raw))
+    return struct.unpack("<f", raw)[0]

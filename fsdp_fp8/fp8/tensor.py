@@ -86,6 +86,10 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # The fields live in slots rather than the instance dict: FSDP2 builds ~15 of these per
+    # weight while it shards (``rebuild``), a slot is set faster than a dict entry, and no dict
+    # is allocated per instance (bench/setup_cost.py). ``dtype`` is the wrapper's own.
+    __slots__ = FIELDS[:8] + FIELDS[9:]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -124,7 +128,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
         if problems:
             raise ValueError("not a static per-tensor FP8 weight: " + "; ".join(problems))
         # The fields TorchAO's __init__ sets, set here directly: its __init__ also logs API
-        # usage per instance, and FSDP2 builds ~20 of these per parameter while it shards.
+        # usage per instance (internal copies skip this constructor: ``rebuild``).
         _set_fields(
             self, qdata, scale, act_quant_scale, None, block_size, mm_config, act_quant_kwargs, kernel_preference, None
         )
@@ -219,14 +223,20 @@ def make_static_fp8_weight(
     )
     return StaticFloat8Tensor(
         qdata,
-        weight_scale.reshape(1, 1),
-        act_quant_scale=input_scale.reshape(1, 1),
+        _as_1x1(weight_scale),
+        act_quant_scale=_as_1x1(input_scale),
         block_size=list(qdata.shape),
         mm_config=MM_CONFIG,
         act_quant_kwargs=ACT_QUANT_KWARGS,
         kernel_preference=KernelPreference.TORCH,
         dtype=compute_dtype,
     )
+
+
+def _as_1x1(scale: torch.Tensor) -> torch.Tensor:
+    # A (1, 1) scale as it is: reshape would make a view, a second tensor per scale that the
+    # weight keeps alive (two per linear at every swap, bench/setup_cost.py).
+    return scale if scale.shape == (1, 1) else scale.reshape(1, 1)
 
 
 def empty_static_fp8_weight(
@@ -291,21 +301,18 @@ def rebuild(
     """``t`` with new codes, every other constructor field carried (``block_size`` follows the shape).
 
     Built without the constructor's checks, which ``t`` passed: FSDP2's ``chunk`` alone makes
-    one of these per rank for every parameter, so the fields go in with one dict update.
+    one of these per rank for every parameter, so the fields go straight into their slots.
     """
     out = _wrapper(StaticFloat8Tensor, qdata.shape, dtype=t.dtype if dtype is None else dtype, device=qdata.device)
-    fields = t.__dict__
-    out.__dict__.update(
-        qdata=qdata,
-        scale=fields["scale"] if scale is None else scale,
-        act_quant_scale=fields["act_quant_scale"] if act_quant_scale is None else act_quant_scale,
-        output_act_quant_scale=fields["output_act_quant_scale"],
-        block_size=list(qdata.shape),
-        mm_config=fields["mm_config"],
-        act_quant_kwargs=fields["act_quant_kwargs"],
-        kernel_preference=fields["kernel_preference"],
-        output_act_quant_kwargs=fields["output_act_quant_kwargs"],
-    )
+    out.qdata = qdata
+    out.scale = t.scale if scale is None else scale
+    out.act_quant_scale = t.act_quant_scale if act_quant_scale is None else act_quant_scale
+    out.output_act_quant_scale = t.output_act_quant_scale
+    out.block_size = list(qdata.shape)
+    out.mm_config = t.mm_config
+    out.act_quant_kwargs = t.act_quant_kwargs
+    out.kernel_preference = t.kernel_preference
+    out.output_act_quant_kwargs = t.output_act_quant_kwargs
     return out
 
 
