@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_fp8.format import read_schedule
+from fsdp_fp8.format import read_schedule, staging
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.sharding import STAGING_SLOTS
-from fsdp_fp8.load import loader, staging
+from fsdp_fp8.format.staging import STAGING_SLOTS
+from fsdp_fp8.load import loader
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fsdp_fp8.checkpoint.plan import SavePlan
 from fsdp_fp8.format import slice_reader
-from fsdp_fp8.format.sharding import staging_rows
+from fsdp_fp8.format.staging import staging_rows
 from fsdp_fp8.format.writer import ShardWriter
 
 

@@ -19,7 +19,7 @@ class ReadOptions:
     - ``request_bytes``: the largest single ``preadv`` into host storage.
     - ``in_flight``: requests submitted and not yet finished.
     - ``staging_bytes``: host memory reads into accelerator memory go through (one ring of
-      ``fsdp_fp8.format.sharding.STAGING_SLOTS`` slots, allocated once per load); CPU storage is
+      ``fsdp_fp8.format.staging.STAGING_SLOTS`` slots, allocated once per load); CPU storage is
       read into directly.
     - ``prefetch_bytes``: bytes of this rank's rows hinted to the page cache
       (``POSIX_FADV_WILLNEED``) while the model is set up; ``0`` turns it off, ``ALL_ROWS`` (the

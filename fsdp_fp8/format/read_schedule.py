@@ -82,7 +82,7 @@ class Request:
 
 
 class Stage(Protocol):
-    """Host buffers for staged requests (``fsdp_fp8.load.staging.StagingRing``)."""
+    """Host buffers for staged requests (``fsdp_fp8.format.staging.StagingRing``)."""
 
     def ready(self) -> bool: ...  # a slot is free for the next staged request
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fsdp_fp8.format.safetensors_header import TensorEntry
+from fsdp_fp8.format.staging import staging_ring
 
 
 def _check(world_size: int, rank: int) -> None:
@@ -71,28 +72,6 @@ def entry_rank_bytes(
         return padded_rows(entry.shape[0], world_size) * row
     start, stop = chunk_rows(entry.shape[0], world_size, rank)
     return (stop - start) * row
-
-
-def staging_rows(row_bytes: int, budget: int) -> int:
-    """Rows per staging read into accelerator memory: as many whole rows as fit in
-    ``budget``, and at least one, so a read is bounded by ``max(budget, one row)``."""
-    return max(1, budget // max(row_bytes, 1))
-
-
-STAGING_SLOTS = 4  # ring slots: one being copied to the device while the next ones are read
-
-
-def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> tuple[int, int]:
-    """(bytes per slot, slots) of the host staging ring for ``staged_bytes`` of reads into an
-    accelerator: ``slots`` slots of ``budget // slots`` bytes (at least one byte each), smaller
-    when less is staged, so the ring holds at most ``max(budget, slots)`` bytes and less than
-    ``staged_bytes + slots``. A piece larger than a slot is read in slot-sized parts: the copy
-    out is byte-exact, so no row needs to fit whole."""
-    if staged_bytes <= 0:
-        return 0, 0
-    slots = max(slots, 1)
-    slot = max(1, min(budget // slots, -(-staged_bytes // slots)))
-    return slot, min(slots, -(-staged_bytes // slot))
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     from safetensors.torch import load_file
 
     from fsdp_fp8 import load_model
+    from fsdp_fp8.format import staging
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.interop.architectures import resolve_architecture
-    from fsdp_fp8.load import loader, staging
+    from fsdp_fp8.load import loader
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     path = write_mot_checkpoint(tmp_path / "ckpt")

@@ -1,9 +1,11 @@
-"""The host staging ring for reads into accelerator memory.
+"""Staging: how reads into accelerator memory (and the save's writes out of it) pass through
+host memory. The sizes (``staging_rows``, ``staging_ring``, ``STAGING_SLOTS``: pure
+arithmetic, which the forecast uses too) and the ring itself (``StagingRing``).
 
     read (worker) ─▶ slot k (pinned) ─copy_(non_blocking) on a side stream─▶ device rows
                      event k recorded after the copy; slot k is reused only after event k
 
-Allocated once per load (``fsdp_fp8.format.sharding.staging_ring``: ``STAGING_BYTES`` in all,
+Allocated once per load (``staging_ring``: ``ReadOptions.staging_bytes`` in all,
 ``STAGING_SLOTS`` slots), so host memory for an accelerator load is the ring, never a buffer
 per tensor; while one slot is copied to the device the next ones are being read. Slots are
 pinned only where CUDA is available (pinned memory needs a CUDA context, and a pageable source
@@ -20,6 +22,28 @@ import torch
 
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.read_schedule import Request
+
+
+def staging_rows(row_bytes: int, budget: int) -> int:
+    """Rows per staging read into accelerator memory: as many whole rows as fit in
+    ``budget``, and at least one, so a read is bounded by ``max(budget, one row)``."""
+    return max(1, budget // max(row_bytes, 1))
+
+
+STAGING_SLOTS = 4  # ring slots: one being copied to the device while the next ones are read
+
+
+def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> tuple[int, int]:
+    """(bytes per slot, slots) of the host staging ring for ``staged_bytes`` of reads into an
+    accelerator: ``slots`` slots of ``budget // slots`` bytes (at least one byte each), smaller
+    when less is staged, so the ring holds at most ``max(budget, slots)`` bytes and less than
+    ``staged_bytes + slots``. A piece larger than a slot is read in slot-sized parts: the copy
+    out is byte-exact, so no row needs to fit whole."""
+    if staged_bytes <= 0:
+        return 0, 0
+    slots = max(slots, 1)
+    slot = max(1, min(budget // slots, -(-staged_bytes // slots)))
+    return slot, min(slots, -(-staged_bytes // slot))
 
 
 class StagingRing:
