@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, noise
 from fsdp_fp8.cli.arguments import RankZeroParser
-from fsdp_fp8.cli.reports import plural
+from fsdp_fp8.cli.reports import hsdp_words, plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint
 
 
-def _mib(n: int) -> str:
+def _bytes_and_mib(n: int) -> str:
     return f"{n:,} bytes ({n / 2**20:.2f} MiB)"
 
 
@@ -41,10 +41,10 @@ def _who(shard: int, ranks: list[int]) -> str:
     return f"rank {shard}" if len(ranks) == 1 else f"shard {shard} (ranks {', '.join(map(str, ranks))})"
 
 
-def _mesh_words(world_size: int, replicas: int) -> str:
+def _world_words(world_size: int, replicas: int) -> str:
     if replicas == 1:
         return f"world size {world_size}"
-    return f"world size {world_size}, HSDP {replicas} x {world_size // replicas} (replicate x shard)"
+    return f"world size {world_size}, {hsdp_words(replicas, world_size // replicas)}"
 
 
 def summary(
@@ -61,10 +61,10 @@ def summary(
         + (f" via {', '.join(q.spellings)}" if q.spellings else ""),
         f"producer:        {q.producer or 'unknown'}",
         f"files:           {len(ckpt.files)} ({ckpt.index_file or 'a single file'}), "
-        f"{_mib(sum(f.size for f in ckpt.files.values()))}",
+        f"{_bytes_and_mib(sum(f.size for f in ckpt.files.values()))}",
         f"FP8 linears:     {len(ckpt.fp8_modules)}"
-        + (f", weights {_mib(fp8_weights)}, scales {scales:,} bytes" if ckpt.fp8_modules else ""),
-        f"high precision:  {plural(len(ckpt.high_precision), 'tensor')}, {_mib(high)}",
+        + (f", weights {_bytes_and_mib(fp8_weights)}, scales {scales:,} bytes" if ckpt.fp8_modules else ""),
+        f"high precision:  {plural(len(ckpt.high_precision), 'tensor')}, {_bytes_and_mib(high)}",
         f"ignore list:     {', '.join(q.ignore) or '(none)'}",
         f"KV cache:        {q.kv_cache_quant_algo or 'not quantized'}"
         + (f" ({plural(len(ckpt.kv_scales), 'k/v scale')})" if ckpt.kv_scales else ""),
@@ -95,11 +95,11 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: R
     prefetch = prefetch_budget(options.prefetch_bytes)
     here = ""
     if prefetch != options.prefetch_bytes:
-        here = f", {_mib(prefetch)} here (a per-rank share of half the available memory)"
-    lines = [f"{_mesh_words(world_size, replicas)}:"]
+        here = f", {_bytes_and_mib(prefetch)} here (a per-rank share of half the available memory)"
+    lines = [f"{_world_words(world_size, replicas)}:"]
     for text in (
         "sharding: every tensor Shard(0) (rows split like torch.chunk), 0-d scales replicated",
-        f"staging ring: host buffers that reads into an accelerator go through, budget {_mib(options.staging_bytes)}",
+        f"staging ring: host buffers that reads into an accelerator go through, budget {_bytes_and_mib(options.staging_bytes)}",
         f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(options.prefetch_bytes)}{here}",
     ):
         lines += textwrap.wrap(
@@ -115,15 +115,15 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: R
         f = rank_forecast(fp8, other, len(groups), shard, options.staging_bytes, staged_entries=read)
         reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
         lines.append(
-            f"  {_who(shard, ranks)}: reads {_mib(f.read_bytes)} (FP8 {_mib(f.fp8_bytes)}, high precision "
-            f"{_mib(f.high_precision_bytes)}), holds {_mib(f.held_bytes)} (padded), "
-            f"staging ring {_mib(f.staging_peak_bytes)}, prefetch {_mib(min(prefetch, reads))}"
+            f"  {_who(shard, ranks)}: reads {_bytes_and_mib(f.read_bytes)} (FP8 {_bytes_and_mib(f.fp8_bytes)}, high precision "
+            f"{_bytes_and_mib(f.high_precision_bytes)}), holds {_bytes_and_mib(f.held_bytes)} (padded), "
+            f"staging ring {_bytes_and_mib(f.staging_peak_bytes)}, prefetch {_bytes_and_mib(min(prefetch, reads))}"
         )
     return lines
 
 
 def _prefetch_budget(budget: int) -> str:
-    return "every row a rank reads" if budget >= ALL_ROWS else _mib(budget)
+    return "every row a rank reads" if budget >= ALL_ROWS else _bytes_and_mib(budget)
 
 
 def _open(directory: str) -> Checkpoint | None:
@@ -207,10 +207,12 @@ def _verify(args: argparse.Namespace) -> int:
     if args.world_size:
         groups = shard_groups(args.world_size, args.replicas)
         if args.replicas > 1:
-            print(f"{_mesh_words(args.world_size, args.replicas)}: each shard's rows are read once per replica")
+            print(f"{_world_words(args.world_size, args.replicas)}: each shard's rows are read once per replica")
         for shard, ranks in groups:
             f = plan.forecast(len(groups), shard)
-            print(f"  {_who(shard, ranks)} of {len(groups)}: reads {_mib(f.read_bytes)}, holds {_mib(f.held_bytes)}")
+            print(
+                f"  {_who(shard, ranks)} of {len(groups)}: reads {_bytes_and_mib(f.read_bytes)}, holds {_bytes_and_mib(f.held_bytes)}"
+            )
     if args.sha256:
         for name, shard in ckpt.files.items():
             print(f"{file_sha256(shard.path)}  {name}")

@@ -33,7 +33,7 @@ def _line(label: str, text: str, width: int = 100) -> list[str]:
     )
 
 
-def _mib(n: int | None) -> str:
+def _mib_or_dash(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
@@ -66,8 +66,8 @@ class RankRow:
     def cells(self) -> str:
         rate = f"{self.read_gb_per_s:.2f}" if self.bytes_read >= MIN_RATE_BYTES else "-"
         return (
-            f"{self.rank:>4}  {_mib(self.bytes_held):>12}  {_mib(self.bytes_read):>12}  {self.load_seconds:>7.2f}  "
-            f"{self.read_seconds:>7.2f}  {rate:>6}  {_mib(self.peak_rss_bytes):>12}  {_mib(self.peak_device_bytes):>12}"
+            f"{self.rank:>4}  {_mib_or_dash(self.bytes_held):>12}  {_mib_or_dash(self.bytes_read):>12}  {self.load_seconds:>7.2f}  "
+            f"{self.read_seconds:>7.2f}  {rate:>6}  {_mib_or_dash(self.peak_rss_bytes):>12}  {_mib_or_dash(self.peak_device_bytes):>12}"
         )
 
 
@@ -77,7 +77,7 @@ RANK_HEADER = (
 )
 RANK_NOTE = (
     "load s: the rank's own load_model (plan, shard, read its rows), part of the job's load above; "
-    f"read s and GB/s: its file reads (GB/s shown from {_mib(MIN_RATE_BYTES)} read)"
+    f"read s and GB/s: its file reads (GB/s shown from {_mib_or_dash(MIN_RATE_BYTES)} read)"
 )
 
 
@@ -98,10 +98,16 @@ class Quantized:
         ]
 
 
-def _mesh_words(shape: list[int] | None) -> str:
+def hsdp_words(replicas: int, shard: int) -> str:
+    """How every report names an HSDP mesh."""
+    return f"HSDP {replicas} x {shard} (replicate x shard)"
+
+
+def _hsdp_suffix(shape: list[int] | None) -> str:
+    """The world-size line's suffix for a 2-D mesh ``shape``; nothing for a 1-D one."""
     if not shape or shape[0] == 1:
         return ""
-    return f", HSDP mesh {shape[0]} x {shape[1]} (replicate x shard)"
+    return f", {hsdp_words(shape[0], shape[1])}"
 
 
 def _precision(trace: str | None, step_policy: str | None = None) -> str:
@@ -147,7 +153,7 @@ class Report:
     def text(self) -> str:
         lines = [
             f"checkpoint      {self.checkpoint}",
-            f"world size      {self.world_size} ({self.device}){_mesh_words(self.mesh)}",
+            f"world size      {self.world_size} ({self.device}){_hsdp_suffix(self.mesh)}",
             f"FP8 linears     {self.fp8_linears}",
             *(self.quantize.lines() if self.quantize else []),
             *_line("load", f"{self.load_seconds:.2f} s for the job: open, build, shard, read, set up the model"),
