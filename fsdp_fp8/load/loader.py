@@ -169,16 +169,25 @@ def _targets(model: nn.Module, plan, stage_cpu: bool) -> _Targets:
         found.held += local.qdata.numel() + 8
         if any(p.staged for p in mine):  # checked on its device after the ring's copies
             found.staged_codes.append((target.entry.weight, local.qdata))
-        found.device = local.qdata.device
+            found.device = _ring_device(found.device, local.qdata.device)
     for target in plan.tensors:
         local, start, stop = local_rows(_named_tensor(model, target.name), target.name)
         if target.entry.key in scales:  # a KV-cache scale: its validated value
             local.fill_(scales[target.entry.key])
         else:
-            found.pieces += _pieces(target.entry, start, stop, local, stage_cpu)
+            mine = _pieces(target.entry, start, stop, local, stage_cpu)
+            found.pieces += mine
+            if any(p.staged for p in mine):
+                found.device = _ring_device(found.device, local.device)
         found.held += local.numel() * local.element_size()
-        found.device = local.device
     return found
+
+
+def _ring_device(so_far: torch.device, staged_to: torch.device) -> torch.device:
+    """The staging ring's device: the accelerator staged pieces go to (under CPU offload the
+    parameters are on the host and only the buffers are staged: the ring must be pinned for
+    their device, not follow whichever tensor came last)."""
+    return staged_to if so_far.type == "cpu" else so_far
 
 
 @dataclass(frozen=True)
