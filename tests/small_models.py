@@ -154,3 +154,18 @@ def fixture_llama_fn(config: dict) -> nn.Module:
 
 def fixture_config() -> dict:
     return json.loads((FIXTURE / "config.json").read_text())
+
+
+def random_fp8_linear(in_features: int, out_features: int, device, seed: int = 0):
+    """A ``Float8StaticLinear`` (BF16, with bias) holding random E4M3 codes, weight scale 0.01,
+    input scale 0.02 and a random bias; returned with its generator, to draw inputs from next."""
+    from fsdp_fp8.fp8.linear import Float8StaticLinear
+
+    g = torch.Generator().manual_seed(seed)
+    lin = Float8StaticLinear(in_features, out_features, True, torch.bfloat16, device=device)
+    with torch.no_grad():
+        lin.weight.qdata.copy_((torch.randn(out_features, in_features, generator=g) * 64).to(torch.float8_e4m3fn))
+        lin.weight.scale.fill_(0.01)
+        lin.weight.act_quant_scale.fill_(0.02)
+        lin.bias.copy_(torch.randn(out_features, generator=g))
+    return lin, g

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from small_models import random_fp8_linear
 from torch._inductor.utils import run_and_get_code
 
 from fsdp_fp8.fp8 import kernels
@@ -76,13 +77,7 @@ def test_fused_dequantization_is_the_eager_result_without_an_f32_buffer(dtype, s
 
 @pytest.mark.parametrize("mode", ["native", "a16"])
 def test_a_fused_linear_gives_the_default_bits(mode):
-    g = torch.Generator().manual_seed(0)
-    lin = Float8StaticLinear(16, 7, True, torch.bfloat16, device="cpu")
-    with torch.no_grad():
-        lin.weight.qdata.copy_((torch.randn(7, 16, generator=g) * 64).to(E4M3))
-        lin.weight.scale.fill_(0.01)
-        lin.weight.act_quant_scale.fill_(0.02)
-        lin.bias.copy_(torch.randn(7, generator=g))
+    lin, g = random_fp8_linear(16, 7, "cpu")
     lin.mode = mode
     x = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
     default = lin(x)

@@ -69,15 +69,9 @@ def test_compiled_and_chunked_dequantization_on_cuda_give_the_one_pass_bits(dtyp
 
 @pytest.mark.parametrize("mode", ["native", "a16"])
 def test_column_major_and_other_dtype_inputs_match_the_row_major_forward(mode):
-    from fsdp_fp8.fp8.linear import Float8StaticLinear
+    from small_models import random_fp8_linear
 
-    g = torch.Generator().manual_seed(0)
-    lin = Float8StaticLinear(64, 32, True, torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        lin.weight.qdata.copy_((torch.randn(32, 64, generator=g) * 64).to(E4M3))
-        lin.weight.scale.fill_(0.01)
-        lin.weight.act_quant_scale.fill_(0.02)
-        lin.bias.copy_(torch.randn(32, generator=g))
+    lin, g = random_fp8_linear(64, 32, "cuda")
     lin.mode = mode
     x = torch.randn(1, 64, 3, 4, generator=g).to("cuda", torch.bfloat16)
     channels_last = x.permute(0, 2, 3, 1).reshape(1, 12, 64)  # stride (768, 1, 12)
