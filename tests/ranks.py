@@ -1,4 +1,4 @@
-"""A small multi-rank test harness: run a function on N gloo ranks in spawned processes.
+"""A small multi-rank test harness: run a function on N gloo ranks in fresh processes.
 
 PyTorch's ``FSDPTest`` skips on CPU and ``torch.testing._internal`` is private, so the
 distributed tests use this instead::
@@ -19,6 +19,15 @@ tears down, and a rank that delivered its result and then died at interpreter ex
 counts as a success (its exit code is kept in ``results.exitcodes``). See docs/shutdown.md
 for why such late deaths happen with FSDP2 + gloo on CPU.
 
+Ranks start from a fork server (``multiprocessing``'s "forkserver", one per test process) that
+imported torch, torchao and fsdp_fp8 once (``PRELOAD``), not as a fresh interpreter each: every
+rank would otherwise spend ~4 CPU-s importing them, and the suite starts a few hundred ranks. A
+rank is still a new process, with the test's environment (``os.environ`` is sent along and set
+first: a fork server keeps the one it started with), the test module imported by name, its own
+process group, and its ``atexit`` handlers run when it ends (a forked process leaves through
+``os._exit``, past the interpreter's exit, so the rest of the interpreter's teardown does not run:
+the shutdown tests use real ``torchrun`` processes). ``FSDP_FP8_TEST_SPAWN=1`` starts every rank as a fresh interpreter instead.
+
 Nothing can hang: the whole run is bounded by ``timeout``; once one rank fails, or once
 every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
 ``LAG_GRACE_S``) and are then killed. ``pg_timeout`` (seconds) is passed to
@@ -35,11 +44,13 @@ out); the durations used are in ``results.seconds`` and in every timeout message
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import importlib
 import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import shutil
 import signal
 import sys
@@ -58,6 +69,24 @@ FAIL_GRACE_S = 3.0
 # Once a rank has finished, the stragglers get this long after the latest finish; a rank
 # that really hangs while the others are done is killed then, not at the overall timeout.
 LAG_GRACE_S = 10.0
+
+
+# What the fork server imports before it forks ranks: what nearly every rank function imports.
+# Not transformers or diffusers (tests check that fsdp_fp8 alone imports neither).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchao", "fsdp_fp8", "fsdp_fp8.load.api"]
+SPAWN_ENV = "FSDP_FP8_TEST_SPAWN"
+_context = None
+
+
+def _rank_context():
+    """The start method ranks use: the preloaded fork server (``spawn`` with SPAWN_ENV=1)."""
+    global _context
+    if os.environ.get(SPAWN_ENV) == "1" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
 
 
 class RanksFailed(AssertionError):
@@ -93,7 +122,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     fn_ref = (fn.__module__, fn.__qualname__, getattr(sys.modules.get(fn.__module__), "__file__", None))
     store_dir = tempfile.mkdtemp(prefix="fsdp_fp8-ranks-")
     init_method = Path(store_dir, "store").as_uri()
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     factor = slowdown()
     if pg_timeout is not None:
         pg_timeout = pg_timeout * factor
@@ -104,7 +133,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(rank, world_size, init_method, fn_ref, args, kwargs, writer, pg_timeout),
+                args=(rank, world_size, init_method, fn_ref, args, kwargs, writer, pg_timeout, _forked(ctx)),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -256,7 +285,15 @@ def _resolve(module: str, qualname: str, filename: str | None) -> Callable[..., 
     return obj
 
 
-def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None) -> None:
+def _forked(ctx) -> dict[str, str] | None:
+    """What a rank forked from the server needs from the test: its environment (None: spawned)."""
+    return dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+
+
+def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None, env=None) -> None:
+    if env is not None:  # forked: the test's environment, not the one the fork server started with
+        os.environ.clear()
+        os.environ.update(env)
     # A segfault or a hang dump then shows a Python stack in the test's captured stderr.
     faulthandler.enable()
     import torch.distributed as dist
@@ -278,6 +315,10 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
     except BaseException:  # noqa: BLE001
         _send_quietly(conn, ("teardown", traceback.format_exc()))
     conn.close()
+    if env is not None:
+        # A forked process ends in os._exit, past the interpreter's exit: run the exit handlers
+        # (what a spawned rank, or a torchrun rank, runs when it exits) here instead.
+        atexit._run_exitfuncs()
 
 
 def _to_bytes(obj) -> bytes:
