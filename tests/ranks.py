@@ -22,8 +22,8 @@ for why such late deaths happen with FSDP2 + gloo on CPU.
 Ranks start from a fork server (``multiprocessing``'s "forkserver", one per test process) that
 imported torch, torchao and fsdp_fp8 once (``PRELOAD``), not as a fresh interpreter each: every
 rank would otherwise spend ~4 CPU-s importing them, and the suite starts a few hundred ranks. A
-rank is still a new process, with the test's environment (``os.environ`` is sent along and set
-first: a fork server keeps the one it started with), the test module imported by name, its own
+rank is still a new process, with the test's environment and its stdout / stderr (sent along
+and set first: a fork server keeps the ones it started with), the test module imported by name, its own
 process group, and its ``atexit`` handlers run when it ends (a forked process leaves through
 ``os._exit``, past the interpreter's exit, so the rest of the interpreter's teardown does not run:
 the shutdown tests use real ``torchrun`` processes). ``FSDP_FP8_TEST_SPAWN=1`` starts every rank as a fresh interpreter instead.
@@ -285,15 +285,36 @@ def _resolve(module: str, qualname: str, filename: str | None) -> Callable[..., 
     return obj
 
 
-def _forked(ctx) -> dict[str, str] | None:
-    """What a rank forked from the server needs from the test: its environment (None: spawned)."""
-    return dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+class _Forked:
+    """What a rank forked from the server needs from the test process, as it is at the start:
+    its environment, and its stdout and stderr (pytest's capture; the server has the ones it
+    started with). The descriptors travel with the rank's arguments (``DupFd``)."""
+
+    def __init__(self):
+        self.env = dict(os.environ)
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return (_attach, (self.env, DupFd(1), DupFd(2)))
 
 
-def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None, env=None) -> None:
-    if env is not None:  # forked: the test's environment, not the one the fork server started with
+def _attach(env: dict[str, str], out, err) -> tuple[dict[str, str], int, int]:
+    return env, out.detach(), err.detach()
+
+
+def _forked(ctx) -> _Forked | None:
+    return _Forked() if ctx.get_start_method() == "forkserver" else None
+
+
+def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None, forked=None) -> None:
+    if forked is not None:  # the test's environment and streams, not the fork server's
+        env, out, err = forked
         os.environ.clear()
         os.environ.update(env)
+        for fd, std in ((out, 1), (err, 2)):
+            os.dup2(fd, std)
+            os.close(fd)
     # A segfault or a hang dump then shows a Python stack in the test's captured stderr.
     faulthandler.enable()
     import torch.distributed as dist
@@ -315,7 +336,7 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
     except BaseException:  # noqa: BLE001
         _send_quietly(conn, ("teardown", traceback.format_exc()))
     conn.close()
-    if env is not None:
+    if forked is not None:
         # A forked process ends in os._exit, past the interpreter's exit: run the exit handlers
         # (what a spawned rank, or a torchrun rank, runs when it exits) here instead.
         atexit._run_exitfuncs()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -131,6 +132,25 @@ def test_rank_that_segfaults_fails_fast():
     with pytest.raises(RanksFailed, match="rank 0 died of SIGSEGV before returning a result") as info:
         run_ranks(_segfault_on_rank_0, 2, timeout=600)
     assert "timed out" not in str(info.value)
+
+
+def _environment_and_stderr(rank: int, world_size: int, speak: bool = True):
+    if speak:
+        print(f"rank {rank} writes to the test's stderr", file=sys.stderr, flush=True)
+    return os.environ.get("FSDP_FP8_TEST_PROBE")
+
+
+def test_a_rank_has_the_environment_and_the_stderr_of_the_test(monkeypatch, capfd):
+    # A rank forked from the fork server would otherwise see the server's environment and
+    # write to the stderr the server started with, not this test's capture.
+    monkeypatch.delenv("FSDP_FP8_TEST_PROBE", raising=False)
+    with capfd.disabled():  # a fork server this run starts gets other streams than the capture below
+        assert run_ranks(_environment_and_stderr, 1, False) == [None]
+    for value in ("first", "second"):  # the server outlives a run: the second must not see the first
+        monkeypatch.setenv("FSDP_FP8_TEST_PROBE", value)
+        assert run_ranks(_environment_and_stderr, 2) == [value, value]
+        err = capfd.readouterr().err
+        assert "rank 0 writes to the test's stderr" in err and "rank 1 writes to the test's stderr" in err, err
 
 
 def _abort_after_returning(rank: int, world_size: int):
