@@ -20,13 +20,13 @@ counts as a success (its exit code is kept in ``results.exitcodes``). See docs/s
 for why such late deaths happen with FSDP2 + gloo on CPU.
 
 Ranks start from a fork server (``multiprocessing``'s "forkserver", one per test process) that
-imported torch, torchao and fsdp_fp8 once (``PRELOAD``), not as a fresh interpreter each: every
-rank would otherwise spend ~4 CPU-s importing them, and the suite starts a few hundred ranks. A
-rank is still a new process, with the test's environment and its stdout / stderr (sent along
-and set first: a fork server keeps the ones it started with), the test module imported by name, its own
-process group, and its ``atexit`` handlers run when it ends (a forked process leaves through
-``os._exit``, past the interpreter's exit, so the rest of the interpreter's teardown does not run:
-the shutdown tests use real ``torchrun`` processes). ``FSDP_FP8_TEST_SPAWN=1`` starts every rank as a fresh interpreter instead.
+imported torch, torchao and fsdp_fp8 once (``PRELOAD``), not each as a fresh interpreter that
+imports them again (4.1 CPU-s per rank, measured on a 2-core machine). A rank is still a new process:
+it gets the test's environment and its stdout / stderr (sent along and set first: a fork server
+keeps the ones it started with), imports the test module by name, makes its own process group,
+and runs its ``atexit`` handlers when it ends. A forked process leaves through ``os._exit``, so
+the rest of the interpreter's teardown does not run; the shutdown tests use real ``torchrun``
+processes for that. ``FSDP_FP8_TEST_SPAWN=1`` starts every rank as a fresh interpreter instead.
 
 Nothing can hang: the whole run is bounded by ``timeout``; once one rank fails, or once
 every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
