@@ -48,6 +48,7 @@ import atexit
 import faulthandler
 import importlib
 import importlib.util
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -154,6 +155,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
+def _tenths_down(seconds: float) -> str:
+    """``seconds`` to a tenth, rounded down: a message never states a longer wait than the one made
+    (9.56 s waited reads "9.5", not "9.6", which a test comparing it with the clock would refuse)."""
+    return f"{math.floor(seconds * 10) / 10:.1f}"
+
+
 def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
     world_size = len(procs)
     start = time.monotonic()
@@ -196,11 +203,12 @@ def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
         if now >= stop_at:
             scaled = f" ({{:g}} s on the reference machine x slowdown {factor:.2f}, tests/calibration.py)"
             stopped = (
-                f"the run timed out after {timeout * factor:.1f} s" + scaled.format(timeout)
+                f"the run timed out after {_tenths_down(timeout * factor)} s" + scaled.format(timeout)
                 if now >= deadline
-                else f"it was still running {fail_grace:.1f} s after another rank failed" + scaled.format(FAIL_GRACE_S)
+                else f"it was still running {_tenths_down(fail_grace)} s after another rank failed"
+                + scaled.format(FAIL_GRACE_S)
                 if first_failure is not None
-                else f"it was still running {lag_grace:.1f} s after the last other rank finished"
+                else f"it was still running {_tenths_down(lag_grace)} s after the last other rank finished"
                 + scaled.format(LAG_GRACE_S)
             )
             break
