@@ -76,18 +76,15 @@ LAG_GRACE_S = 10.0
 # Not transformers or diffusers (tests check that fsdp_fp8 alone imports neither).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchao", "fsdp_fp8", "fsdp_fp8.load.api"]
 SPAWN_ENV = "FSDP_FP8_TEST_SPAWN"
-_context = None
 
 
 def _rank_context():
     """The start method ranks use: the preloaded fork server (``spawn`` with SPAWN_ENV=1)."""
-    global _context
     if os.environ.get(SPAWN_ENV) == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    if _context is None:
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
+    ctx = mp.get_context("forkserver")  # one context per process; the preload takes effect at its first start
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 class RanksFailed(AssertionError):
@@ -124,6 +121,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     store_dir = tempfile.mkdtemp(prefix="fsdp_fp8-ranks-")
     init_method = Path(store_dir, "store").as_uri()
     ctx = _rank_context()
+    forked = _Forked() if ctx.get_start_method() == "forkserver" else None
     factor = slowdown()
     if pg_timeout is not None:
         pg_timeout = pg_timeout * factor
@@ -134,7 +132,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(rank, world_size, init_method, fn_ref, args, kwargs, writer, pg_timeout, _forked(ctx)),
+                args=(rank, world_size, init_method, fn_ref, args, kwargs, writer, pg_timeout, forked),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -309,10 +307,6 @@ class _Forked:
 
 def _attach(env: dict[str, str], out, err) -> tuple[dict[str, str], int, int]:
     return env, out.detach(), err.detach()
-
-
-def _forked(ctx) -> _Forked | None:
-    return _Forked() if ctx.get_start_method() == "forkserver" else None
 
 
 def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout=None, forked=None) -> None:
