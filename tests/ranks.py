@@ -26,7 +26,9 @@ it gets the test's environment and its stdout / stderr (sent along and set first
 keeps the ones it started with), imports the test module by name, makes its own process group,
 and runs its ``atexit`` handlers when it ends. A forked process leaves through ``os._exit``, so
 the rest of the interpreter's teardown does not run; the shutdown tests use real ``torchrun``
-processes for that. ``FSDP_FP8_TEST_SPAWN=1`` starts every rank as a fresh interpreter instead.
+processes for that. What the preloaded modules read from the environment at import time was read
+once, in the server: a test that sets such a variable (``TORCH_LOGS``, say) for its ranks needs
+``FSDP_FP8_TEST_SPAWN=1``, which starts every rank as a fresh interpreter instead.
 
 Nothing can hang: the whole run is bounded by ``timeout``; once one rank fails, or once
 every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
@@ -340,7 +342,8 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
     conn.close()
     if forked is not None:
         # A forked process ends in os._exit, past the interpreter's exit: run the exit handlers
-        # (what a spawned rank, or a torchrun rank, runs when it exits) here instead.
+        # (what a spawned rank, or a torchrun rank, runs when it exits) here instead. Unlike at a
+        # real exit, non-daemon threads have not been joined yet.
         atexit._run_exitfuncs()
 
 

@@ -1,4 +1,4 @@
-"""Host memory during a load, measured in spawned processes: RSS growth stays within the local
+"""Host memory during a load, measured in the ranks' own processes: RSS growth stays within the local
 shard + 64 MiB for a CPU destination (it is read in place), and within the staging budget +
 64 MiB for a destination elsewhere (everything goes through one ring of host buffers; the
 meta device stands in for accelerator memory, so nothing else lands in host memory)."""

@@ -274,18 +274,31 @@ def test_a_prompts_file_that_is_not_utf8_names_the_file_the_line_and_the_offset(
 def test_a_usage_error_is_printed_by_rank_0_only(monkeypatch, capsys):
     import os
 
-    from fsdp_fp8.cli import arguments
+    from fsdp_fp8.cli import interrupts
 
     # Another rank waits before it exits: torchrun ends every rank once one exits, and a rank 1
     # exiting first could have rank 0 killed before it printed the error (seen in CI).
     waits = []
-    monkeypatch.setattr(arguments, "wait_for_rank_0", lambda: waits.append(os.environ["RANK"]))
+    monkeypatch.setattr(interrupts, "wait_for_rank_0", lambda: waits.append(os.environ["RANK"]))
     monkeypatch.setenv("RANK", "1")
     assert _usage_error(["--steps", "0"], capsys) == ""  # exit 2, silently
     monkeypatch.setenv("RANK", "0")
     err = _usage_error(["--steps", "0"], capsys)
     assert err.count("usage:") == 1 and "--steps must be >= 1, got 0" in err
     assert waits == ["1"]  # rank 1 waited; rank 0 printed and did not
+
+
+def test_a_rank_waits_for_rank_0_under_torchrun_only(monkeypatch):
+    from fsdp_fp8.cli import interrupts
+
+    slept = []
+    monkeypatch.setattr(interrupts.time, "sleep", slept.append)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    interrupts.wait_for_rank_0()  # no torchrun: nobody would kill rank 0, nothing to wait for
+    assert slept == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    interrupts.wait_for_rank_0()
+    assert slept == [interrupts.ERROR_GRACE_S]
 
 
 def test_the_choices_parsed_without_torch_are_the_librarys():

@@ -1,9 +1,10 @@
 """The launcher's command line: every option in one table, parsed and checked before torch loads.
 
 Nothing here imports torch (or anything that does): ``--help``, a usage error or an output
-that cannot be written answers in a fraction of a second, before a single weight is read.
-Every problem found is reported together as one usage error (exit 2), printed once: by rank 0
-under torchrun; the other ranks exit 2 silently, after giving rank 0 the time to print it.
+that cannot be written answers in a fraction of a second on rank 0, before a single weight is
+read. Every problem found is reported together as one usage error (exit 2), printed once: by
+rank 0 under torchrun; the other ranks wait for rank 0 to print it, then exit 2 silently (or are
+ended by torchrun while they wait).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
+from fsdp_fp8.cli import interrupts
 from fsdp_fp8.cli.options import EVERY_KIND, USES, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -129,28 +130,17 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
 }  # fmt: skip
 
 
-# How long another rank waits before it exits on a usage error: torchrun ends every rank once one
-# exits, so a rank 1 that exits first could have rank 0 killed before it prints the error. Rank 0
-# prints at once and exits, and torchrun then ends the waiting ranks: they never wait this long.
-USAGE_WAIT_S = 5.0
-
-
 class RankZeroParser(argparse.ArgumentParser):
-    """A usage error is printed once, by rank 0; under torchrun the other ranks exit 2 silently,
-    after waiting for rank 0 to print it (``USAGE_WAIT_S``)."""
+    """A usage error is printed once, by rank 0; under torchrun the other ranks wait for rank 0 to
+    print it (``interrupts.wait_for_rank_0``), then exit 2 silently unless torchrun ended them first."""
 
     def error(self, message: str):  # noqa: D401 - argparse's signature
         if os.environ.get("RANK", "0") == "0":
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
         else:
-            wait_for_rank_0()
+            interrupts.wait_for_rank_0()
         raise SystemExit(2)
-
-
-def wait_for_rank_0() -> None:
-    """What a rank other than 0 does before it exits on a usage error (``USAGE_WAIT_S``)."""
-    time.sleep(USAGE_WAIT_S)
 
 
 def build_run_parser(prog: str = "launch/infer.py") -> argparse.ArgumentParser:

@@ -9,9 +9,13 @@ handler raises :class:`Interrupted` (a ``BaseException``, as ``KeyboardInterrupt
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long a rank other than 0 waits before it exits on an error rank 0 prints (``wait_for_rank_0``).
+ERROR_GRACE_S = 3.0
 
 
 class Interrupted(BaseException):
@@ -37,3 +41,18 @@ def install() -> None:
     """Turn SIGINT / SIGTERM into :class:`Interrupted` in the main thread (call once, at start)."""
     for s in SIGNALS:
         signal.signal(s, _raise)
+
+
+def wait_for_rank_0() -> None:
+    """What a rank other than 0 does before it exits on an error that rank 0 prints (a usage error,
+    an agreed load failure): torchrun stops every rank once one exits, so a rank that exits first
+    could have rank 0 killed before it printed. Under torchrun (``TORCHELASTIC_RUN_ID``; the
+    launcher's own ``--nproc-per-node`` goes through torchrun too) wait ``ERROR_GRACE_S``: rank 0
+    prints and exits at once, and torchrun then ends the waiting ranks. Outside torchrun nothing
+    waits. A signal meanwhile (torchrun's SIGTERM, once handlers are installed) ends it quietly."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        time.sleep(ERROR_GRACE_S)
+    except Interrupted:
+        pass

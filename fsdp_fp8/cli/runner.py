@@ -52,7 +52,6 @@ from fsdp_fp8.runtime.sampler import sample
 
 log = logging.getLogger("fsdp_fp8")
 
-ERROR_GRACE_S = 3.0
 parse_args = parse_run_args  # the launcher's parse step, under its historical name
 
 
@@ -294,8 +293,7 @@ def execute(args: argparse.Namespace) -> int:
         if rank == 0 or not agreed:
             print(f"error{'' if rank == 0 else f' (rank {rank})'}: {exc}", file=sys.stderr, flush=True)
         if rank != 0:
-            # torchrun stops every rank once one exits non-zero: give rank 0 time to print.
-            _grace_sleep()
+            interrupts.wait_for_rank_0()
         if os.environ.get("FSDP_FP8_TRACEBACK"):
             raise
         return 1
@@ -305,11 +303,3 @@ def execute(args: argparse.Namespace) -> int:
             with open(args.report, "w") as f:
                 json.dump(report.to_dict(), f, indent=2)
     return 0
-
-
-def _grace_sleep() -> None:
-    """Sleep ``ERROR_GRACE_S``; a signal meanwhile (torchrun's SIGTERM) ends it quietly."""
-    try:
-        time.sleep(ERROR_GRACE_S)
-    except interrupts.Interrupted:
-        pass
