@@ -72,6 +72,9 @@ def _shutdown_after_a_peer_failed(rank, world, failed):
     # A tripwire: on the failure path nothing may call destroy (on NCCL it would wait for the
     # queued all-reduce forever); elsewhere it must, and then really destroys.
     dist.destroy_process_group = lambda *a, **k: (destroyed.append(rank), real(*a, **k))[1]
+    # Both ranks connected first: gloo's init can return on rank 1 while rank 0 is still meshing,
+    # and rank 1 aborting then ends rank 0's init instead (seen on a loaded machine).
+    dist.barrier()
     try:
         work = dist.all_reduce(torch.ones(4), async_op=True) if rank == 0 else None
         t0 = time.monotonic()
