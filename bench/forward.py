@@ -30,8 +30,8 @@ from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.load.api import local_cuda_index  # noqa: E402
+from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
+from fsdp_fp8.load.options import local_cuda_index  # noqa: E402
 from fsdp_fp8.runtime.collectives import AllGatherMeter  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     box = [(fp8_dir, bf16_dir) if rank == 0 else None]
     dist.broadcast_object_list(box)
     fp8_dir, bf16_dir = box[0]
-    arch = resolve_architecture(open_checkpoint(fp8_dir).config)
+    arch = resolve_model_spec(open_checkpoint(fp8_dir).config)
     fp8 = load_model(arch.model_fn, fp8_dir, device=device).model
     share_quantized_inputs(fp8)
     bf16 = load_model(arch.model_fn, bf16_dir, device=device).model

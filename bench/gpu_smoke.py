@@ -433,11 +433,12 @@ def _fused_problems(ctx: Context) -> str | None:
 
 def _set_mode(module, spec) -> None:
     from fsdp_fp8 import Float8StaticLinear
+    from fsdp_fp8.fp8.kernels import KernelOptions
 
     mode, fused, fast_accum = spec
-    for m in module.modules():
+    for m in module.modules():  # a bench's switch between variants; a load fixes them (LoadOptions.kernels)
         if isinstance(m, Float8StaticLinear):
-            m.mode, m.fused, m.fast_accum = mode, fused, fast_accum
+            m.mode, m.kernels = mode, KernelOptions(fused=bool(fused), fast_accum=bool(fast_accum))
 
 
 def _timed(ctx: Context, fn, reps: int) -> list[float]:

@@ -106,13 +106,13 @@ def method_p(fp8_dir, bf16_dir, cfg) -> dict:
 
 
 def method_a(fp8_dir, bf16_dir, cfg, options=None) -> dict:
+    from fsdp_fp8.compose.model import load_model
     from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.read_options import ReadOptions
-    from fsdp_fp8.interop.architectures import resolve_architecture
-    from fsdp_fp8.interop.load import load_model
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     slice_reader.reset_bytes_read()
-    arch = resolve_architecture(cfg.to_config_dict())
+    arch = resolve_model_spec(cfg.to_config_dict())
     loaded = load_model(arch.model_fn, fp8_dir, device=_device(), read_options=options or ReadOptions())
     return {
         "bytes_read": slice_reader.bytes_read(),
@@ -157,14 +157,14 @@ def _open_and_shard(fp8_dir):
     import torch  # noqa: F401
 
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears
 
     checkpoint = open_checkpoint(fp8_dir)
     with meta_init():
-        model = resolve_architecture(checkpoint.config).model_fn(checkpoint.config)
+        model = resolve_model_spec(checkpoint.config).model_fn(checkpoint.config)
     plan = plan_load(checkpoint, model)
     swap_fp8_linears(model, plan)
     shard_model(model, default_mesh(_device().type))
@@ -178,7 +178,7 @@ def method_c(fp8_dir, bf16_dir, cfg) -> dict:
     from safetensors import safe_open
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp_fp8.load.loader import _named_tensor
+    from fsdp_fp8.load.reader import _named_tensor
 
     model, plan = _open_and_shard(fp8_dir)
     jobs = {}  # file -> [(key, dest param, what)]
@@ -220,7 +220,7 @@ def method_n(fp8_dir, bf16_dir, cfg) -> dict:
     import torch.distributed as dist
 
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.load.loader import _named_tensor, local_rows
+    from fsdp_fp8.load.reader import _named_tensor, local_rows
 
     model, plan = _open_and_shard(fp8_dir)
     device, rank, read = _device(), dist.get_rank(), 0
@@ -260,7 +260,7 @@ def method_h(fp8_dir, bf16_dir, cfg) -> dict:
     import torch.distributed as dist
 
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.format.sharding import entry_rank_bytes
+    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
 
     if DEVICE != "cuda":
         raise RuntimeError("method h measures pinned host-to-device copies: --device cuda only")
@@ -281,7 +281,7 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     import torch.distributed as dist
 
     from fsdp_fp8.format.safetensors_header import read_header
-    from fsdp_fp8.format.sharding import chunk_rows
+    from fsdp_fp8.shard_rows import chunk_rows
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ranges = []  # (path, offset, nbytes)
@@ -324,11 +324,12 @@ def _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict  # noqa: F401 - import cost outside the block
 
+    import fsdp_fp8.compose.model  # noqa: F401
+
     # fsdp_fp8's __init__ is lazy: import what the methods use (TorchAO with it), or the first
     # method's measured block would pay for the imports.
     import fsdp_fp8.format.checkpoint  # noqa: F401
     import fsdp_fp8.interop.architectures  # noqa: F401
-    import fsdp_fp8.interop.load  # noqa: F401
     import fsdp_fp8.models  # noqa: F401
 
     torch.set_num_threads(1)
@@ -381,7 +382,7 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
 def _forecast(fp8_dir, world) -> dict:
     """Per rank: the bytes it must hold (padded local shards) and read, from the plan."""
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.format.sharding import entry_rank_bytes
+    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
 
     ckpt = open_checkpoint(fp8_dir)
     entries = list(ckpt.tensors.values())
@@ -415,7 +416,7 @@ def summarize(trials: dict, args, world: int, forecast: dict) -> list[dict]:
         )
         if m in "ap":  # the rank-slice reads alone, without open/plan/fully_shard/to_empty
             rows[-1]["read_phase_s_median"] = statistics.median(max(x["read_phase_s"] for x in r) for r in ok)
-            # The FP8 NaN-code check (fsdp_fp8.load.loader.nan_code_flag), timed inside the load, as a
+            # The FP8 NaN-code check (fsdp_fp8.load.reader.nan_code_flag), timed inside the load, as a
             # share of the whole load_model on that rank: the reliability check's cost.
             rows[-1]["code_check_share_median"] = statistics.median(
                 max(x["code_check_s"] / x["seconds"] for x in r) for r in ok

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 bench/load_phases.py [--size default]
 
 Phases between barriers: open_checkpoint, meta build, plan, FP8 swap, fully_shard, to_empty
-(materialize), and the rank-slice reads (``loader.read_rows``: every pread of this rank,
+(materialize), and the rank-slice reads (``reader.read_rows``: every pread of this rank,
 without the final agreement; the preadv time is summed over the reader's threads). The checkpoint is evicted from the page cache before the reads.
 """
 
@@ -24,8 +24,8 @@ import common  # noqa: E402
 from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format import slice_reader  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_architecture  # noqa: E402
-from fsdp_fp8.load import loader  # noqa: E402
+from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
+from fsdp_fp8.load import reader  # noqa: E402
 from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
 from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> int:
         common.drop_page_cache([fp8_dir])
     ckpt = phase("open_checkpoint", lambda: open_checkpoint(fp8_dir))
     with meta_init():
-        model = phase("meta build", lambda: resolve_architecture(ckpt.config).model_fn(ckpt.config))
+        model = phase("meta build", lambda: resolve_model_spec(ckpt.config).model_fn(ckpt.config))
     plan = phase("plan", lambda: plan_load(ckpt, model))
     phase("swap", lambda: swap_fp8_linears(model, plan))
     phase("fully_shard", lambda: shard_model(model, default_mesh("cpu")))
@@ -76,7 +76,7 @@ def main() -> int:
 
     slice_reader.preadv_into = timed
     with torch.no_grad():
-        phase("reads", lambda: loader.read_rows(model, plan))
+        phase("reads", lambda: reader.read_rows(model, plan))
     slice_reader.preadv_into = real
     phases["  of which in preadv"] = pread[0]
     gathered: list = [None] * dist.get_world_size()

@@ -70,8 +70,8 @@ PRELOAD = [
     "transformers",
     "transformers.models.llama.modeling_llama",
     "fsdp_fp8.format.checkpoint",
-    "fsdp_fp8.load.api",
-    "fsdp_fp8.interop.load",
+    "fsdp_fp8.load.loaded",
+    "fsdp_fp8.compose.model",
     "fsdp_fp8.interop.architectures",
     "fsdp_fp8.interop.hf_build",
     "fsdp_fp8.models",
@@ -112,7 +112,7 @@ class Phases:
 FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is timed)
     ("side group", [("fsdp_fp8.collective.group", "side_group"), ("fsdp_fp8.load.agreement", "side_group")]),
     ("open", [("fsdp_fp8.format.checkpoint", "open_checkpoint")]),
-    ("resolve architecture", [("fsdp_fp8.interop.architectures", "resolve_architecture")]),
+    ("resolve architecture", [("fsdp_fp8.interop.architectures", "resolve_model_spec")]),
     ("plan", [("fsdp_fp8.load.plan", "plan_load")]),
     (
         "agreement (plan)",
@@ -122,10 +122,10 @@ FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is 
     ("swap", [("fsdp_fp8.load.swap", "swap_fp8_linears")]),
     ("fully_shard", [("fsdp_fp8.load.fsdp_wrap", "shard_model")]),
     ("to_empty", [("fsdp_fp8.load.meta_build", "materialize")]),
-    ("reads", [("fsdp_fp8.load.loader", "read_rows"), ("fsdp_fp8.load.loader", "_load_local")]),
+    ("reads", [("fsdp_fp8.load.reader", "read_rows"), ("fsdp_fp8.load.reader", "_load_local")]),
     (
         "agreement (outcome)",
-        [("fsdp_fp8.collective.phase", "agree_on_outcome"), ("fsdp_fp8.load.loader", "_agree")],
+        [("fsdp_fp8.collective.phase", "agree_on_outcome"), ("fsdp_fp8.load.reader", "_agree")],
     ),
 ]
 
@@ -150,7 +150,7 @@ def instrument_fsdp_fp8(phases: Phases) -> list[str]:
             missing.append(phase)
             continue
         wrapper = phases.wrap(phase, original)
-        if attr == "resolve_architecture":
+        if attr == "resolve_model_spec":
             wrapper = _timed_architecture(phases, original)
         for name, module in list(sys.modules.items()):
             if name.startswith("fsdp_fp8") and module is not None:
@@ -288,8 +288,8 @@ def _sharded_peer_model(directory: Path, phases: Phases, fp8_as_uint8: bool = Fa
 def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     import torch
 
+    from fsdp_fp8.compose.model import load_model
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.interop.load import load_model
 
     slice_reader.reset_bytes_read()
     from fsdp_fp8.format.read_options import ReadOptions
@@ -427,7 +427,7 @@ def _sub_span(pieces, start: int, nbytes: int) -> list[tuple[str, int, int]]:
 def rank_row_bytes(directory: Path, world: int) -> list[int]:
     """What each rank's rows of every tensor with a shape hold, in bytes (torch.chunk rows)."""
     from fsdp_fp8.format.safetensors_header import read_header
-    from fsdp_fp8.format.sharding import entry_rank_bytes
+    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
 
     entries = []
     for path in common.checkpoint_files(directory):

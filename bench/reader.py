@@ -32,7 +32,7 @@ import common  # noqa: E402
 
 from fsdp_fp8.format import read_schedule, slice_reader  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.format.sharding import chunk_rows  # noqa: E402
+from fsdp_fp8.shard_rows import chunk_rows  # noqa: E402
 
 
 def rank_ranges(ckpt, world: int, rank: int):

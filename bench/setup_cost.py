@@ -6,8 +6,8 @@
 Each repetition sets the same stack up twice, interleaved:
 
   fp8   what ``load_model`` does before its first read: ``open_checkpoint`` (index, headers,
-        every scale read and checked), the meta build (``resolve_architecture(config).model_fn``
-        under ``meta_init``, as ``plan_model_load`` builds it), ``plan_load``, the FP8 swap,
+        every scale read and checked), the meta build (``resolve_model_spec(config).model_fn``
+        under ``meta_init``, as ``plan_model`` builds it), ``plan_load``, the FP8 swap,
         ``shard_model`` (``fully_shard`` per block, then the root), ``to_empty``
   bf16  what a plain BF16 FSDP2 user does: the model built under ``torch.device("meta")``,
         ``shard_model``, ``to_empty``
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.interop.architectures import resolve_architecture
+from fsdp_fp8.interop.architectures import resolve_model_spec
 from fsdp_fp8.load.fsdp_wrap import shard_model
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
@@ -131,7 +131,7 @@ def _fp8(directory: Path, mesh, profile: bool = False) -> _Clock:
 
     def build():
         with meta_init():
-            return resolve_architecture(ckpt.config).model_fn(ckpt.config)
+            return resolve_model_spec(ckpt.config).model_fn(ckpt.config)
 
     model = clock.run("meta build", build)
     plan = clock.run("plan", lambda: plan_load(ckpt, model))

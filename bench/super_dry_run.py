@@ -11,7 +11,7 @@ before the first data read scales, and the per-rank forecast the loader will fol
 ``--load`` then runs one rank's load from open to ready as ``load_model`` runs it, in this one
 process, as rank ``--rank`` of ``--world-size`` on a ``fake`` process group, wall time per phase:
 open, meta build, plan, swap, ``shard_model``, ``to_empty`` onto the CPU (the rank's shard for
-real: 8.1 GB for rank 0 of 8 at Super scale) and the rank-slice reads (``loader.read_rows``:
+real: 8.1 GB for rank 0 of 8 at Super scale) and the rank-slice reads (``reader.read_rows``:
 every pread of its rows, the holes reading as zeros, and the FP8 NaN-code check). The two
 agreements need live peers and are not run; neither is the prefetch (the page cache holds no
 hole). Refused, with what it would need, when ``MemAvailable`` is below the shard + 1 GiB.
@@ -54,8 +54,8 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.interop.architectures import resolve_architecture
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.interop.architectures import resolve_model_spec
+    from fsdp_fp8.load import reader
     from fsdp_fp8.load.fsdp_wrap import shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears
@@ -78,7 +78,7 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
 
         def build():
             with meta_init():
-                return resolve_architecture(ckpt.config).model_fn(ckpt.config)
+                return resolve_model_spec(ckpt.config).model_fn(ckpt.config)
 
         model = phase("meta build", build)
         plan = phase("plan", lambda: plan_load(ckpt, model))
@@ -94,7 +94,7 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
         slice_reader.reset_bytes_read()
         try:
             with torch.no_grad():
-                rows = phase("reads", lambda: loader.read_rows(model, plan))
+                rows = phase("reads", lambda: reader.read_rows(model, plan))
             held, checked_s = rows.bytes_held, rows.code_check_seconds
         finally:  # reading a hole puts a zero page in the page cache: 8 GB of them at Super scale
             for path in directory.glob("*.safetensors"):
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         print(f"{'rank':>4} {'FP8 GB':>10} {'high prec. GB':>14} {'held GB':>10} {'staging peak MiB':>17}")
         for f in forecasts:
             print(
-                f"{f.rank:>4} {f.fp8_bytes / gb:>10.3f} {f.high_precision_bytes / gb:>14.3f} "
+                f"{f.shard:>4} {f.fp8_bytes / gb:>10.3f} {f.high_precision_bytes / gb:>14.3f} "
                 f"{f.held_bytes / gb:>10.3f} {f.staging_peak_bytes / 2**20:>17.2f}"
             )
         if args.load:

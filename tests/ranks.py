@@ -76,7 +76,7 @@ LAG_GRACE_S = 10.0
 
 # What the fork server imports before it forks ranks: what nearly every rank function imports.
 # Not transformers or diffusers (tests check that fsdp_fp8 alone imports neither).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchao", "fsdp_fp8", "fsdp_fp8.load.api"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchao", "fsdp_fp8", "fsdp_fp8.compose.model"]
 SPAWN_ENV = "FSDP_FP8_TEST_SPAWN"
 
 

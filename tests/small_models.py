@@ -156,13 +156,17 @@ def fixture_config() -> dict:
     return json.loads((FIXTURE / "config.json").read_text())
 
 
-def random_fp8_linear(in_features: int, out_features: int, device, seed: int = 0):
+def random_fp8_linear(in_features: int, out_features: int, device, seed: int = 0, kernels=None):
     """A ``Float8StaticLinear`` (BF16, with bias) holding random E4M3 codes, weight scale 0.01,
-    input scale 0.02 and a random bias; returned with its generator, to draw inputs from next."""
+    input scale 0.02 and a random bias; returned with its generator, to draw inputs from next.
+    ``kernels``: its ``KernelOptions`` (default: the default kernels)."""
+    from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS
     from fsdp_fp8.fp8.linear import Float8StaticLinear
 
     g = torch.Generator().manual_seed(seed)
-    lin = Float8StaticLinear(in_features, out_features, True, torch.bfloat16, device=device)
+    lin = Float8StaticLinear(
+        in_features, out_features, True, torch.bfloat16, device=device, kernels=kernels or DEFAULT_KERNELS
+    )
     with torch.no_grad():
         lin.weight.qdata.copy_((torch.randn(out_features, in_features, generator=g) * 64).to(torch.float8_e4m3fn))
         lin.weight.scale.fill_(0.01)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fsdp_fp8.collective import attached, mark_unusable, unusable_reason
+from fsdp_fp8.collective.unusable import UNUSABLE
 
 
 def ours(module: nn.Module) -> dict[str, list[str]]:
@@ -60,7 +61,7 @@ def test_an_unusable_model_is_marked_without_an_attribute_of_ours_and_freed_when
     assert unusable_reason(model) == "rank 1: disk gone"
     assert unusable_reason(model[1][0]) == "rank 1: disk gone"  # every module, not only the root
     assert ours(model) == {}
-    before = len(attached.UNUSABLE)
+    before = len(UNUSABLE)
 
     def marked():
         m = _model()
@@ -68,7 +69,7 @@ def test_an_unusable_model_is_marked_without_an_attribute_of_ours_and_freed_when
         return m
 
     assert freed(marked)
-    assert len(attached.UNUSABLE) == before
+    assert len(UNUSABLE) == before
 
 
 def test_a_step_policy_is_routed_without_an_attribute_of_ours_and_freed_when_dropped():

@@ -54,7 +54,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
     from fsdp_fp8 import load_pipeline, routing_of
-    from fsdp_fp8.interop.cfg_parallel import cfg_pair_of
+    from fsdp_fp8.interop.forward_state import cfg_pair_of
 
     pipe = load_pipeline(root, device=torch.device("cpu"), cfg_parallel=cfg_parallel)
     pipe.set_progress_bar_config(disable=True)
@@ -72,6 +72,7 @@ def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
     cfg = cfg_pair_of(pipe.transformer)
     return {
         "digest": _digest(out.video),
+        "ours": [c.__name__ for c in type(pipe.transformer).__mro__ if c.__module__.startswith("fsdp_fp8")],
         "forwards": len(forwards),
         "trace": routing.summary(),
         "exchanges": cfg.exchanges if cfg is not None else 0,
@@ -143,6 +144,8 @@ def test_cfg_parallel_latents_equal_the_sequential_run(observed, world, pipeline
         # step 0 runs both passes (it records the uncond inputs); every later step one per rank
         assert got["forwards"] == 2 + (STEPS - 1)
         assert got["exchanges"] == STEPS - 1
+        assert got["ours"] == ["PipelinedFSDPCosmos3OmniTransformer"]  # one class of ours, whatever runs
+    assert sequential[0]["ours"] == ["PipelinedCosmos3OmniTransformer"]  # one process: not sharded
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -15,8 +15,8 @@ from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.safetensors_header import read_header
-from fsdp_fp8.format.sharding import chunk_rows
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.shard_rows import chunk_rows
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def _step_by_step_snippets(rank: int, world: int, ckpt: str, out_dir: str):
 
     loaded = fsdp_fp8.load_model(None, ckpt, device=torch.device("cpu"))
     namespace.update(loaded=loaded, model=loaded.model, n=4)
-    exec(_usage_block("install_step_policy(model, policy, loaded.towers)"), namespace)
+    exec(_usage_block("fsdp_fp8.prepare_for_inference(loaded, "), namespace)
 
     save = _usage_block("fsdp_fp8.save_checkpoint(loaded, ")
     save = save.replace('"/path/to/checkpoint"', repr(ckpt)).replace('"/path/to/new"', repr(f"{out_dir}/saved"))
@@ -275,7 +275,7 @@ def _fill(block_id: str, code: str, ckpt: str, pipeline: str, out: str) -> dict:
             )
         )
         return {"prologue": prologue, "code": code, "shards": True}
-    if "install_step_policy(" in code:
+    if "prepare_for_inference(" in code:
         prologue = (
             _GROUP + f"import fsdp_fp8\nloaded = fsdp_fp8.load_model(None, {ckpt!r})\nmodel = loaded.model\nn = 2\n"
         )

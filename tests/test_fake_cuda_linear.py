@@ -23,6 +23,7 @@ from torch import nn
 
 from fsdp_fp8.export.modelopt import quantize_weight
 from fsdp_fp8.fp8 import kernels
+from fsdp_fp8.fp8.kernels import KernelOptions
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight
 
@@ -94,7 +95,7 @@ def _problems(build, kernel: str | None, rules: CudaRules, layouts=None, other_d
         for bias in (False, True):
             lin = build(bias, compute)
             if kernel:
-                lin.mode, lin.fused, lin.fast_accum = mode, fused, fast_accum
+                lin.mode, lin.kernels = mode, KernelOptions(fused=fused, fast_accum=fast_accum)
             for dtype in DTYPES if other_dtypes else (compute,):
                 for layout, x in (layouts or _layouts)(dtype).items():
                     case = f"{layout} {tuple(x.shape)} stride {x.stride()}, {dtype} into {compute}, bias={bias}"
@@ -188,7 +189,7 @@ def test_fused_kernels_are_refused_on_cuda_without_the_ieee_division_switch(monk
         with pytest.raises(RuntimeError, match="IEEE-division switch"):
             kernels.quantize_activation(x, torch.empty(1, 1, device="cuda"), fused=True)
         lin = _loader(False, torch.bfloat16)
-        lin.mode, lin.fused = "a16", True
+        lin.mode, lin.kernels = "a16", KernelOptions(fused=True)
         with pytest.raises(RuntimeError, match="IEEE-division switch"):
             lin(x)
 

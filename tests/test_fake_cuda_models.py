@@ -96,10 +96,10 @@ def recorded(tmp_path_factory):
 
     out = {name: _loaded(FIXTURES / name, lambda _l: _causal) for name in CAUSAL}
     for name in DIFFUSERS:
-        out[name] = _loaded(FIXTURES / name, lambda l: _diffusers(l.architecture.dtype))
+        out[name] = _loaded(FIXTURES / name, lambda l: _diffusers(l.spec.dtype))
     demo = demo_components()["transformer"]  # the demo pipeline's transformer, as it exports it
     path = _exported(demo, json.loads(demo.to_json_string()), tmp_path_factory.mktemp("demo") / "transformer")
-    out["cosmos3-demo"] = _loaded(path, lambda l: _diffusers(l.architecture.dtype))
+    out["cosmos3-demo"] = _loaded(path, lambda l: _diffusers(l.spec.dtype))
     mot = mot_model()
     path = _exported(mot, mot.config.to_config_dict(), tmp_path_factory.mktemp("mot") / "ckpt")
     out["reference-mot"] = _loaded(path, lambda _l: _mot)

@@ -44,8 +44,8 @@ class _Injected(OSError):
 
 def _inject(rank: int, case: dict, stack) -> None:
     """Arrange this rank's fault for ``case`` (undone by ``stack`` when the case ends)."""
-    import fsdp_fp8.interop.load as composed
-    import fsdp_fp8.load.api as api
+    import fsdp_fp8.collective.agreement as api
+    import fsdp_fp8.compose.model as composed
     from fsdp_fp8.format import read_schedule
 
     if rank != case.get("fault_rank", 1):

@@ -242,13 +242,6 @@ def test_importing_any_module_of_the_layer_registers_the_ops():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_install_fsdp_support_is_a_no_op_kept_for_compatibility():
-    table = dict(StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor])
-    ops.install_fsdp_support()
-    ops.install_fsdp_support()
-    assert StaticFloat8Tensor._ATEN_OP_TABLE[StaticFloat8Tensor] == table
-
-
 def test_torchaos_own_class_is_untouched():
     """Our entries sit in the subclass's table: a per-row tensor keeps TorchAO's behaviour."""
     torchao = ops.torchao_table()

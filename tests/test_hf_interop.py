@@ -90,7 +90,7 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
         model = loaded.model
         o = {
             "kv_warnings": sum("present but unused" in m for m in warned),
-            "kind": loaded.architecture.kind,
+            "kind": loaded.spec.kind,
             "fp8": len(loaded.fp8_linears),
             "kv_unused": loaded.plan.kv_scales,
             "sharded": all(isinstance(p, DTensor) for p in model.parameters()) if world > 1 else None,
@@ -104,8 +104,8 @@ def _observe(rank: int, world: int, report_dir: str) -> dict:
                 o["logits"] = model(input_ids=torch.tensor(PROMPT), use_cache=False).logits.float()
                 o["generated"], o["digest"] = greedy_generate(model, torch.tensor(PROMPT), NEW_TOKENS)
             else:
-                o["output"] = model(**diffusers_inputs(model, 0, loaded.architecture.dtype))[0].float()
-                o["shape"], o["digest"] = diffusers_forward(model, 0, loaded.architecture.dtype)
+                o["output"] = model(**diffusers_inputs(model, 0, loaded.spec.dtype))[0].float()
+                o["shape"], o["digest"] = diffusers_forward(model, 0, loaded.spec.dtype)
         obs[name] = o
     from fsdp_fp8.cli.runner import main
 
@@ -266,10 +266,10 @@ def test_kv_scales_load_into_a_model_that_has_a_place_for_them():
     """An attention that quantizes its KV cache (vLLM keeps the scales on the attention):
     key_map renames ModelOpt's `k_proj.k_scale` and the scales load like any tensor."""
     from fsdp_fp8 import load_model
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     def with_kv_buffers(config):
-        model = resolve_architecture(config).model_fn(config)
+        model = resolve_model_spec(config).model_fn(config)
         for layer in model.model.layers:
             layer.self_attn.register_buffer("k_scale", torch.zeros(()))
             layer.self_attn.register_buffer("v_scale", torch.zeros(()))
@@ -304,12 +304,12 @@ def test_moe_with_fused_experts_is_refused_whole(strict):
 
 def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypatch):
     from fsdp_fp8.interop import hf_build as hf
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     with pytest.raises(ValueError, match=r"has no model class 'NoSuchForCausalLM'"):
-        resolve_architecture({"architectures": ["NoSuchForCausalLM"], "model_type": "llama"})
+        resolve_model_spec({"architectures": ["NoSuchForCausalLM"], "model_type": "llama"})
     with pytest.raises(ValueError, match=r"names no model class"):
-        resolve_architecture({"hidden_size": 4})
+        resolve_model_spec({"hidden_size": 4})
 
     def no_library(name):
         raise ImportError(f"No module named {name!r}")
@@ -320,12 +320,12 @@ def test_unknown_class_and_missing_library_name_the_class_and_the_extra(monkeypa
         match=r"'FluxTransformer2DModel' comes from diffusers, which is not "
         r"installed .*pip install 'fsdp_fp8\[hf\]'",
     ):
-        resolve_architecture({"_class_name": "FluxTransformer2DModel"})
+        resolve_model_spec({"_class_name": "FluxTransformer2DModel"})
 
 
 def test_importing_fsdp_fp8_imports_neither_transformers_nor_diffusers():
     code = (
-        "import sys, fsdp_fp8, fsdp_fp8.load.api, fsdp_fp8.interop.load, fsdp_fp8.cli.runner, fsdp_fp8.interop.architectures, fsdp_fp8.interop.hf_build, "
+        "import sys, fsdp_fp8, fsdp_fp8.load.loaded, fsdp_fp8.compose.model, fsdp_fp8.cli.runner, fsdp_fp8.interop.architectures, fsdp_fp8.interop.hf_build, "
         "fsdp_fp8.interop.hf_run; print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('transformers', 'diffusers')))"
     )

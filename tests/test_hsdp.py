@@ -52,7 +52,7 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from fsdp_fp8 import device_mesh, gather_state_dict, load_model, save_checkpoint
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.load import reader
     from fsdp_fp8.runtime.collectives import AllGatherMeter
     from fsdp_fp8.runtime.residency import apply_residency
 
@@ -85,7 +85,7 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
     obs["coordinate"] = mesh.get_coordinate()
     totals: list[int] = []
 
-    class Recorded(loader.LoadProgress):
+    class Recorded(reader.LoadProgress):
         def __init__(self, total_bytes, **kwargs):
             totals.append(total_bytes)
             super().__init__(total_bytes, **kwargs)
@@ -111,7 +111,7 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
     with torch.no_grad():
         obs["y_flat"] = flat.model(x)
 
-    with mock.patch.object(loader, "LoadProgress", Recorded):
+    with mock.patch.object(reader, "LoadProgress", Recorded):
         hsdp = load_model(None, mot, mesh, device=cpu)
     obs["mot_progress_total"], obs["mot_bytes_read"] = totals[-1], hsdp.report.bytes_read
     with torch.no_grad():

@@ -14,7 +14,8 @@ from small_models import random_fp8_linear
 from torch._inductor.utils import run_and_get_code
 
 from fsdp_fp8.fp8 import kernels
-from fsdp_fp8.fp8.linear import Float8StaticLinear, set_kernels
+from fsdp_fp8.fp8.kernels import KernelOptions
+from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(E4M3).reshape(16, 16)  # NaN codes included
@@ -78,11 +79,11 @@ def test_fused_dequantization_is_the_eager_result_without_an_f32_buffer(dtype, s
 @pytest.mark.parametrize("mode", ["native", "a16"])
 def test_a_fused_linear_gives_the_default_bits(mode):
     lin, g = random_fp8_linear(16, 7, "cpu")
-    lin.mode = mode
+    fused, _ = random_fp8_linear(16, 7, "cpu", kernels=KernelOptions(fused=True))  # the same codes (same seed)
+    lin.mode = fused.mode = mode
     x = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
-    default = lin(x)
-    assert set_kernels(lin, fused=True) == 1 and lin.fused
-    assert torch.equal(lin(x), default)
+    assert "fused" in repr(fused)
+    assert torch.equal(fused(x), lin(x))
 
 
 def test_fast_accumulation_reaches_scaled_mm(monkeypatch):
@@ -94,18 +95,22 @@ def test_fast_accumulation_reaches_scaled_mm(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
-    lin = Float8StaticLinear(16, 7, False, torch.bfloat16, device="cpu")
-    with torch.no_grad():
-        lin.weight.qdata.zero_()
-        lin.weight.scale.fill_(1.0)
-        lin.weight.act_quant_scale.fill_(1.0)
     x = torch.ones(3, 16, dtype=torch.bfloat16)
-    lin(x)
-    set_kernels(lin, fast_accum=True)
-    lin(x)
-    set_kernels(lin, fast_accum=False)
-    lin(x)
+    for fast_accum in (False, True, False):
+        lin = Float8StaticLinear(
+            16, 7, False, torch.bfloat16, device="cpu", kernels=KernelOptions(fast_accum=fast_accum)
+        )
+        with torch.no_grad():
+            lin.weight.qdata.zero_()
+            lin.weight.scale.fill_(1.0)
+            lin.weight.act_quant_scale.fill_(1.0)
+        lin(x)
     assert seen == [False, True, False]
+
+
+def test_kernel_options_refuse_what_is_not_a_bool():
+    with pytest.raises(ValueError, match="`fused` is 1.*`fast_accum` is 'yes'"):
+        KernelOptions(fused=1, fast_accum="yes")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,5 +1,6 @@
 """The package's layers and their direction, held by parsing every module's imports (nothing
-is run). docs/design.md draws the same picture; change both together."""
+is run), those under ``if TYPE_CHECKING:`` included: a type a lower layer names from a higher one
+is a back edge too. docs/design.md draws the same picture; change both together."""
 
 from __future__ import annotations
 
@@ -20,9 +21,22 @@ ALLOWED = {
     "load": {"errors", "format", "collective", "fp8", "models"},
     "export": {"errors", "format", "collective", "fp8"},
     "runtime": {"errors", "format", "collective", "fp8", "load", "models"},
-    "checkpoint": {"errors", "format", "collective", "fp8", "load", "models", "export"},
+    "save": {"errors", "format", "collective", "fp8", "load", "models", "export"},
     "interop": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export"},
-    "cli": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop", "checkpoint"},
+    "compose": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"},
+    "cli": {
+        "errors",
+        "format",
+        "collective",
+        "fp8",
+        "load",
+        "models",
+        "runtime",
+        "export",
+        "interop",
+        "save",
+        "compose",
+    },
     "testing": {
         "errors",
         "format",
@@ -33,14 +47,26 @@ ALLOWED = {
         "runtime",
         "export",
         "interop",
-        "checkpoint",
+        "save",
+        "compose",
     },
+}
+# The bottom: plain values every layer may use (error types; FSDP2's row arithmetic)
+BOTTOM = {"errors", "shard_rows"}
+ALLOWED = {"errors": set(), "shard_rows": set()} | {
+    layer: allowed | BOTTOM for layer, allowed in ALLOWED.items() if layer != "errors"
 }
 # third-party modules a layer must never import (prefix match)
 FORBIDDEN_EXTERNAL = {
     "format": ("torch.nn", "torch.distributed", "torchao"),
+    "shard_rows": ("torch",),
 }
-TOP_LEVEL = {"errors.py": "errors", "__main__.py": "cli", "__init__.py": None}  # __init__ imports lazily
+TOP_LEVEL = {
+    "errors.py": "errors",
+    "shard_rows.py": "shard_rows",
+    "__main__.py": "cli",
+    "__init__.py": None,  # imports lazily
+}
 
 
 def layer_of(relative: Path) -> str | None:
@@ -51,21 +77,13 @@ def layer_of(relative: Path) -> str | None:
 
 
 def _imports(tree: ast.AST):
-    """(module imported, names, line) for every import outside ``if TYPE_CHECKING:``."""
-
-    def visit(node, guarded):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                yield from visit(ast.Module(body=child.orelse, type_ignores=[]), guarded)
-                continue
-            if isinstance(child, ast.Import):
-                for alias in child.names:
-                    yield alias.name, [], child.lineno
-            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                yield child.module, [a.name for a in child.names], child.lineno
-            yield from visit(child, guarded)
-
-    yield from visit(tree, False)
+    """(module imported, names, line) for every import, under ``if TYPE_CHECKING:`` too."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, [a.name for a in node.names], node.lineno
 
 
 def violations(relative: Path, source: str) -> list[str]:
@@ -85,7 +103,7 @@ def violations(relative: Path, source: str) -> list[str]:
         parts = module.split(".")
         targets = [parts[1]] if len(parts) > 1 else names  # `from fsdp_fp8 import x` names layers
         for target in targets:
-            target_layer = "errors" if target == "errors" else target
+            target_layer = target
             if target_layer != layer and target_layer not in ALLOWED[layer]:
                 found.append(f"{where}: layer `{layer}` imports `{module}` (layer `{target_layer}`)")
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
@@ -119,10 +137,10 @@ def test_layers_import_only_downwards():
         ("format/checkpoint.py", "from torchao.quantization import x"),
         ("format/files.py", "def f():\n    from fsdp_fp8.load.plan import plan_load\n"),
         ("fp8/linear.py", "from fsdp_fp8 import load"),
-        ("load/api.py", "from fsdp_fp8.cli.runner import main"),
-        ("load/api.py", "from fsdp_fp8.load.loader import _load_local"),
+        ("load/options.py", "from fsdp_fp8.cli.runner import main"),
+        ("load/options.py", "from fsdp_fp8.load.reader import _load_local"),
         ("errors.py", "from fsdp_fp8.format import checkpoint"),
-        ("collective/phase.py", "from fsdp_fp8.load.loader import load_checkpoint"),
+        ("collective/phase.py", "from fsdp_fp8.load.reader import load_checkpoint"),
         ("format/files.py", "from fsdp_fp8.collective import exchange"),
     ],
 )
@@ -130,7 +148,31 @@ def test_a_forbidden_import_is_reported(module, source):
     assert len(violations(Path(module), source)) == 1
 
 
-def test_type_checking_back_edges_and_own_privates_are_allowed():
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdp_fp8.load.plan import LoadPlan\n"
-    assert violations(Path("format/checkpoint.py"), source) == []
-    assert violations(Path("load/loader.py"), "from fsdp_fp8.load.loader import _x") == []
+def test_a_back_edge_under_type_checking_is_reported_and_own_privates_are_allowed():
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdp_fp8.{} import {}\n"
+    assert len(violations(Path("format/checkpoint.py"), guarded.format("load.plan", "LoadPlan"))) == 1
+    assert violations(Path("cli/commands.py"), guarded.format("format.checkpoint", "Checkpoint")) == []
+    assert violations(Path("load/reader.py"), "from fsdp_fp8.load.reader import _x") == []
+
+
+MAX_FUNCTION_LINES = 70
+
+
+def long_functions(source: str, where: str) -> list[str]:
+    """Every function of ``source`` longer than ``MAX_FUNCTION_LINES`` (its docstring included)."""
+    return [
+        f"{where}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_in_the_package_is_longer_than_70_lines():
+    found = [f for p in package_modules() for f in long_functions((PACKAGE / p).read_text(), str(p))]
+    assert found == [], "\n".join(found)
+
+
+def test_a_long_function_is_reported():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}\n", "m.py") == [f"m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]

@@ -13,7 +13,8 @@ from small_models import uneven_model_fn, write_uneven_checkpoint
 
 
 def _one_rank_fails(rank, world, path):
-    import fsdp_fp8.load.api as api
+    import fsdp_fp8.compose.model as composed
+    import fsdp_fp8.load.fsdp_wrap as fsdp_wrap
     from fsdp_fp8 import CheckpointError, load_model
     from fsdp_fp8.errors import LoadFailedError, ModelUnusableError
 
@@ -30,29 +31,29 @@ def _one_rank_fails(rank, world, path):
     except CheckpointError as exc:
         out["model_fn"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
 
-    real = api.shard_model
+    real = fsdp_wrap.shard_model
 
     def shard_model(model, mesh):
         if rank == 1:
             raise RuntimeError("fully_shard broke on rank 1")
         return real(model, mesh)
 
-    api.shard_model = shard_model
+    fsdp_wrap.shard_model = shard_model
     captured = {}
-    real_materialize = api.materialize
+    real_materialize = composed.materialize
 
     def materialize(model, device):
         captured["model"] = model
         return real_materialize(model, device)
 
-    api.materialize = materialize
+    composed.materialize = materialize
     t0 = time.perf_counter()
     try:
         load_model(uneven_model_fn, path)
     except LoadFailedError as exc:
         out["prepare"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
     finally:
-        api.shard_model, api.materialize = real, real_materialize
+        fsdp_wrap.shard_model, composed.materialize = real, real_materialize
     if rank == 0:  # rank 0's model was sharded and materialized but must refuse to run
         try:
             captured["model"](torch.zeros(1, 16, dtype=torch.bfloat16))

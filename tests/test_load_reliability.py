@@ -56,8 +56,8 @@ def _nan_codes_in_last_row(directory: Path, key: str) -> None:
 
 
 def _fault(rank: int, case: dict, stack) -> None:
-    import fsdp_fp8.interop.load as composed
-    import fsdp_fp8.load.api as api
+    import fsdp_fp8.collective.agreement as api
+    import fsdp_fp8.compose.model as composed
     from fsdp_fp8.collective import agreement
     from fsdp_fp8.format import read_schedule
 
@@ -231,7 +231,7 @@ def observed(tmp_path_factory):
 
     k = slowdown()
     timeout_s, slow_s = TIMEOUT_S * k, SLOW_S * k
-    fast = {"agreement_timeout_s": timeout_s}
+    fast = {"timeout_s": timeout_s}
     cases = [
         {"name": "good", "path": str(good)},
         {"name": "shard replaced on rank 1", "paths": copies("replace1"), "fault": "replace", "other": str(other)},

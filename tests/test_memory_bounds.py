@@ -72,10 +72,10 @@ def _load_cpu(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8 import load_model
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.models import build_model  # noqa: F401 - imported before the measured block
 
-    arch = resolve_architecture(CONFIG.to_config_dict())
+    arch = resolve_model_spec(CONFIG.to_config_dict())
     with _PeakRSS() as mem:
         loaded = load_model(arch.model_fn, path, device=torch.device("cpu"))
     return {"growth": mem.growth, "held": loaded.report.bytes_held, "read": slice_reader.bytes_read()}
@@ -87,7 +87,7 @@ def _load_staged(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.read_options import ReadOptions
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.load import reader
     from fsdp_fp8.load.meta_build import meta_init
     from fsdp_fp8.load.plan import plan_load
     from fsdp_fp8.load.swap import swap_fp8_linears
@@ -100,7 +100,7 @@ def _load_staged(rank: int, world: int, path: str) -> dict:
     swap_fp8_linears(model, plan)  # still on meta: the stand-in for accelerator memory
     slice_reader.reset_bytes_read()
     with _PeakRSS() as mem, torch.no_grad():
-        loader._load_local(model, plan, options=ReadOptions(staging_bytes=STAGING))
+        reader._load_local(model, plan, options=ReadOptions(staging_bytes=STAGING))
     return {"growth": mem.growth, "read": slice_reader.bytes_read(), "load_bytes": plan.load_bytes(1, 0)}
 
 

@@ -64,11 +64,11 @@ def _load_and_sample(rank, world, path):
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.step_policy import parse_step_policy
     from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.models import linear_towers
     from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
 
-    arch = resolve_architecture(open_checkpoint(path).config)
+    arch = resolve_model_spec(open_checkpoint(path).config)
     loaded = load_model(arch.model_fn, path)
     model = loaded.model
     gathered = gather_state_dict(model)

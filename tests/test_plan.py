@@ -9,8 +9,8 @@ from ckpt_writer import fp8_linear, small_tensors, write_checkpoint
 
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.format.sharding import chunk_rows
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.shard_rows import chunk_rows
 
 
 class Block(nn.Module):

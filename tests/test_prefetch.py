@@ -43,7 +43,7 @@ def _load(rank: int, world: int, path: str) -> dict:
 
     from fsdp_fp8 import load_model
     from fsdp_fp8.format import read_schedule
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.load import prefetch
 
     events: list[tuple[str, float, tuple]] = []
@@ -72,7 +72,7 @@ def _load(rank: int, world: int, path: str) -> dict:
                 slow[0], prefetch.PREFETCH_CALL_BYTES = bound(0.05), 1000
             options = ReadOptions(prefetch_bytes={"slow": 1 << 40, "default": default}.get(budget, budget))
             events.clear()
-            loaded = load_model(resolve_architecture(CONFIG.to_config_dict()).model_fn, path, read_options=options)
+            loaded = load_model(resolve_model_spec(CONFIG.to_config_dict()).model_fn, path, read_options=options)
             hints = [e for e in events if e[0] == "hint"]
             reads = [e for e in events if e[0] == "read"]
             out[budget] = {

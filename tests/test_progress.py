@@ -133,7 +133,7 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
     from fsdp_fp8.format import read_schedule, slice_reader
     from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.format.safetensors_header import read_header
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.load import reader
 
     entries = {}
     for i, rows in enumerate((3, 5)):
@@ -143,7 +143,7 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
     pieces = []
     for key in ("t0", "t1"):
         offset, n = slice_reader.row_range(entries[key], 0, entries[key].shape[0])
-        pieces.append(loader.Piece(entries[key], offset, n, memoryview(bytearray(n))))
+        pieces.append(reader.Piece(entries[key], offset, n, memoryview(bytearray(n))))
     second_counted = threading.Event()
     real = read_schedule.read_request
 
@@ -164,6 +164,6 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
             self.updates.append(done)
 
     progress = Recorded()
-    assert loader._read_pieces(pieces, torch.device("cpu"), progress, options=ReadOptions(threads=2)) == []
+    assert reader._read_pieces(pieces, torch.device("cpu"), progress, options=ReadOptions(threads=2)) == []
     first, second = (p.nbytes for p in pieces)
     assert progress.updates in ([first, first + second], [second, first + second])  # once per finished read

@@ -180,7 +180,7 @@ def _save_failing(rank, world, source: str, out: str, case: str) -> tuple[str, s
     "case, needle",
     [
         ("write fails on rank 1", "rank 1: OSError: injected write failure for `"),
-        ("ranks disagree", "ranks planned different files"),
+        ("ranks disagree", "ranks disagree on the planned files: `layout digest` differs"),
     ],
 )
 def test_a_failure_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, world, case, needle):
@@ -207,7 +207,7 @@ def test_refuses_a_non_empty_target_before_writing(tmp_path):
 
 def test_a_model_whose_load_failed_is_refused(tmp_path):
     from fsdp_fp8 import ExportError, save_checkpoint
-    from fsdp_fp8.collective.attached import UNUSABLE
+    from fsdp_fp8.collective.unusable import UNUSABLE
 
     model = uneven_model_fn({})
     UNUSABLE.set(model, "rank 1: injected")

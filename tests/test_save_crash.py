@@ -4,7 +4,7 @@ Each rank in turn (2 gloo ranks) is killed with SIGKILL in the middle of its wri
 once more just before the rename into place. The target must never appear (it holds a whole
 checkpoint or nothing), and the next save into the same parent must remove what the dead save
 left (rank 0's temporary directory) and write a checkpoint equal to a clean save's. Then the
-rule that decides which leftovers are dead (``fsdp_fp8.checkpoint.temp_dir``), the permissions
+rule that decides which leftovers are dead (``fsdp_fp8.save.temp_dir``), the permissions
 of a finished save, the destination check before the CLI loads anything, and the source's
 non-weight files carried over.
 """
@@ -42,8 +42,8 @@ def _save_and_die(rank, world, source: str, target: str, dying: int, when: str, 
     from unittest import mock
 
     from fsdp_fp8 import load_model, save_checkpoint
-    from fsdp_fp8.checkpoint import save as save_module
     from fsdp_fp8.format.writer import ShardWriter
+    from fsdp_fp8.save import save_checkpoint as save_module
 
     loaded = load_model(uneven_model_fn, source, device=torch.device("cpu"))
     real_write, writes = ShardWriter.write, []
@@ -66,7 +66,7 @@ def _save_and_die(rank, world, source: str, target: str, dying: int, when: str, 
     for p in patches:
         p.start()
     try:
-        save_checkpoint(loaded, target, agreement_timeout_s=30)
+        save_checkpoint(loaded, target, timeout_s=30)
         record = ("ok", "")
     except Exception as exc:  # noqa: BLE001 - judged by the test
         record = (type(exc).__name__, str(exc))
@@ -126,7 +126,7 @@ def test_a_rank_killed_mid_save_leaves_no_mix_and_nothing_survives_the_next_save
 
 def _dead_pid() -> tuple[int, int]:
     """(pid, start time) of a process that has exited."""
-    from fsdp_fp8.checkpoint.temp_dir import process_start
+    from fsdp_fp8.save.temp_dir import process_start
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     start = process_start(child.pid)
@@ -145,7 +145,7 @@ def _leftover(parent: Path, target: str, owner) -> Path:
 def test_only_leftovers_of_dead_saves_are_removed(tmp_path):
     import dataclasses
 
-    from fsdp_fp8.checkpoint.temp_dir import Owner, clean_leftovers, process_start
+    from fsdp_fp8.save.temp_dir import Owner, clean_leftovers, process_start
 
     me = Owner.this_process()
     pid, start = _dead_pid()
@@ -194,8 +194,8 @@ def test_only_leftovers_of_dead_saves_are_removed(tmp_path):
 def test_the_cli_clean_removes_dead_leftovers_and_says_so(tmp_path, capsys):
     import dataclasses
 
-    from fsdp_fp8.checkpoint.temp_dir import Owner
     from fsdp_fp8.cli.commands import main
+    from fsdp_fp8.save.temp_dir import Owner
 
     me = Owner.this_process()
     pid, start = _dead_pid()
@@ -231,7 +231,7 @@ def test_a_saved_checkpoint_gets_the_users_umask(tmp_path, mask):
 
 
 def test_cli_save_refuses_a_bad_destination_before_loading(tmp_path, capsys, monkeypatch):
-    import fsdp_fp8.interop.load as api
+    import fsdp_fp8.compose.model as api
     from fsdp_fp8.cli.commands import main
 
     loads = []
@@ -359,7 +359,7 @@ def test_plan_save_decides_everything_without_writing(tmp_path):
 def test_a_symlink_destination_is_refused_before_anything_is_written(tmp_path):
     # The rename into place replaces a link, it does not fill its target: refused up front,
     # not after every byte was written.
-    from fsdp_fp8.checkpoint.destination import destination_problems
+    from fsdp_fp8.save.destination import destination_problems
 
     target = tmp_path / "empty"
     target.mkdir()
@@ -373,7 +373,7 @@ def test_a_symlink_destination_is_refused_before_anything_is_written(tmp_path):
 def test_a_directory_sync_error_is_raised_unless_the_filesystem_cannot_sync_directories(tmp_path, monkeypatch):
     import errno
 
-    from fsdp_fp8.checkpoint import temp_dir
+    from fsdp_fp8.save import temp_dir
 
     def fsync_failing(code):
         def fsync(fd):

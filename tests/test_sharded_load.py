@@ -70,7 +70,7 @@ def _count_our_ops() -> dict[str, int]:
 
 def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_checkpoint, open_checkpoint, swap_fp8_linears
-    from fsdp_fp8.interop.load import load_model
+    from fsdp_fp8.compose.model import load_model
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
     from fsdp_fp8.runtime.collectives import AllGatherMeter
@@ -143,7 +143,7 @@ def single_process_y(uneven_dir):
     (a plain module, no FSDP, no DTensor)."""
     import torch.distributed as dist
 
-    from fsdp_fp8.interop.load import load_model
+    from fsdp_fp8.compose.model import load_model
 
     assert not dist.is_initialized()
     model = load_model(uneven_model_fn, uneven_dir, device=torch.device("cpu")).model

@@ -17,7 +17,7 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.safetensors_header import TensorEntry
 from fsdp_fp8.format.staging import STAGING_SLOTS
-from fsdp_fp8.load import loader
+from fsdp_fp8.load import reader
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears
@@ -72,7 +72,7 @@ def _spy_rings(monkeypatch) -> list[staging.StagingRing]:
             self.most_bound = max(self.most_bound, len(self.bound))
             return views
 
-    monkeypatch.setattr(loader, "StagingRing", Recorded)
+    monkeypatch.setattr(reader, "StagingRing", Recorded)
     return rings
 
 
@@ -83,7 +83,7 @@ def _entries(plan):
 def test_accelerator_destination_is_staged_through_one_ring_within_the_budget(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "meta")
     calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
-    loader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))
+    reader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))
     assert len(rings) == 1  # allocated once for the whole load
     ring = rings[0]
     assert ring.nbytes <= BUDGET and len(ring.buffers) == STAGING_SLOTS
@@ -106,7 +106,7 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
     # not dividing them, so a slot also holds the end of one tensor and the start of the next.
     rings, calls = _spy_rings(monkeypatch), _spy_requests(monkeypatch)
     model, plan = _swapped_model(checkpoint_dir, "cpu")
-    loader._load_local(model, plan, options=ReadOptions(staging_bytes=150), stage_cpu=True)
+    reader._load_local(model, plan, options=ReadOptions(staging_bytes=150), stage_cpu=True)
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
     files = {}
@@ -123,7 +123,7 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
 def test_cpu_destination_is_read_in_place_with_no_ring(checkpoint_dir, monkeypatch):
     model, plan = _swapped_model(checkpoint_dir, "cpu")
     calls, rings = _spy_requests(monkeypatch), _spy_rings(monkeypatch)
-    loader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))  # irrelevant on CPU: no staging
+    reader._load_local(model, plan, options=ReadOptions(staging_bytes=BUDGET))  # irrelevant on CPU: no staging
     assert calls and not rings and not any(r.staged for r in calls)
     keys = [p.entry.key for r in calls for p in r.pieces]
     assert len(keys) == len(set(keys)) == len([e for e in _entries(plan).values() if e.nbytes])

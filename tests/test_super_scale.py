@@ -110,7 +110,7 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 def _load_small(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_model
     from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     reads = []
     real = slice_reader.preadv_into
@@ -121,7 +121,7 @@ def _load_small(rank: int, world: int, path: str) -> dict:
 
     slice_reader.preadv_into = spy
     try:
-        loaded = load_model(resolve_architecture(open_checkpoint(path).config).model_fn, path)
+        loaded = load_model(resolve_model_spec(open_checkpoint(path).config).model_fn, path)
     finally:
         slice_reader.preadv_into = real
     forecast = loaded.plan.forecast(world, rank, staging_bytes=1 << 40)  # CPU: whole slices, in place

@@ -120,7 +120,7 @@ def test_the_meter_replaces_no_function_of_torch_distributed():
 
 @pytest.mark.parametrize(("local_rank", "count", "index"), [("0", 1, 0), ("3", 1, 0), ("9", 8, 1), ("7", 8, 7)])
 def test_local_rank_maps_onto_the_visible_gpus(monkeypatch, local_rank, count, index):
-    from fsdp_fp8.load.api import local_cuda_index
+    from fsdp_fp8.load.options import local_cuda_index
 
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)

@@ -147,11 +147,11 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, mon
 
     from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
     from fsdp_fp8.format.read_options import ReadOptions
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.load import reader
 
     options = ReadOptions()
     if path == "staged":
-        monkeypatch.setattr(loader, "_load_local", functools.partial(loader._load_local, stage_cpu=True))
+        monkeypatch.setattr(reader, "_load_local", functools.partial(reader._load_local, stage_cpu=True))
     if "2-byte" in path:
         options = ReadOptions(request_bytes=2)
 

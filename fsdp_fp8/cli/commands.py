@@ -21,6 +21,7 @@ from fsdp_fp8.cli.arguments import RankZeroParser
 from fsdp_fp8.cli.reports import hsdp_words, plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
+from fsdp_fp8.shard_rows import shard_groups
 
 if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
 
 def _bytes_and_mib(n: int) -> str:
     return f"{n:,} bytes ({n / 2**20:.2f} MiB)"
-
-
-def shard_groups(world_size: int, replicas: int = 1) -> list[tuple[int, list[int]]]:
-    """``fsdp_fp8.format.sharding.shard_groups`` (the rank-row arithmetic lives there)."""
-    from fsdp_fp8.format import sharding  # imports torch: not before the options are checked
-
-    return sharding.shard_groups(world_size, replicas)
 
 
 def _who(shard: int, ranks: list[int]) -> str:
@@ -86,8 +80,8 @@ def summary(
 
 def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: ReadOptions) -> list[str]:
     """``inspect --world-size``: how the ranks share the tensors, then each rank's (or shard's) bytes."""
-    from fsdp_fp8.format.sharding import entry_rank_bytes, rank_forecast
     from fsdp_fp8.load.prefetch import prefetch_budget
+    from fsdp_fp8.load.rank_bytes import entry_rank_bytes, rank_forecast
 
     fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
     other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
@@ -180,15 +174,20 @@ def _verify(args: argparse.Namespace) -> int:
     tensor data: open, resolve the class ``config.json`` names, build it on meta, plan."""
     import torch
 
+    from fsdp_fp8.collective import agreement_before_changes
+    from fsdp_fp8.compose.model import plan_model
     from fsdp_fp8.format.files import file_sha256
-    from fsdp_fp8.interop.load import plan_model_load
+    from fsdp_fp8.load.options import LoadOptions
 
     device = torch.device(args.device)
-    planned = plan_model_load(None, args.directory, device=device)
-    if planned.problems:
-        print(CheckpointError(planned.problems, f"cannot load {args.directory} onto {device.type}"), file=sys.stderr)
+    try:  # no process group: the agreement is this process's own verdict, every problem at once
+        with agreement_before_changes(f"cannot load {args.directory} onto {device.type}") as pending:
+            planned = plan_model(None, args.directory, options=LoadOptions(device=device))
+            pending.on_refusal(planned.release)
+    except CheckpointError as exc:
+        print(exc, file=sys.stderr)
         return 1
-    ckpt, plan, arch = planned.checkpoint, planned.plan, planned.architecture
+    ckpt, plan, arch = planned.checkpoint, planned.plan, planned.spec
     print(
         f"OK: {ckpt.directory} loads onto {device.type} as {arch.name} ({arch.kind}): "
         f"{plural(len(plan.fp8), 'FP8 linear')}\n    and {plural(len(plan.tensors), 'other tensor')} to load; "
@@ -263,7 +262,7 @@ def _clean(args) -> int:
     """Remove the leftovers of dead saves next to DESTINATION; say what was removed and kept."""
     import os
 
-    from fsdp_fp8.checkpoint.temp_dir import clean_leftovers
+    from fsdp_fp8.save.temp_dir import clean_leftovers
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 cleans, once
         return 0
@@ -282,22 +281,20 @@ def _save(args) -> int:
         return _clean(args)
     import torch.distributed as dist
 
-    from fsdp_fp8.checkpoint.destination import check_destination
-    from fsdp_fp8.checkpoint.save import save_checkpoint
     from fsdp_fp8.cli.runner import init_distributed
     from fsdp_fp8.cli.shutdown import shutdown_distributed
-    from fsdp_fp8.interop.load import load_model
-    from fsdp_fp8.load.api import default_device
+    from fsdp_fp8.collective import rank_and_world
+    from fsdp_fp8.compose.model import load_model
+    from fsdp_fp8.save.destination import check_destination
+    from fsdp_fp8.save.save_checkpoint import save_checkpoint
 
     init_distributed(args.timeout)  # a process group only under torchrun
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     code = 0
     try:
         check_destination(args.destination, args.timeout)  # before anything is loaded
-        loaded = load_model(None, args.source, device=default_device(), agreement_timeout_s=args.timeout)
-        report = save_checkpoint(
-            loaded, args.destination, max_shard_size=args.max_shard_size, agreement_timeout_s=args.timeout
-        )
+        loaded = load_model(None, args.source, timeout_s=args.timeout)
+        report = save_checkpoint(loaded, args.destination, max_shard_size=args.max_shard_size, timeout_s=args.timeout)
         if rank == 0:
             print(f"saved {report.directory}: {report.tensors} tensors in {report.files} files")
     except (ProblemsError, PeerLostError, OSError) as exc:

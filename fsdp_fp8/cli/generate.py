@@ -22,10 +22,12 @@ import torch.distributed as dist
 
 from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
 from fsdp_fp8.cli.reports import PromptOutput, plural
+from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.cfg_parallel import request_slots
-from fsdp_fp8.interop.pipeline import MODEL_INDEX, load_pipeline, loaded_of
+from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
 
@@ -64,21 +66,24 @@ def _size_kwargs(args) -> dict:
     }
 
 
-def run_pipeline(args, path, device: torch.device, mesh=None) -> tuple[dict, object]:
-    """Load the pipeline at ``path`` and generate every prompt; returns (the ``PipelineReport``
-    fields of this run, the ``LoadedModel``). The same fields on every rank."""
+def run_pipeline(args, path, options) -> tuple[dict, object]:
+    """Load the pipeline at ``path`` with ``options`` (a ``LoadOptions``) and generate every
+    prompt; returns (the ``PipelineReport`` fields of this run, the ``LoadedModel``). The same
+    fields on every rank."""
     prompts = read_prompts(args)
     check_output(args.output)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
     cfg_parallel = getattr(args, "cfg_parallel", False)
     slot, slots, writes = request_slots(rank, world, cfg_parallel)  # --cfg-parallel: a pair per request
-    pipe = load_pipeline(path, mesh, device=device, step_policy=args.step_policy, cfg_parallel=cfg_parallel)
+    pipe = load_pipeline(path, step_policy=args.step_policy, cfg_parallel=cfg_parallel, options=options)
     load_s = time.perf_counter() - t0
-    residency = apply_residency(pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=device)
+    residency = apply_residency(
+        pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
+    )
     pipe.set_progress_bar_config(disable=True)
     routing = routing_of(pipe.transformer)
     loaded = loaded_of(pipe)

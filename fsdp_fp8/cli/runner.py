@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,17 +34,19 @@ from fsdp_fp8.cli.reports import (
     RankRow,
     Report,
 )
+from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.errors import ProblemsError
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.format.step_policy import describe_trace, resolve_step_policy
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
-from fsdp_fp8.interop.load import load_model
-from fsdp_fp8.load.api import default_device, local_cuda_index
 from fsdp_fp8.load.fsdp_wrap import device_mesh
+from fsdp_fp8.load.options import LoadOptions
+from fsdp_fp8.load.preflight import start_process_group
 from fsdp_fp8.runtime.collectives import AllGatherMeter
 from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
-from fsdp_fp8.runtime.precision import denoising_step, install_step_policy
+from fsdp_fp8.runtime.inference import prepare_for_inference
+from fsdp_fp8.runtime.precision import denoising_step
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.runtime.residency import apply_residency
 from fsdp_fp8.runtime.sampler import sample
@@ -56,44 +57,37 @@ parse_args = parse_run_args  # the launcher's parse step, under its historical n
 
 
 def init_distributed(timeout_s: float) -> None:
-    """gloo on CPU, NCCL on CUDA; a single process (no torchrun) runs without a group."""
-    if "RANK" not in os.environ or dist.is_initialized():
-        return
-    timeout = timedelta(seconds=timeout_s)
-    if not torch.cuda.is_available():
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    device = torch.device("cuda", local_cuda_index())
-    torch.cuda.set_device(device)
-    # device_id (torch >= 2.3) binds the group to this GPU: NCCL builds its communicator here,
-    # so a missing peer or a bad device fails now rather than in the first all-gather, and no
-    # collective has to guess the device from the current one.
-    dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    """Under torchrun (``RANK`` set) this rank's process group (``preflight.start_process_group``:
+    gloo on CPU, NCCL on CUDA); a single process (no torchrun) runs without a group."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        start_process_group(timeout_s)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def load_options_of(args: argparse.Namespace) -> LoadOptions:
+    """The launcher's one ``LoadOptions``, from its arguments: the HSDP mesh (``--replicas``) and
+    ``--timeout`` for every agreement."""
+    mesh = None
+    if args.replicas > 1 and dist.is_initialized():
+        mesh = device_mesh(LoadOptions().device.type, args.replicas)
+    return LoadOptions(mesh=mesh, timeout_s=args.timeout)
 
 
 def _all_rank_rows(load_report) -> list[RankRow]:
     """Every rank's load figures, on every rank (one all-gather of small objects)."""
     reports = [load_report]
     if dist.is_initialized():
-        reports = [None] * dist.get_world_size()
+        reports = [None] * rank_and_world()[1]
         dist.all_gather_object(reports, load_report)
     return [RankRow.from_load(r) for r in reports]
 
 
 def _job(args: argparse.Namespace, path, device: torch.device, loaded, load_s: float) -> dict:
     """The fields every report has (``reports.Report``); the caller adds its kind's."""
+    world = rank_and_world()[1]
     return dict(
         checkpoint=str(path),
-        world_size=_world(),
-        mesh=[args.replicas, _world() // args.replicas],
+        world_size=world,
+        mesh=[args.replicas, world // args.replicas],
         device=str(device),
         fp8_linears=len(loaded.fp8_linears),
         load_seconds=round(load_s, 3),
@@ -107,7 +101,7 @@ def checkpoint_path(args: argparse.Namespace):
         return args.checkpoint
     from fsdp_fp8.cli.demo import DEMO_SIZE, demo_checkpoint
 
-    if _rank() == 0:
+    if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
     path = demo_checkpoint()
     for key, value in DEMO_SIZE.items():
@@ -123,37 +117,34 @@ def run(args: argparse.Namespace) -> Report:
     path = checkpoint_path(args)
     if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
-    device = default_device()
-    mesh = device_mesh(device.type, args.replicas) if args.replicas > 1 and dist.is_initialized() else None
+    options = load_options_of(args)
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(args, "pipeline", "a diffusers pipeline")
         with watch_peers(stall_s=stall_s_for(args.timeout), what="during the pipeline's load or generation"):
-            fields, loaded = run_pipeline(args, path, device, mesh)
-        job = _job(args, path, device, loaded, fields.pop("load_seconds"))
+            fields, loaded = run_pipeline(args, path, options)
+        job = _job(args, path, options.device, loaded, fields.pop("load_seconds"))
         return _warn_no_fp8(PipelineReport(**job, **fields), path)
     if args.prompts or args.output:
         raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     with watch_peers(stall_s=stall_s_for(args.timeout), what="during the model's load or run"):
-        return _run_model(args, path, device, mesh, t0)
+        return _run_model(args, path, options, t0)
 
 
-def _run_model(args: argparse.Namespace, path, device, mesh, t0: float) -> Report:
+def _run_model(args: argparse.Namespace, path, options: LoadOptions, t0: float) -> Report:
     """A transformers / diffusers model or the reference MoT, from its config.json."""
     # The model class comes from config.json; every rank opens and plans inside load_model,
     # where the ranks agree before anything is built, sharded or read.
-    loaded = load_model(None, path, mesh, device=device)
-    arch = loaded.architecture
-    _warn_unused(args, "cosmos3" if arch.name in DENOISERS else arch.kind, arch.name)
+    loaded = load_model(None, path, options=options)
+    spec = loaded.spec
+    _warn_unused(args, "cosmos3" if spec.name in DENOISERS else spec.kind, spec.name)
     quantized = _quantize(args, loaded.model)
-    policy = resolve_step_policy(loaded.checkpoint.quant.step_policy, args.step_policy)
-    routing = install_step_policy(loaded.model, policy, loaded.towers)
-    share_quantized_inputs(loaded.model)
-    job = _job(args, loaded.checkpoint.directory, device, loaded, time.perf_counter() - t0)
-    if arch.kind != "mot":
+    routing = prepare_for_inference(loaded, args.step_policy)
+    job = _job(args, loaded.checkpoint.directory, options.device, loaded, time.perf_counter() - t0)
+    if spec.kind != "mot":
         report = _run_transformers(args, loaded, job)
     else:
-        report = _run_mot(args, loaded, routing, policy, device, job)
+        report = _run_mot(args, loaded, routing, options.device, job)
     report.quantize = quantized
     return report if quantized else _warn_no_fp8(report, path)
 
@@ -168,12 +159,12 @@ def _quantize(args: argparse.Namespace, model) -> Quantized | None:
 
 def _run_transformers(args: argparse.Namespace, loaded, job: dict) -> Report:
     """transformers / diffusers: one deterministic run (``fsdp_fp8.interop.hf_run``), digested."""
-    arch = loaded.architecture
+    spec = loaded.spec
     t1 = time.perf_counter()
-    output = run_hf(loaded.model, arch, loaded.checkpoint.directory, args)
+    output = run_hf(loaded.model, spec, loaded.checkpoint.directory, args)
     common = dict(
         job,
-        architecture=arch.name,
+        architecture=spec.name,
         kv_scales_unused=len(loaded.plan.kv_scales),
         run_seconds=round(time.perf_counter() - t1, 3),
     )
@@ -184,11 +175,12 @@ def _run_transformers(args: argparse.Namespace, loaded, job: dict) -> Report:
     return ForwardReport(**common, **output)
 
 
-def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dict) -> MoTReport:
+def _run_mot(args: argparse.Namespace, loaded, routing, device, job: dict) -> MoTReport:
     """The reference MoT: our own sampler, the all-gather bytes of each step counted."""
     model = loaded.model
     residency = apply_residency(model, args.resident, budget_bytes=args.resident_budget, device=device)
-    if _rank() == 0:
+    rank = rank_and_world()[0]
+    if rank == 0:
         log.info(
             "loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
             len(loaded.fp8_linears),
@@ -202,7 +194,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
 
     def progress(i: int, n: int) -> None:
         step_bytes.append(meter.bytes - sum(step_bytes))
-        if _rank() == 0:
+        if rank == 0:
             log.info("step %d/%d  %s", i + 1, n, routing.trace[-1])
 
     t1 = time.perf_counter()
@@ -224,7 +216,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
         sample_seconds=round(sample_s, 3),
         steps=args.steps,
         precision_trace=describe_trace(routing.trace),
-        step_policy="checkpoint" if policy is not None else "none",
+        step_policy="checkpoint" if routing.policy is not None else "none",
         latent_shape=list(latent.shape),
         latent_sha256=hashlib.sha256(latent_bytes).hexdigest(),
         residency=residency.as_dict(),
@@ -235,7 +227,7 @@ def _run_mot(args: argparse.Namespace, loaded, routing, policy, device, job: dic
 def _warn_unused(args: argparse.Namespace, kind: str, what: str) -> None:
     """Options this kind of run ignores are named, not dropped silently."""
     unused = unused_options(getattr(args, "given", set()), kind)
-    if unused and _rank() == 0:
+    if unused and rank_and_world()[0] == 0:
         log.warning(
             "%s do%s not apply to %s and %s ignored",
             ", ".join(unused),
@@ -250,7 +242,7 @@ def _warn_no_fp8(report: Report, path) -> Report:
     no precision trace (W8A8 / W8A16 would describe linears that do not exist)."""
     if report.fp8_linears:
         return report
-    if _rank() == 0:
+    if rank_and_world()[0] == 0:
         log.warning(
             "%s has no FP8 linear: every linear runs in high precision (a plain checkpoint, "
             "not a ModelOpt static-FP8 one)",

@@ -1,5 +1,6 @@
-"""What fsdp_fp8 remembers about objects it did not create (modules, models, pipelines), in one
-place: docs/design.md "State kept on other libraries' objects" lists every entry here.
+"""What fsdp_fp8 remembers about objects it did not create (modules, models, pipelines): the one
+kind of map every such record is (``Attachment``). docs/design.md "State kept on other libraries'
+objects" lists every attachment and the module that declares it (the module that owns its value).
 
 fsdp_fp8 sets no attribute of its own on another library's object: an attribute could
 collide with the library's own names (``cache_context`` did, shadowing diffusers' method),
@@ -8,34 +9,13 @@ it back. Each kind of state is one :class:`Attachment` instead: a map from the o
 identity and held weakly, to the value. The value lives exactly as long as its object; when
 the object is freed its entry goes with it. A value must not refer back to its object (the
 map holds the value strongly, so that object could never be freed).
-
-The kinds (the value, who sets it, who reads it):
-
-- ``UNUSABLE``: the reason a model's collective phase failed, on every module of it
-  (``collective.unusable.mark_unusable``; read by ``unusable_reason``, which
-  ``save_checkpoint`` asks).
-- ``PRECISION``: a model's ``PrecisionRouting`` (``runtime.precision.install_step_policy``;
-  read by ``routing_of``).
-- ``LOADED``: a pipeline's ``LoadedModel`` (``interop.pipeline.load_pipeline``; read by
-  ``loaded_of``).
-- ``STEP_HOOK``: a pipeline transformer's per-step hook (``load_pipeline``; read by the
-  transformer's ``cache_context``, whose class ``load_pipeline`` swaps for a subclass).
-- ``CFG_PAIR``: a transformer's side of a CFG-parallel pair
-  (``interop.cfg_parallel.enable_cfg_parallel``; read by its subclass's ``__call__`` and
-  ``cache_context``).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from fsdp_fp8.interop.cfg_parallel import CfgPair
-    from fsdp_fp8.interop.pipeline import StepHook
-    from fsdp_fp8.load.api import LoadedModel
-    from fsdp_fp8.runtime.precision import PrecisionRouting
+from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
@@ -79,12 +59,3 @@ class Attachment(Generic[V]):
 
     def __repr__(self) -> str:
         return f"Attachment({self.what!r}, {len(self)} owners)"
-
-
-UNUSABLE: Attachment[str] = Attachment("why a model's collective phase failed (every module of it)")
-PRECISION: Attachment[PrecisionRouting] = Attachment("a model's step-policy routing")
-LOADED: Attachment[LoadedModel] = Attachment("the LoadedModel of a pipeline's transformer")
-STEP_HOOK: Attachment[StepHook] = Attachment("a pipeline transformer's per-step hook")
-CFG_PAIR: Attachment[CfgPair] = Attachment("a transformer's side of a CFG-parallel pair")
-
-ALL = (UNUSABLE, PRECISION, LOADED, STEP_HOOK, CFG_PAIR)

@@ -1,6 +1,6 @@
 """A model whose collective phase failed: no module computes again, its storage is released.
 
-The reason is kept in ``collective.attached.UNUSABLE`` (weakly, on every module), read back
+The reason is kept in ``UNUSABLE`` (weakly, on every module), read back
 through ``unusable_reason`` by whoever must refuse such a model later (``save_checkpoint``).
 """
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_fp8.collective.attached import UNUSABLE
+from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.errors import ModelUnusableError
+
+UNUSABLE: Attachment[str] = Attachment("why a model's collective phase failed (every module of it)")
 
 
 def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -166,7 +166,8 @@ def _collect_tensors(layout: Layout, headers: dict[str, Header], problems: list[
 
 
 _F32 = torch.finfo(torch.float32)
-FP8_MAX = 448.0  # the largest E4M3 magnitude: codes * scale must stay finite in float32
+E4M3 = torch.float8_e4m3fn  # the codes' dtype (ModelOpt's F8_E4M3)
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0, the largest E4M3 magnitude: codes * scale must stay finite in float32
 # float32 rounds a real to inf from the midpoint between its largest finite value (2^128 - 2^104)
 # and 2^128 up (ties go to the even 2^128). A float32 scale times 448 (= 7 * 2^6) is exact in
 # float64, so comparing that product with the midpoint is float32's own ``scale * 448`` overflow,
@@ -196,9 +197,9 @@ def _check_scale(entry: TensorEntry, problems: list[str], values: dict[str, floa
             "a scale must be a normal float32 > 0"
         )
         return False
-    if value * FP8_MAX >= _F32_OVERFLOW:
+    if value * E4M3_MAX >= _F32_OVERFLOW:
         problems.append(
-            f"`{entry.key}` in {entry.file} is {value}; {FP8_MAX:g} * scale overflows float32 (max {_F32.max:.6g})"
+            f"`{entry.key}` in {entry.file} is {value}; {E4M3_MAX:g} * scale overflows float32 (max {_F32.max:.6g})"
         )
         return False
     values[entry.key] = value

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ALL_ROWS = 1 << 62  # a prefetch budget meaning "every row this rank reads"
+# Host memory one copy between an accelerator and the files goes through: the load's staging ring
+# (``ReadOptions.staging_bytes``) and a save's copies out of accelerator memory alike.
+DEFAULT_STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class ReadOptions:
     threads: int = 4
     request_bytes: int = 8 << 20
     in_flight: int = 8
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     prefetch_bytes: int = ALL_ROWS
 
     def __post_init__(self):

@@ -32,12 +32,31 @@ against an F32 reference is measured by bench/kernels.py (docs/benchmarks.md).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torchao.float8.inference import addmm_float8_unwrapped_inference
 from torchao.quantization.quant_primitives import _quantize_affine_float8
 
 from fsdp_fp8.fp8.tensor import E4M3, StaticFloat8Tensor
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which variant of the same arithmetic a ``Float8StaticLinear`` runs, chosen once when it is
+    built (``LoadOptions.kernels``; as TorchAO's ``Float8LinearConfig`` is): only the per-step
+    precision (``Float8StaticLinear.mode``) changes afterwards."""
+
+    fused: bool = False  # compiled activation quantization and W8A16 dequantization: the default's bits
+    fast_accum: bool = False  # torch._scaled_mm(use_fast_accum=True): faster on Hopper, not the same bits
+
+    def __post_init__(self) -> None:
+        wrong = [f"`{n}` is {v!r}" for n, v in vars(self).items() if not isinstance(v, bool)]
+        if wrong:
+            raise ValueError(f"KernelOptions: {', '.join(wrong)}; each must be True or False")
+
+
+DEFAULT_KERNELS = KernelOptions()
 
 
 def _quantize(x2d: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_fp8.fp8.kernels import dequantize, fp8_gemm, quantize_activation
+from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions, dequantize, fp8_gemm, quantize_activation
 from fsdp_fp8.fp8.tensor import empty_static_fp8_weight, is_static_fp8
 
 Mode = Literal["native", "a16"]
@@ -55,11 +55,12 @@ class SharedActivation:
 
 
 class Float8StaticLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` a ``StaticFloat8Tensor`` (per-tensor static FP8)."""
+    """``y = x @ W.T + b`` with ``W`` a ``StaticFloat8Tensor`` (per-tensor static FP8).
 
-    # Kernel options (fsdp_fp8.fp8.kernels, set_kernels): class defaults, set per instance.
-    fused: bool = False  # compiled activation quantization / W8A16 dequantization, same bits
-    fast_accum: bool = False  # torch._scaled_mm(use_fast_accum=True)
+    ``kernels`` (``KernelOptions``) is fixed when the linear is built; ``mode`` is the one
+    setting that changes afterwards, per denoising step (``fsdp_fp8.runtime.precision``), and
+    ``shared`` is set once after the load (``fsdp_fp8.fp8.shared_inputs``).
+    """
 
     def __init__(
         self,
@@ -68,12 +69,15 @@ class Float8StaticLinear(nn.Module):
         bias: bool,
         compute_dtype: torch.dtype,
         device: torch.device | str = "meta",
+        kernels: KernelOptions = DEFAULT_KERNELS,
     ):
         super().__init__()
         # Plain attributes go straight to __dict__ and parameters through register_parameter:
         # Module.__setattr__'s checks cost more than the rest of this constructor, and a
         # Super-scale swap builds 896 of these (bench/setup_cost.py).
-        self.__dict__.update(in_features=in_features, out_features=out_features, compute_dtype=compute_dtype)
+        self.__dict__.update(
+            in_features=in_features, out_features=out_features, compute_dtype=compute_dtype, kernels=kernels
+        )
         self.mode: Mode
         self.shared: SharedActivation | None
         self.__dict__.update(mode="native", shared=None)
@@ -93,8 +97,8 @@ class Float8StaticLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}, mode={self.mode}"
-            + (", fused" if self.fused else "")
-            + (", fast_accum" if self.fast_accum else "")
+            + (", fused" if self.kernels.fused else "")
+            + (", fast_accum" if self.kernels.fast_accum else "")
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,35 +114,19 @@ class Float8StaticLinear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_empty(out_shape)
-        bias = self.bias
+        bias, kernels = self.bias, self.kernels
         if self.mode == "a16":
             if bias is not None and bias.dtype != x.dtype:
                 bias = bias.to(x.dtype)  # F.linear takes one dtype (fp8_gemm does the same for W8A8)
-            y = F.linear(x2d, dequantize(weight, x.dtype, fused=self.fused), bias)
+            y = F.linear(x2d, dequantize(weight, x.dtype, fused=kernels.fused), bias)
         else:
             input_scale = weight.act_quant_scale
             if self.shared is not None:
-                codes = self.shared.quantize(x, x2d, input_scale, fused=self.fused)
+                codes = self.shared.quantize(x, x2d, input_scale, fused=kernels.fused)
             else:
-                codes = quantize_activation(x2d, input_scale, fused=self.fused)
-            y = fp8_gemm(codes, input_scale, weight, bias, x.dtype, fast_accum=self.fast_accum)
+                codes = quantize_activation(x2d, input_scale, fused=kernels.fused)
+            y = fp8_gemm(codes, input_scale, weight, bias, x.dtype, fast_accum=kernels.fast_accum)
         return y.reshape(out_shape)
-
-
-def set_kernels(model: nn.Module, *, fused: bool | None = None, fast_accum: bool | None = None) -> int:
-    """Choose the kernel variants of every ``Float8StaticLinear`` in ``model``; returns how many.
-
-    ``fused``: compiled activation quantization and W8A16 dequantization, one kernel each and
-    the default's bits. ``fast_accum``: ``torch._scaled_mm(use_fast_accum=True)``, faster on
-    Hopper at a measured accuracy cost (docs/step-policy.md). ``None`` leaves a choice as it is.
-    """
-    linears = [m for m in model.modules() if isinstance(m, Float8StaticLinear)]
-    for m in linears:
-        if fused is not None:
-            m.fused = fused
-        if fast_accum is not None:
-            m.fast_accum = fast_accum
-    return len(linears)
 
 
 def cuda_shape_problems(targets) -> list[str]:

@@ -220,7 +220,3 @@ def _register() -> None:
 
 _TORCHAO = torchao_table()
 _register()
-
-
-def install_fsdp_support() -> None:
-    """Kept for API compatibility, does nothing: importing this module registers the ops."""

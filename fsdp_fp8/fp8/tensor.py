@@ -32,10 +32,8 @@ from torchao.quantization.granularity import PerTensor
 from torchao.quantization.quantize_.common import KernelPreference
 from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
 
-from fsdp_fp8.format.sharding import padded_rows
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
+from fsdp_fp8.format.checkpoint import E4M3, E4M3_MAX  # noqa: F401 - the one home of both names
+from fsdp_fp8.shard_rows import padded_rows
 
 # What TorchAO's own linear on this weight (``as_prototype``) uses; Float8StaticLinear passes
 # its own ``fast_accum`` option (default False, F32 accumulation) to _scaled_mm instead.

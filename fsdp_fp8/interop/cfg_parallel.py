@@ -24,9 +24,10 @@ first handed over at step 0's uncond call, so:
   inputs with this step's latent and timesteps (:data:`PER_STEP`); both ranks exchange; the
   "uncond" call returns the exchanged prediction without running the model.
 
-The hook on the call is a one-method subclass of the loaded transformer's class (made at
-load, like FSDP's own ``FSDP<Class>``): its ``__call__`` asks :class:`CfgPair` whether to run
-the model or to return the partner's prediction. Before it substitutes anything it checks that
+The transformer's one subclass of ours (``interop.forward_state``) asks its state's
+:class:`CfgPair` at each call whether to run the model or to return the partner's prediction;
+its ``cache_context`` tells the pair which pass of which step runs. Before it substitutes
+anything the pair checks that
 the call's step-invariant inputs are the very objects recorded at step 0 and that both calls
 of a step receive the same latent and timesteps, and refuses (``RuntimeError``) otherwise: a
 pipeline that changed how it packs its passes is not guessed at.
@@ -34,14 +35,9 @@ pipeline that changed how it packs its passes is not guessed at.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from fsdp_fp8.collective.attached import CFG_PAIR
 
 COND, UNCOND = "cond", "uncond"
 # The keyword arguments that change from step to step; the pipeline passes the same objects to
@@ -92,16 +88,6 @@ class CfgPair:
         self.signature: tuple | None = None
         self.pending = None  # (uncond prediction, the cond call's PER_STEP values) between the two calls
         self.exchanges = 0  # how many predictions this rank exchanged (one per step from step 1)
-
-    @contextlib.contextmanager
-    def naming(self, inner, name: str, **kwargs):
-        """``transformer.cache_context``: remember which pass of which step runs."""
-        with inner(name, **kwargs):
-            self.current = (name, kwargs.get("step_index"))
-            try:
-                yield
-            finally:
-                self.current = None
 
     def call(self, run, args: tuple, kwargs: dict):
         if self.current is None or args:  # outside the pipeline's loop: an ordinary call
@@ -170,39 +156,14 @@ class CfgPair:
         return tree_unflatten(out, spec)
 
 
-def enable_cfg_parallel(model: nn.Module) -> CfgPair:
-    """Make ``model`` (a pipeline's transformer, loaded and sharded) serve its pair's two passes.
-
-    Collective: every rank calls it (it makes the pair groups). Needs a process group of an
-    even size; ``model``'s class must already have the ``cache_context`` the pipeline calls
-    (``load_pipeline`` swaps in its step hook first). The class is swapped once more for a
-    subclass whose ``__call__`` and ``cache_context`` go through the pair; the pair is kept
-    in ``collective.attached.CFG_PAIR`` (``cfg_pair_of``).
-    """
+def cfg_pair() -> CfgPair:
+    """This rank's side of its CFG pair, its group made (collective: every rank calls it, in pairs
+    ``(2k, 2k + 1)``). Needs a process group of an even size."""
     if not dist.is_initialized():
         raise ValueError("CFG-parallel needs a process group (torchrun, 2 ranks or more in pairs)")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    _, role = pair_of(rank, world)
+    _, role = pair_of(dist.get_rank(), dist.get_world_size())
     group, _ = dist.new_subgroups(group_size=2)
-    cfg = CfgPair(group, role)
-    CFG_PAIR.set(model, cfg)
-    cls = type(model)
-
-    class CfgParallel(cls):
-        def __call__(self, *args, **kwargs):
-            return cfg_pair_of(self).call(super().__call__, args, kwargs)
-
-        def cache_context(self, name, **kwargs):
-            return cfg_pair_of(self).naming(super().cache_context, name, **kwargs)
-
-    CfgParallel.__name__ = CfgParallel.__qualname__ = f"CfgParallel{cls.__name__}"
-    model.__class__ = CfgParallel
-    return cfg
+    return CfgPair(group, role)
 
 
-def cfg_pair_of(model: nn.Module) -> CfgPair | None:
-    """``model``'s side of its CFG pair (``enable_cfg_parallel``), or ``None``."""
-    return CFG_PAIR.get(model)
-
-
-__all__ = ["CfgPair", "cfg_pair_of", "enable_cfg_parallel", "pair_of", "request_slots"]
+__all__ = ["CfgPair", "cfg_pair", "pair_of", "request_slots"]

@@ -148,9 +148,9 @@ def prompt_bytes(text: str, vocab_size: int) -> torch.Tensor:
     return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long)
 
 
-def run_hf(model: nn.Module, arch, directory, args) -> dict:
-    """The launcher's run of a transformers / diffusers model (``arch``: its Architecture)."""
-    kind = arch.kind
+def run_hf(model: nn.Module, spec, directory, args) -> dict:
+    """The launcher's run of a transformers / diffusers model (``spec``: its ``ModelSpec``)."""
+    kind = spec.kind
     if kind == "causal_lm":
         prompt, source = prompt_token_ids(args.prompt, args.prompt_ids, model.config.vocab_size, directory)
         generated, digest = greedy_generate(model, prompt, args.new_tokens)
@@ -160,10 +160,10 @@ def run_hf(model: nn.Module, arch, directory, args) -> dict:
             "generated_ids": generated,
             "logits_sha256": digest,
         }
-    if kind == "diffusers" and arch.name in DENOISERS:
+    if kind == "diffusers" and spec.name in DENOISERS:
         return cosmos3_loop(model, directory, args)
     if kind == "diffusers":
-        shape, digest = diffusers_forward(model, args.seed, arch.dtype)
+        shape, digest = diffusers_forward(model, args.seed, spec.dtype)
         return {"output_shape": list(shape), "output_sha256": digest}
     raise ValueError(
         f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "

@@ -11,6 +11,8 @@ shard-dim size, never on its global rank and the world size (``shard_position``)
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,9 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_fp8.format.sharding import chunk_rows
+from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.shard_rows import chunk_rows
 
 HSDP_DIM_NAMES = ("replicate", "shard")
+log = logging.getLogger(__name__)
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
@@ -84,10 +88,22 @@ def mesh_problems(mesh: DeviceMesh, device_type: str, world_size: int) -> list[s
     return problems
 
 
+def model_facts(model: nn.Module, device_type: str, mesh: DeviceMesh | None) -> dict[str, dict[str, str]]:
+    """The model's structure and where it goes: two ranks must build the very same thing."""
+    structure = {f"module {name or '(root)'}": type(m).__name__ for name, m in model.named_modules()}
+    structure.update({f"parameter {n}": f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()})
+    structure.update({f"buffer {n}": f"{tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers()})
+    placement = {"device type": device_type, "mesh": "every rank (1-D)", "placements": "(Shard(0),)"}
+    if mesh is not None:  # HSDP: FSDP2 replicates over the first dim and shards over the last
+        placement["mesh"] = f"{mesh.mesh.tolist()} dims {mesh.mesh_dim_names}"
+        placement["placements"] = "(Replicate(), Shard(0))" if mesh.ndim == 2 else "(Shard(0),)"
+    return {"model structure": structure, "placement": placement}
+
+
 def shard_size(mesh: DeviceMesh | None) -> int:
     """Ranks one parameter's rows are split over: the mesh's last dim (every rank without a mesh)."""
     if mesh is None:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return rank_and_world()[1]
     return mesh.size(mesh.ndim - 1)
 
 
@@ -128,7 +144,7 @@ def shard_position(model: nn.Module) -> tuple[int, int]:
 
 def local_rows(param: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, int, int]:
     """This rank's storage of ``param`` and the global row range ``[start, stop)`` it holds
-    (``(0, 0)`` for none): ``format.sharding.chunk_rows`` of its shard coordinate.
+    (``(0, 0)`` for none): ``fsdp_fp8.shard_rows.chunk_rows`` of its shard coordinate.
 
     Over a 2-D HSDP mesh the placements are ``(Replicate(), Shard(0))``: the rows are the
     chunk of this rank's shard coordinate, the same on every replica.
@@ -222,6 +238,29 @@ def shard_model(
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
+
+
+def shard_as(model: nn.Module, options) -> None:
+    """``shard_model`` over ``options.mesh`` (default: every rank) with ``options``' FSDP settings
+    (a ``LoadOptions``). Without a process group the model stays whole, and FSDP settings other
+    than FSDP2's defaults are named as ignored."""
+    fsdp_options = options.fsdp_options()
+    if not (dist.is_available() and dist.is_initialized()):
+        if fsdp_options:
+            log.warning(
+                "no process group: the model is not sharded and %s are ignored", ", ".join(sorted(fsdp_options))
+            )
+        return
+    shard_model(model, options.mesh or default_mesh(options.device.type), **fsdp_options)
+
+
+def planned_position(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(shard-dim size, this rank's shard coordinate) a model will have once sharded over ``mesh``
+    (``None``: every rank): what the prefetch hints and the outcome's wait are sized from."""
+    if mesh is not None:
+        return mesh_position(mesh)
+    rank, world = rank_and_world()
+    return world, rank
 
 
 def offloads_to_cpu(offload_policy: OffloadPolicy | None) -> bool:

@@ -175,6 +175,21 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     _retie(model, ties)
 
 
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer onto ``device``: under CPU offload FSDP2 keeps the parameters in host memory
+    and all-gathers them onto the device, but buffers are not FSDP2's and the forward runs there."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def build_on_meta(model_fn, config: dict) -> nn.Module:
+    """``model_fn(config)`` under ``meta_init``: parameters on meta, buffers computed for real."""
+    with meta_init():
+        return model_fn(config)
+
+
 def tensors_on_meta(model: nn.Module) -> list[str]:
     """Names of every parameter, buffer or inner tensor (FP8 codes, scales) still on meta."""
     found = []

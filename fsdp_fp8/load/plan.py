@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.errors import raise_if_problems
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.sharding import RankForecast, entry_rank_bytes, rank_forecast, rank_rows
+from fsdp_fp8.load.rank_bytes import RankForecast, entry_rank_bytes, rank_forecast
+from fsdp_fp8.shard_rows import rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -73,43 +74,60 @@ class LoadPlan:
         parameters only; 0-d tensors are whole on every rank anyway)."""
         return frozenset(t.entry.key for t in self.tensors if t.replicated)
 
-    def _share(self, entry: TensorEntry, world_size: int, rank: int) -> int:
-        return entry_rank_bytes(entry, world_size, rank, replicated=entry.key in self.replicated)
+    def _share(self, entry: TensorEntry, shards: int, shard: int) -> int:
+        return entry_rank_bytes(entry, shards, shard, replicated=entry.key in self.replicated)
 
-    def rank_bytes(self, world_size: int, rank: int) -> int:
-        """Bytes ``rank`` reads: Shard(0) rows of every parameter; 0-d scales and buffers whole."""
-        return sum(self._share(e, world_size, rank) for e in self._entries())
+    def rank_bytes(self, shards: int, shard: int) -> int:
+        """Bytes shard coordinate ``shard`` of ``shards`` reads: Shard(0) rows of every parameter;
+        0-d scales and buffers whole."""
+        return sum(self._share(e, shards, shard) for e in self._entries())
 
-    def load_bytes(self, world_size: int, rank: int) -> int:
+    def load_bytes(self, shards: int, shard: int) -> int:
         """Bytes the rank-slice load itself reads: ``rank_bytes`` less the FP8 and KV-cache
         scales, which were read (and checked) when the checkpoint was opened and load from memory."""
-        return sum(self._share(e, world_size, rank) for e in self.read_entries())
+        return sum(self._share(e, shards, shard) for e in self.read_entries())
 
-    def forecast(self, world_size: int, rank: int, staging_bytes: int | None = None) -> RankForecast:
-        """What ``rank`` reads (FP8 / high precision), holds, and stages through host memory into
-        an accelerator (``staging_bytes`` defaults to ``ReadOptions().staging_bytes``)."""
+    def forecast(self, shards: int, shard: int, staging_bytes: int | None = None) -> RankForecast:
+        """What shard coordinate ``shard`` reads (FP8 / high precision), holds, and stages through
+        host memory into an accelerator (``staging_bytes`` defaults to ``ReadOptions().staging_bytes``)."""
         if staging_bytes is None:
             staging_bytes = DEFAULT_READ_OPTIONS.staging_bytes
         fp8 = [e for t in self.fp8 for e in (t.entry.weight, t.entry.weight_scale, t.entry.input_scale)]
         return rank_forecast(
             fp8,
             [t.entry for t in self.tensors],
-            world_size,
-            rank,
+            shards,
+            shard,
             staging_bytes,
             staged_entries=self.read_entries(),
             replicated=self.replicated,
         )
 
-    def rank_ranges(self, world_size: int, rank: int) -> list[tuple[TensorEntry, int, int]]:
-        """(entry, file offset, bytes) of the rows ``rank`` reads (``torch.chunk`` rows of every
-        parameter, buffers whole): what the load will read, known before the model is sharded."""
+    def rank_ranges(self, shards: int, shard: int) -> list[tuple[TensorEntry, int, int]]:
+        """(entry, file offset, bytes) of the rows shard coordinate ``shard`` reads (``torch.chunk``
+        rows of every parameter, buffers whole): what the load will read, known before the model
+        is sharded."""
         out, whole = [], self.replicated
         for entry in self.read_entries():
-            start, stop = rank_rows(entry.shape, world_size, rank, replicated=entry.key in whole)
+            start, stop = rank_rows(entry.shape, shards, shard, replicated=entry.key in whole)
             offset, nbytes = slice_reader.row_range(entry, start, stop)
             out.append((entry, offset, nbytes))
         return out
+
+    def slowest_rank_bytes(self, shards: int) -> int:
+        """The most bytes any shard coordinate of ``shards`` reads (what the outcome's wait is sized by)."""
+        return max(self.rank_bytes(shards, shard) for shard in range(shards))
+
+    def facts(self) -> dict[str, str]:
+        """What the ranks compare before loading: every target and what is left out, by key."""
+        facts = {
+            f"fp8 {t.module}": f"{t.entry.weight.key} ({t.out_features}, {t.in_features}) {t.compute_dtype}"
+            for t in self.fp8
+        }
+        facts.update({f"tensor {t.name}": t.entry.key for t in self.tensors})
+        for what in ("missing", "unexpected", "skipped", "kv_scales"):
+            facts.update({f"{what} {key}": "yes" for key in getattr(self, what)})
+        return facts
 
     def read_entries(self) -> list[TensorEntry]:
         """What the rank-slice load reads rows of: FP8 codes and high-precision tensors; the
@@ -261,7 +279,7 @@ class _Planning:
         )
         if strict_kv_scales:
             return [f"{what}; refusing under strict_kv_scales"]
-        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank plans: one says it
+        if rank_and_world()[0] == 0:  # every rank plans: one says it
             logger.warning("%s: present but unused; the KV cache stays in the model dtype", what)
         return []
 
@@ -324,3 +342,20 @@ def plan_load(
         tuple(sorted(p.skipped)),
         tuple(sorted(p.kv_unused)),
     )
+
+
+def warn_not_strict(plan: LoadPlan) -> None:
+    """With strict=False, what stays unfilled (uninitialized memory) or unused is said aloud, by rank 0."""
+    rank0 = rank_and_world()[0] == 0
+    if rank0 and plan.missing:
+        logger.warning(
+            "strict=False: %d model tensors are in no checkpoint file and stay uninitialized: %s",
+            len(plan.missing),
+            ", ".join(plan.missing[:20]),
+        )
+    if rank0 and plan.unexpected:
+        logger.warning(
+            "strict=False: %d checkpoint tensors have no place in the model and are not loaded: %s",
+            len(plan.unexpected),
+            ", ".join(plan.unexpected[:20]),
+        )

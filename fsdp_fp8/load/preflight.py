@@ -17,6 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.collective import distributed, rank_and_world, side_group
+from fsdp_fp8.load.fsdp_wrap import mesh_problems
+
 log = logging.getLogger(__name__)
 
 W8A8_CAPABILITY = (8, 9)  # torch._scaled_mm's FP8 GEMM: Ada (sm89), Hopper (sm90) and later
@@ -29,12 +32,11 @@ def _env_int(env, name: str, default: int) -> int:
         return default
 
 
-def ensure_process_group(timeout_s: float, env=os.environ) -> bool:
-    """Under a launcher of several ranks (``WORLD_SIZE`` > 1) with no process group yet, set one
-    up as ``launch/infer.py`` does (gloo on CPU; NCCL bound to this rank's GPU, made current,
-    on CUDA); True when it did. Without it every rank would load the whole model, unsharded."""
-    if _env_int(env, "WORLD_SIZE", 1) <= 1 or not dist.is_available() or dist.is_initialized():
-        return False
+def start_process_group(timeout_s: float, env=os.environ) -> None:
+    """The default process group this rank joins under a launcher: gloo on CPU; on CUDA, NCCL bound
+    to this rank's GPU (``LOCAL_RANK`` modulo the visible GPUs), made current first. ``device_id``
+    makes NCCL build its communicator now, so a missing peer or a bad device fails here rather
+    than in the first all-gather. The one place fsdp_fp8 starts a process group."""
     timeout = timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", _env_int(env, "LOCAL_RANK", 0) % torch.cuda.device_count())
@@ -42,6 +44,15 @@ def ensure_process_group(timeout_s: float, env=os.environ) -> bool:
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def ensure_process_group(timeout_s: float, env=os.environ) -> bool:
+    """Under a launcher of several ranks (``WORLD_SIZE`` > 1) with no process group yet, start one
+    (``start_process_group``); True when it did. Without it every rank would load the whole
+    model, unsharded."""
+    if _env_int(env, "WORLD_SIZE", 1) <= 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    start_process_group(timeout_s, env)
     if dist.get_rank() == 0:
         log.warning(
             "WORLD_SIZE=%s but no process group was set up: fsdp_fp8 initialized one (%s) so the model "
@@ -50,6 +61,15 @@ def ensure_process_group(timeout_s: float, env=os.environ) -> bool:
             dist.get_backend(),
         )
     return True
+
+
+def join_ranks(what: str, timeout_s: float) -> None:
+    """Before any rank can fail or die: a process group under torchrun (never a silent unsharded
+    load per rank), and the gloo side group every agreement runs on (collective). ``what`` names
+    the work in a late peer's error (``cannot load DIR``)."""
+    ensure_process_group(timeout_s)
+    if distributed():
+        side_group(timeout_s, what)
 
 
 @dataclass(frozen=True)
@@ -121,3 +141,13 @@ def device_problems(facts: DeviceFacts) -> list[str]:
             f"call torch.cuda.set_device({index}) before init_process_group"
         )
     return problems
+
+
+def setup_problems(device: torch.device, mesh, fp8_linears: int) -> list[str]:
+    """What would make the first collective hang or land on the wrong device: the mesh; the
+    GPU's capability, two ranks on one GPU, the device passed vs the current one."""
+    problems = []
+    if mesh is not None:
+        world = rank_and_world()[1]
+        problems += [f"mesh: {p}" for p in mesh_problems(mesh, device.type, world)]
+    return problems + device_problems(device_facts(device, fp8_linears))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 
 
-def swap_fp8_linears(model: nn.Module, plan) -> list[str]:
-    """Swap every FP8 target of ``plan`` (a validated ``LoadPlan``); returns the module names."""
+def swap_fp8_linears(model: nn.Module, plan, kernels: KernelOptions = DEFAULT_KERNELS) -> list[str]:
+    """Swap every FP8 target of ``plan`` (a validated ``LoadPlan``) for a ``Float8StaticLinear``
+    running ``kernels``; returns the module names."""
     swapped = []
     for target in plan.fp8:
         parent_name, _, child_name = target.module.rpartition(".")
@@ -27,6 +29,7 @@ def swap_fp8_linears(model: nn.Module, plan) -> list[str]:
             bias=old.bias is not None,
             compute_dtype=target.compute_dtype,
             device=old.weight.device,
+            kernels=kernels,
         )
         setattr(parent, child_name, new)
         swapped.append(target.module)

@@ -4,7 +4,7 @@ The peak is a sum of named terms, each from what the loader and FSDP2 hold at th
 largest decoder layer runs its MLP on the generation tokens (the largest working set):
 
 - ``sharded weights``: this rank's rows of every tensor, padded to ``ceil(rows / world)``
-  (``fsdp_fp8.format.sharding``); FP8 codes one byte each. ``--offload cpu`` puts them in host
+  (``fsdp_fp8.shard_rows``); FP8 codes one byte each. ``--offload cpu`` puts them in host
   memory and copies the shards of the units in flight to the device instead.
 - ``root unit, gathered``: FSDP2 never reshards the root (embeddings, heads, ``proj_in/out``)
   after its first forward; it stays whole on every rank.
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.format.sharding import padded_rows
+from fsdp_fp8.shard_rows import padded_rows
 
 GiB = 1 << 30
 # The pipeline's default text prefix (system prompt, chat template and a prompt): a planning

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_fp8.collective.attached import PRECISION
+from fsdp_fp8.collective.attached import Attachment
+from fsdp_fp8.errors import CheckpointError, raise_if_problems
 from fsdp_fp8.format.step_policy import StepPolicy, describe_trace
 from fsdp_fp8.fp8.linear import Float8StaticLinear
-from fsdp_fp8.runtime.towers import GENERATION, REASONER, TOWERS_HINT, needs_towers, tower_problems
+from fsdp_fp8.runtime.towers import GENERATION, REASONER, tower_map_problems
 
 W8A16, W8A8 = "W8A16", "W8A8"
 LABELS = {"a16": W8A16, "native": W8A8}  # the policy's word -> the launcher's
@@ -35,6 +36,9 @@ LABELS = {"a16": W8A16, "native": W8A8}  # the policy's word -> the launcher's
 
 @dataclass
 class PrecisionRouting:
+    """Which FP8 linears follow the step policy (``generation``) and which take the reasoner's
+    precision (``reasoner``), and the generation tower's precision per step run (``trace``)."""
+
     policy: StepPolicy | None
     generation: list[Float8StaticLinear] = field(default_factory=list)
     reasoner: list[Float8StaticLinear] = field(default_factory=list)
@@ -46,28 +50,26 @@ class PrecisionRouting:
         return describe_trace(self.trace[start:])
 
 
+# A model's routing, kept by ``install_step_policy`` (docs/design.md, "State kept on other
+# libraries' objects"); read by ``routing_of``.
+PRECISION: Attachment[PrecisionRouting] = Attachment("a model's step-policy routing")
+
+
 def install_step_policy(
     model: nn.Module, policy: StepPolicy | None, towers: Mapping[str, str] | None = None
 ) -> PrecisionRouting:
     """Route ``model``'s FP8 linears by ``policy``; ``towers`` maps linear names to a tower. The
-    routing is returned and kept for ``model`` (``routing_of``; held weakly, in
-    ``collective.attached``).
+    routing is returned and kept for ``model`` (``routing_of``; held weakly).
 
     Without ``towers`` every FP8 linear belongs to the generation tower, which is exact only
     when the policy never runs the two towers differently; a policy that does (its
-    ``reasoner`` differs from its steps) is refused with ``ValueError``. Linears mapped to
-    "other" are never touched.
+    ``reasoner`` differs from its steps) is refused, as is a map that leaves an FP8 linear out
+    (``CheckpointError``, the load's own check: ``towers.tower_map_problems``). Linears mapped
+    to "other" are never touched.
     """
     fp8 = {name: m for name, m in model.named_modules() if isinstance(m, Float8StaticLinear)}
-    if towers is None and needs_towers(policy):
-        raise ValueError(
-            f"the step policy runs the reasoner {policy.reasoner} but its steps differ, and "
-            f"{type(model).__name__} has no known tower map: {TOWERS_HINT}"
-        )
-    if towers is not None:
-        problems = tower_problems(towers, list(fp8))
-        if problems:
-            raise ValueError("bad tower map:\n" + "\n".join(f"  - {p}" for p in problems))
+    problems = tower_map_problems(towers, list(fp8), policy, type(model).__name__, "the step policy")
+    raise_if_problems(problems, "cannot install the step policy", CheckpointError)
     routing = PrecisionRouting(policy)
     for name, module in fp8.items():
         tower = towers[name] if towers is not None else GENERATION

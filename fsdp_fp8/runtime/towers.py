@@ -13,16 +13,15 @@ silently "other".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
 from fsdp_fp8.fp8.linear import Float8StaticLinear
+from fsdp_fp8.load.spec import TowerSpec
 
 GENERATION, REASONER, OTHER = "generation", "reasoner", "other"
 TOWERS = (GENERATION, REASONER, OTHER)
-
-TowerSpec = Mapping[str, str] | Callable[[nn.Module], Mapping[str, str]]
 
 TOWERS_HINT = (
     "pass `towers=` to fsdp_fp8.load_model / load_pipeline / install_step_policy: a mapping from each FP8 "
@@ -107,10 +106,13 @@ def needs_towers(policy) -> bool:
 
 
 def resolve_towers(spec: TowerSpec | None, model: nn.Module) -> dict[str, str] | None:
-    """A user's ``towers=`` (a mapping, or a function of the model returning one) as a dict."""
+    """A ``towers=`` (a mapping, or a function of the model returning one, or ``None`` when it
+    knows none) as a dict; ``None`` when there is no map."""
     if spec is None:
         return None
     towers = spec(model) if callable(spec) else spec
+    if towers is None:
+        return None
     if not isinstance(towers, Mapping):
         raise ValueError(f"`towers` must map linear names to {list(TOWERS)}, got {type(towers).__name__}")
     return dict(towers)
@@ -128,3 +130,20 @@ def tower_problems(towers: Mapping[str, str], fp8_linears: list[str], source: st
         for name in sorted(set(fp8_linears) - set(towers))
     ]
     return problems
+
+
+def tower_map_problems(
+    towers: Mapping[str, str] | None, fp8_linears: list[str], policy, model_name: str, source: str
+) -> list[str]:
+    """The one check of a tower map against a model's FP8 linears and a step policy (``policy``: a
+    ``StepPolicy`` or ``None``): every linear in a known tower; and a policy that runs the towers
+    differently (``needs_towers``) needs a map (fail-closed)."""
+    if towers is not None:
+        return tower_problems(towers, fp8_linears, "the tower map")
+    if needs_towers(policy):
+        return [
+            f"{source}: the step policy's `reasoner` ({policy.reasoner!r}) differs from its steps, but "
+            f"{model_name} has no known tower map, so fsdp_fp8 cannot tell the reasoner's linears from the "
+            f"generation tower's; {TOWERS_HINT}"
+        ]
+    return []

@@ -75,14 +75,14 @@ def linear(request):
 def test_every_fp8_gemm_matches_the_fp32_reference(linear, mode, options, rank, rows):
     shape = {2: (rows, IN), 3: (1, rows, IN), 4: (2, 1, rows, IN)}[rank]
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(rows + rank)).to("cuda", torch.bfloat16)
-    linear.mode = mode
-    for name, value in options.items():
-        setattr(linear, name, value)
+    from fsdp_fp8.fp8.kernels import KernelOptions
+
+    linear.mode, linear.kernels = mode, KernelOptions(**options)
     try:
         with torch.no_grad():
             y = linear(x)
     finally:
-        linear.mode, linear.fast_accum = "native", False
+        linear.mode, linear.kernels = "native", KernelOptions()
     ref = _reference(x, linear, mode)
     assert y.shape == ref.shape and y.device.type == "cuda" and y.dtype == torch.bfloat16
     if ref.numel():

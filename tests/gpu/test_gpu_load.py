@@ -44,10 +44,10 @@ def _forward(model, device, mode):
 def cpu_reference(demo):
     from fsdp_fp8 import load_model
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     model = load_model(
-        resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=torch.device("cpu")
+        resolve_model_spec(open_checkpoint(demo).config).model_fn, demo, device=torch.device("cpu")
     ).model
     return {mode: _forward(model, torch.device("cpu"), mode) for mode in ("native", "a16")}
 
@@ -68,10 +68,10 @@ def test_nccl_world_1_load_forward_matches_cpu_and_uses_scaled_mm(demo, cpu_refe
 
     from fsdp_fp8 import gather_state_dict, load_model
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.interop.architectures import resolve_architecture
+    from fsdp_fp8.interop.architectures import resolve_model_spec
 
     device = torch.device("cuda", 0)
-    loaded = load_model(resolve_architecture(open_checkpoint(demo).config).model_fn, demo, device=device)
+    loaded = load_model(resolve_model_spec(open_checkpoint(demo).config).model_fn, demo, device=device)
     model = loaded.model
     assert loaded.report.peak_device_bytes is not None
 

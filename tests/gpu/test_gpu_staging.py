@@ -17,8 +17,8 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     from fsdp_fp8.format import staging
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.read_options import ReadOptions
-    from fsdp_fp8.interop.architectures import resolve_architecture
-    from fsdp_fp8.load import loader
+    from fsdp_fp8.interop.architectures import resolve_model_spec
+    from fsdp_fp8.load import reader
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     path = write_mot_checkpoint(tmp_path / "ckpt")
@@ -29,10 +29,10 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
             super().__init__(*args)
             rings.append(self)
 
-    monkeypatch.setattr(loader, "StagingRing", Recorded)
+    monkeypatch.setattr(reader, "StagingRing", Recorded)
     options = ReadOptions(staging_bytes=256 << 10)  # 4 slots of 64 KiB: reused many times
     device = torch.device("cuda", 0)
-    model_fn = resolve_architecture(open_checkpoint(path).config).model_fn
+    model_fn = resolve_model_spec(open_checkpoint(path).config).model_fn
     loaded = load_model(model_fn, path, device=device, read_options=options)
     (ring,) = rings
     assert ring.cuda and ring.stream is not None and all(b.is_pinned() for b in ring.buffers)

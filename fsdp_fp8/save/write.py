@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_fp8.checkpoint.plan import SavePlan
 from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.staging import staging_rows
 from fsdp_fp8.format.writer import ShardWriter
+from fsdp_fp8.save.plan import SavePlan
 
 
 def write_rank_part(tmp: Path, plan: SavePlan, staging_bytes: int) -> tuple[int, int]:

@@ -274,11 +274,11 @@ def load_checkpoint(
     Collective when a process group is up (on the agreement's gloo side group). On any rank's
     failure every rank raises the same error and no module of the model computes again
     (``mark_unusable``). ``timeout_s``: how long a rank waits for the slowest peer's outcome;
-    default ``outcome_timeout_s(plan, shards, DEFAULT_TIMEOUT_S)``, sized from the read forecast
-    over the model's shard-dim size (``fsdp_wrap.shard_position``).
+    default ``outcome_timeout_s(plan.slowest_rank_bytes(shards), DEFAULT_TIMEOUT_S)``, sized from
+    the read forecast over the model's shard-dim size (``fsdp_wrap.shard_position``).
     """
     if timeout_s is None:
-        timeout_s = outcome_timeout_s(plan, shard_position(model)[0], DEFAULT_TIMEOUT_S)
+        timeout_s = outcome_timeout_s(plan.slowest_rank_bytes(shard_position(model)[0]), DEFAULT_TIMEOUT_S)
     t0 = time.perf_counter()
     with collective_phase(model, "load", timeout_s, failed="checkpoint load failed"):
         rows = read_rows(model, plan, options)

@@ -21,7 +21,7 @@ replica holding rank 0 writes them, so each row is written once, by one rank. Th
 run on the gloo side group with their own timeout, not on the default group, where NCCL's
 watchdog would abort instead of raising.
 
-The temporary directory's name says which process made it (``fsdp_fp8.checkpoint.temp_dir``):
+The temporary directory's name says which process made it (``fsdp_fp8.save.temp_dir``):
 if rank 0 dies mid-save, the next save into the same parent (or ``fsdp-fp8 save --clean``)
 removes it. The target directory must be on a filesystem every rank sees.
 """
@@ -40,26 +40,24 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_fp8.checkpoint.destination import destination_problems, space_problem
-from fsdp_fp8.checkpoint.plan import SavePlan, plan_save
-from fsdp_fp8.checkpoint.source_files import SourceFiles, copy_source_files, source_files
-from fsdp_fp8.checkpoint.temp_dir import Cleaning, clean_leftovers, make_temp_dir, move_into_place
-from fsdp_fp8.checkpoint.write import write_rank_part
 from fsdp_fp8.collective import (
     ASSUMED_WRITE_BYTES_PER_S,
     DEFAULT_TIMEOUT_S,
+    agree_or_raise,
     collective_phase,
-    distributed,
-    exchange,
-    merge_rank_problems,
     rank_and_world,
     unusable_reason,
 )
-from fsdp_fp8.errors import ExportError, raise_if_problems
+from fsdp_fp8.errors import ExportError
 from fsdp_fp8.format.checkpoint import Checkpoint
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
+from fsdp_fp8.format.read_options import DEFAULT_STAGING_BYTES
 from fsdp_fp8.format.writer import create_files, write_index_and_configs
-from fsdp_fp8.load.api import LoadedModel
+from fsdp_fp8.load.loaded import LoadedModel
+from fsdp_fp8.save.destination import destination_problems, space_problem
+from fsdp_fp8.save.plan import SavePlan, plan_save
+from fsdp_fp8.save.source_files import SourceFiles, copy_source_files, source_files
+from fsdp_fp8.save.temp_dir import Cleaning, clean_leftovers, make_temp_dir, move_into_place
+from fsdp_fp8.save.write import write_rank_part
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +97,13 @@ def _unpack(model, source) -> tuple[nn.Module, Checkpoint | None, object]:
     return model, source, None
 
 
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 keeps the root unsharded after a forward: the save writes the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _begin(directory: Path, plan: SavePlan, checkpoint: Checkpoint | None, problems: list[str]) -> _Begun:
     """Rank 0, when nothing is wrong: clean up after dead saves, make the temporary directory and
     its files. An ``OSError`` is a problem for the agreement, not an exception."""
@@ -122,21 +127,20 @@ def _begin(directory: Path, plan: SavePlan, checkpoint: Checkpoint | None, probl
 
 
 def _agree_on_plan(plan: SavePlan, problems: list[str], begun: _Begun, directory: Path, timeout_s: float):
-    """(the temporary directory rank 0 made, every rank's bytes to write): one exchange, or the
-    same ``ExportError`` on every rank (a problem anywhere, or ranks that planned differently)."""
-    mine = (plan.rank, sorted(problems), plan.digest, begun.tmp and str(begun.tmp), plan.bytes_to_write)
-    verdicts = [mine]
-    if distributed():
-        verdicts = exchange(
-            mine, timeout_s=timeout_s, stage="agreement on the planned files", context=f"saving {directory}"
-        )
-    world = len(verdicts)
-    found = [(r, p) for r, rank_problems, *_ in verdicts for p in rank_problems]
-    merged = merge_rank_problems(found, world) if world > 1 else [p for _, p in found]
-    if len({digest for _, rank_problems, digest, *_ in verdicts if not rank_problems}) > 1:
-        merged.append("ranks planned different files (model shapes, dtypes or configs differ between ranks)")
-    raise_if_problems(merged, f"cannot save {directory}", ExportError)
-    return Path(verdicts[0][3]), sum(v[4] for v in verdicts)
+    """(the temporary directory rank 0 made, every rank's bytes to write): the one agreement on the
+    planned files (``agree_or_raise``, with those two travelling in the same exchange), or the same
+    ``ExportError`` on every rank (a problem anywhere, or ranks that planned different files)."""
+    facts = None if problems else {"the planned files": {"layout digest": plan.digest}}
+    shared = agree_or_raise(
+        problems,
+        facts,
+        f"cannot save {directory}",
+        timeout_s,
+        share=(begun.tmp and str(begun.tmp), plan.bytes_to_write),
+        error=ExportError,
+        stage="agreement on the planned files",
+    )
+    return Path(shared[0][0]), sum(nbytes for _, nbytes in shared)
 
 
 def _phase(stage: str, directory: Path, timeout_s: float, failed: str | None = None):
@@ -188,8 +192,8 @@ def save_checkpoint(
     input_scales: Mapping[str, float | torch.Tensor] | None = None,
     step_policy: dict | None = None,
     max_shard_size: int | None = None,
-    staging_bytes: int | None = None,
-    agreement_timeout_s: float = DEFAULT_TIMEOUT_S,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> SaveReport:
     """Write ``model`` as a ModelOpt static-FP8 checkpoint in ``directory`` (absent or empty).
 
@@ -206,22 +210,19 @@ def save_checkpoint(
     granularity="per_tensor")``), which quantizes its input dynamically. ``step_policy``
     replaces the source's. ``max_shard_size`` bounds each shard file's tensor bytes (one file
     when None); ``staging_bytes`` bounds each copy from an accelerator (default
-    ``ReadOptions().staging_bytes``, 64 MiB). Everything is checked before anything is written: every
+    ``DEFAULT_STAGING_BYTES``, 64 MiB, the load's staging size too). Everything is checked before anything is written: every
     rank raises the same ``ExportError``; a lost peer raises ``PeerLostError``. Nothing is left
     at ``directory`` unless the save completed on every rank.
 
     Under HSDP (a 2-D mesh) only the replica holding rank 0 writes rows; the other replicas
-    take part in the agreements and write nothing. A rank waits ``agreement_timeout_s`` for its
+    take part in the agreements and write nothing. A rank waits ``timeout_s`` for its
     peers, and for the outcome of the writes that plus the time the whole save's bytes take at
     ``ASSUMED_WRITE_BYTES_PER_S`` (every rank may be writing into one shared filesystem at once).
     """
     t0 = time.perf_counter()
     directory = Path(directory)
-    staging_bytes = DEFAULT_READ_OPTIONS.staging_bytes if staging_bytes is None else staging_bytes
     model, checkpoint, load_plan = _unpack(model, source)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()  # FSDP2 keeps the root unsharded after a forward: save the shards
+    _reshard(model)
     _, world = rank_and_world()
     plan = plan_save(
         model,
@@ -237,13 +238,13 @@ def save_checkpoint(
     begun = _begin(directory, plan, checkpoint, problems)
     moved = False
     try:
-        tmp, everything = _agree_on_plan(plan, problems, begun, directory, agreement_timeout_s)
-        with _phase("writes", directory, agreement_timeout_s + everything / ASSUMED_WRITE_BYTES_PER_S):
+        tmp, everything = _agree_on_plan(plan, problems, begun, directory, timeout_s)
+        with _phase("writes", directory, timeout_s + everything / ASSUMED_WRITE_BYTES_PER_S):
             written, staged = write_rank_part(tmp, plan, staging_bytes)
             if plan.rank == 0:
                 write_index_and_configs(tmp, plan.layout, plan.config, plan.hf_quant)
                 copy_source_files(begun.files, tmp)
-        with _phase("move into place", directory, agreement_timeout_s, _move_failed(directory)):
+        with _phase("move into place", directory, timeout_s, _move_failed(directory)):
             if plan.rank == 0:
                 move_into_place(tmp, directory)
                 moved = True

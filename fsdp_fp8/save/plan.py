@@ -15,11 +15,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchao.quantization import Float8Tensor  # what quantize_model (runtime PTQ) makes of an fp8 weight
 
+from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.format.checkpoint import Checkpoint
 from fsdp_fp8.format.step_policy import check_step_policy
 from fsdp_fp8.format.writer import (
@@ -31,8 +31,8 @@ from fsdp_fp8.format.writer import (
     quantization_configs,
 )
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
-from fsdp_fp8.load.api import LoadedModel
 from fsdp_fp8.load.fsdp_wrap import local_rows, primary_replica
+from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.plan import LoadPlan
 
 
@@ -258,7 +258,7 @@ def plan_save(
         load_plan = model.plan if load_plan is None else load_plan
         model = model.model
     if rank is None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = rank_and_world()[0]
     problems: list[str] = []
     if checkpoint is None and config is None:
         problems.append("pass `config` (the model's config dict) or the `source` it was loaded from")

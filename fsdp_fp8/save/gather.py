@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_fp8.checkpoint.plan import persistent_tensors, static_fp8_parts
-from fsdp_fp8.format.sharding import padded_rows
+from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
 from fsdp_fp8.load.fsdp_wrap import primary_replica
+from fsdp_fp8.save.plan import persistent_tensors, static_fp8_parts
+from fsdp_fp8.shard_rows import padded_rows
 
 
 def _rows_as_bytes(local: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
@@ -59,7 +60,7 @@ def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective: every rank must call it (under HSDP the ranks of other replicas return at once
     from each tensor). Memory stays bounded by one full tensor.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     out: dict[str, torch.Tensor] = {}
     for name, tensor in persistent_tensors(model):
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,95 @@
+"""``load_pipeline``: a diffusers pipeline whose transformer fsdp_fp8 loaded, sharded, with its step policy.
+
+    check model_index.json and the pipeline class (interop) and the parallel layout, before any collective
+    -> load_model(transformer/)          the load (compose.model)
+    -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
+    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only
+    -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
+
+Every component but the transformer is loaded by diffusers itself, from local files only
+(``local_files_only=True``, ``trust_remote_code=False``): nothing is downloaded and no code from
+the checkpoint runs. ModelOpt is not needed. A transformer forward outside a denoising step while
+a policy is installed is refused (the policy could not be applied), never run silently at the
+wrong precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.collective.attached import Attachment
+from fsdp_fp8.compose.model import load_model
+from fsdp_fp8.format.hub import resolve_hub_path
+from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
+from fsdp_fp8.interop.cfg_parallel import cfg_pair, pair_of
+from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
+from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.load.loaded import LoadedModel
+from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
+from fsdp_fp8.load.spec import TowerSpec
+from fsdp_fp8.runtime.inference import prepare_for_inference
+
+# A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
+# (docs/design.md, "State kept on other libraries' objects").
+LOADED: Attachment[LoadedModel] = Attachment("the LoadedModel of a pipeline's transformer")
+
+
+def load_pipeline(
+    path: str | os.PathLike,
+    mesh: DeviceMesh | None = None,
+    *,
+    step_policy: str | dict = "auto",
+    towers: TowerSpec | None = None,
+    cfg_parallel: bool = False,
+    options: LoadOptions | None = None,
+    **kwargs,
+):
+    """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
+    resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
+    ``mesh`` (default: every rank).
+
+    ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy dict.
+    ``towers`` overrides the tower map. ``options`` (``LoadOptions``) and keyword arguments named
+    like its fields (``device``, ``read_options``, ``timeout_s``, ...) go to ``load_model``; every
+    other keyword argument goes to the pipeline's ``from_pretrained`` (e.g.
+    ``safety_checker=None``); a ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is
+    refused, and ``local_files_only`` is always set. Collective under a process group, like
+    ``load_model``. ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and
+    ``fsdp_fp8.routing_of(pipe.transformer)`` the routing (its ``trace``: one precision per step
+    run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
+
+    ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
+    (``fsdp_fp8.interop.cfg_parallel``); both ranks of a pair must then be given the same
+    request. Needs an even number of ranks.
+    """
+    settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
+    options = load_options(options, mesh=mesh, **settings)
+    root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
+    cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
+    if TRANSFORMER in kwargs:
+        raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
+    components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
+    if cfg_parallel:  # before the first collective: every rank sees the same world size
+        pair_of(*rank_and_world())
+    loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
+    routing = prepare_for_inference(loaded, step_policy)
+    pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
+    for name, component in pipe.components.items():
+        if name != TRANSFORMER and isinstance(component, nn.Module):
+            component.to(options.device)
+    attach_pipeline_state(loaded.model, PipelineState(routing, cfg=cfg_pair() if cfg_parallel else None))
+    LOADED.set(pipe, loaded)
+    return pipe
+
+
+def loaded_of(pipe) -> LoadedModel:
+    """The ``LoadedModel`` of ``pipe``'s transformer (``pipe`` from ``load_pipeline``): the
+    checkpoint, the load plan and report, the FP8 linears, the tower map."""
+    loaded = LOADED.get(pipe)
+    if loaded is None:
+        raise ValueError(f"this {type(pipe).__name__} was not loaded by fsdp_fp8.load_pipeline")
+    return loaded

@@ -1,0 +1,59 @@
+"""A diffusers pipeline's own files: ``model_index.json`` checked before anything is loaded, and the
+pipeline class it names (from diffusers itself, never from the checkpoint).
+
+    pipeline root (model_index.json)
+      transformer/   -> loaded by fsdp_fp8 (``fsdp_fp8.load_pipeline``)
+      vae/, scheduler/, text_tokenizer/, ...  -> diffusers / transformers from_pretrained, same directory
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from fsdp_fp8.format.remote_code import remote_code_references
+
+MODEL_INDEX = "model_index.json"
+TRANSFORMER = "transformer"
+log = logging.getLogger(__name__)
+
+
+def read_model_index(root: Path) -> dict:
+    index_path = root / MODEL_INDEX
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{root} has no {MODEL_INDEX}: not a diffusers pipeline root "
+            "(load a transformer directory alone with fsdp_fp8.load_model)"
+        )
+    try:
+        index = json.loads(index_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{index_path}: not valid JSON ({exc})") from None
+    problems = []
+    if not isinstance(index.get("_class_name"), str):
+        problems.append(f"`_class_name` is {index.get('_class_name')!r}, not a pipeline class name")
+    entry = index.get(TRANSFORMER)
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+        problems.append(f"`{TRANSFORMER}` is {entry!r}, not a diffusers model entry")
+    elif not (root / TRANSFORMER / "config.json").is_file():
+        problems.append(f"`{TRANSFORMER}` is listed but {root / TRANSFORMER / 'config.json'} does not exist")
+    references, unreadable = remote_code_references(root)
+    problems += unreadable
+    for ref in references:
+        if ref.startswith("model_index.json"):  # a component diffusers would import from the checkpoint
+            problems.append(ref)
+        else:  # an `auto_map` transformers ignores under trust_remote_code=False
+            log.warning("%s: %s; ignored (fsdp_fp8 never runs code from a checkpoint)", root, ref)
+    if problems:
+        raise ValueError(f"{index_path}:\n" + "\n".join(f"  - {p}" for p in problems))
+    return index
+
+
+def pipeline_class(name: str, source: Path):
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise ValueError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers {diffusers.__version__}")
+    return cls

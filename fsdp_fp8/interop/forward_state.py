@@ -1,0 +1,157 @@
+"""One per-forward state for a diffusers pipeline's transformer, read by one subclass of ours.
+
+diffusers pipelines call every transformer pass inside ``transformer.cache_context(name,
+step_index=i, num_inference_steps=n, ...)`` (``Cosmos3OmniPipeline``: ``"cond"``, then
+``"uncond"`` under classifier-free guidance) and then ``self.transformer(**kwargs)``. fsdp_fp8
+gives the loaded transformer one subclass of its class, made once per class
+(``Pipelined<Class>``, as ``fully_shard`` makes ``FSDP<Class>``), whose methods read the
+transformer's ``PipelineState`` (kept in ``PIPELINE_STATE``, weakly, by the transformer):
+
+- ``cache_context``: the generation tower at the step's precision (``runtime.precision``) for
+  the pass, W8A8 again on exit; the trace records each step once; under CFG-parallel the pair
+  learns which pass runs (``interop.cfg_parallel``).
+- ``__call__``: with a step policy installed, a forward outside a step is refused (before
+  FSDP's own pre-forward hook gathers anything); under CFG-parallel the pair decides whether to
+  run the model or hand back the partner's prediction.
+- ``_cp_shard_fn`` / ``_cp_gather_fn`` (the seams ``Cosmos3OmniTransformer.forward`` offers
+  around its decoder stack): under sequence parallelism the state's sequence group splits and
+  re-joins the generation tokens; otherwise they return their inputs.
+
+The precision is a pure function of ``(i, n)``, so both guidance passes of one step, and every
+rank, agree. Nothing is set on the instance: the class is swapped once, at load, and the state
+is the one value every per-forward behaviour reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fsdp_fp8.collective.attached import Attachment
+from fsdp_fp8.interop.cfg_parallel import CfgPair
+from fsdp_fp8.runtime.precision import PrecisionRouting, set_step_precision
+
+
+@dataclass
+class PipelineState:
+    """What a pipeline transformer's forwards read: the step routing, the optional CFG pair and
+    the optional sequence-parallel group (an object with ``shard`` and ``gather``)."""
+
+    routing: PrecisionRouting
+    cfg: CfgPair | None = None
+    sequence: object | None = None
+    step: tuple[int, int] | None = None  # (i, n) of the step running
+    passes: set[str] = field(default_factory=set)  # the pass names seen in that step
+
+    @contextlib.contextmanager
+    def pass_context(self, inner, name: str, kwargs: dict):
+        """``inner(name, **kwargs)`` (diffusers' own ``cache_context``) at the step's precision."""
+        step, steps = kwargs.get("step_index"), kwargs.get("num_inference_steps")
+        if not (isinstance(step, int) and isinstance(steps, int)):
+            if self.routing.policy is not None:
+                raise RuntimeError(
+                    f"the pipeline entered transformer.cache_context({name!r}) without `step_index` and "
+                    "`num_inference_steps`; fsdp_fp8 cannot tell which denoising step runs, so it cannot "
+                    "apply the checkpoint's step policy (load with step_policy='off' to run every step W8A8)"
+                )
+            with inner(name, **kwargs), self._naming(name, step):
+                yield
+            return
+        # A new step begins at a new (i, n), or when a pass name repeats (the next request).
+        new_step = (step, steps) != self.step or name in self.passes
+        if new_step:
+            self.step, self.passes = (step, steps), set()
+        self.passes.add(name)
+        with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
+            with self._naming(name, step):
+                yield
+
+    @contextlib.contextmanager
+    def _naming(self, name: str, step):
+        if self.cfg is None:
+            yield
+            return
+        self.cfg.current = (name, step)
+        try:
+            yield
+        finally:
+            self.cfg.current = None
+
+    def call(self, run, args: tuple, kwargs: dict):
+        """One ``transformer(...)`` call: refused outside a step under a policy; else the CFG
+        pair's decision, or ``run`` itself."""
+        if self.routing.policy is not None and self.routing.active == 0:
+            raise RuntimeError(
+                "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
+                "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)"
+            )
+        if self.cfg is not None:
+            return self.cfg.call(run, args, kwargs)
+        return run(*args, **kwargs)
+
+
+# A pipeline transformer's per-forward state, set by ``fsdp_fp8.load_pipeline``; read by the
+# methods of its ``Pipelined<Class>`` (docs/design.md, "State kept on other libraries' objects").
+PIPELINE_STATE: Attachment[PipelineState] = Attachment("a pipeline transformer's per-forward state")
+
+
+def state_of(model: nn.Module) -> PipelineState:
+    state = PIPELINE_STATE.get(model)
+    if state is None:  # a copy of a loaded transformer: its state stayed with the original
+        raise RuntimeError(
+            f"this {type(model).__name__} has no fsdp_fp8 pipeline state (only the transformer "
+            "load_pipeline returned has one; a copy does not)"
+        )
+    return state
+
+
+_PIPELINED: dict[type, type] = {}  # a transformer class -> its one subclass of ours
+
+
+def pipelined_class(cls: type) -> type:
+    """``cls`` with the four methods above reading the instance's ``PipelineState``; one subclass
+    per class, made once. A subclass rather than instance attributes: an attribute named
+    ``cache_context`` would shadow diffusers' method and travel with copies; the class keeps the
+    methods where diffusers looks them up (``self.transformer.cache_context(...)``,
+    ``self._cp_shard_fn(...)``)."""
+    if cls not in _PIPELINED:
+
+        class Pipelined(cls):
+            def cache_context(self, name, **kwargs):
+                return state_of(self).pass_context(super().cache_context, name, kwargs)
+
+            def __call__(self, *args, **kwargs):
+                return state_of(self).call(super().__call__, args, kwargs)
+
+            def _cp_shard_fn(self, und_seq, gen_seq, rotary_emb):
+                sequence = state_of(self).sequence
+                return (
+                    (und_seq, gen_seq, rotary_emb) if sequence is None else sequence.shard(und_seq, gen_seq, rotary_emb)
+                )
+
+            def _cp_gather_fn(self, und_out, gen_out):
+                sequence = state_of(self).sequence
+                return (und_out, gen_out) if sequence is None else sequence.gather(und_out, gen_out)
+
+        Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{cls.__name__}"
+        _PIPELINED[cls] = Pipelined
+    return _PIPELINED[cls]
+
+
+def attach_pipeline_state(model: nn.Module, state: PipelineState) -> None:
+    """Give ``model`` (a loaded pipeline transformer) its state and its one subclass of ours."""
+    PIPELINE_STATE.set(model, state)
+    model.__class__ = pipelined_class(type(model))
+
+
+def pipeline_state_of(model: nn.Module) -> PipelineState | None:
+    """``model``'s pipeline state, or ``None`` (not a transformer ``load_pipeline`` returned)."""
+    return PIPELINE_STATE.get(model)
+
+
+def cfg_pair_of(model: nn.Module) -> CfgPair | None:
+    """``model``'s side of its CFG pair (``load_pipeline(..., cfg_parallel=True)``), or ``None``."""
+    state = PIPELINE_STATE.get(model)
+    return state.cfg if state is not None else None
