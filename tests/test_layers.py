@@ -12,6 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_fp8"
 
 # layer -> the layers it may import (its own layer is always allowed)
+_COMPOSED = {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"}
+_TOP = _COMPOSED | {"save", "compose"}  # what the entry points and the test helpers may use
 ALLOWED = {
     "errors": set(),
     "format": {"errors"},
@@ -22,34 +24,10 @@ ALLOWED = {
     "export": {"errors", "format", "collective", "fp8"},
     "runtime": {"errors", "format", "collective", "fp8", "load", "models"},
     "save": {"errors", "format", "collective", "fp8", "load", "models", "export"},
-    "interop": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export"},
-    "compose": {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"},
-    "cli": {
-        "errors",
-        "format",
-        "collective",
-        "fp8",
-        "load",
-        "models",
-        "runtime",
-        "export",
-        "interop",
-        "save",
-        "compose",
-    },
-    "testing": {
-        "errors",
-        "format",
-        "collective",
-        "fp8",
-        "load",
-        "models",
-        "runtime",
-        "export",
-        "interop",
-        "save",
-        "compose",
-    },
+    "interop": _COMPOSED - {"interop"},
+    "compose": _COMPOSED,
+    "cli": _TOP,
+    "testing": _TOP,
 }
 # The bottom: plain values every layer may use (error types; FSDP2's row arithmetic)
 BOTTOM = {"errors", "shard_rows"}
