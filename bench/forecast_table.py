@@ -3,13 +3,15 @@ transformer shapes alone (``fsdp_fp8.runtime.forecast.config_tensors``: meta dev
 downloaded). Prints a Markdown table: 1, 2, 4, 8 GPUs x 720p / 189 frames and a 1024^2 image.
 
     python bench/forecast_table.py [--cfg-parallel]
+    python bench/forecast_table.py --step-time    # seconds per denoising step (fsdp_fp8.runtime.step_time)
 """
 
 from __future__ import annotations
 
 import argparse
 
-from fsdp_fp8.runtime.forecast import GiB, TransformerShape, VideoSize, config_tensors, forecast
+from fsdp_fp8.runtime.forecast import DEFAULT_TEXT_TOKENS, GiB, TransformerShape, VideoSize, config_tensors, forecast
+from fsdp_fp8.runtime.step_time import H200, LINK_EFFICIENCY, MFU, ParallelPlan, step_seconds
 
 # Nano: diffusers 0.42's Cosmos3OmniTransformer defaults (36 layers, 15.2B parameters: the
 # published count). Super: the 64-layer Qwen3-VL-32B text shape per tower (64B parameters); not
@@ -30,7 +32,10 @@ SIZES = {"720p, 189 frames": VideoSize(720, 1280, 189), "1024^2 image": VideoSiz
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cfg-parallel", action="store_true")
+    p.add_argument("--step-time", action="store_true", help="the per-step time forecast instead of memory")
     args = p.parse_args()
+    if args.step_time:
+        return step_time_table()
     print("| model | size | GPUs | weights | gathered | activations | peak per GPU |")
     print("|---|---|---|---|---|---|---|")
     for name, overrides in (("Nano", NANO), ("Super", SUPER)):
@@ -48,6 +53,35 @@ def main() -> None:
                     f"| {name} | {label} | {world} | {t['sharded weights'] / GiB:.1f} | {gathered / GiB:.1f} | "
                     f"{t['activations'] / GiB:.1f} | {fc.device_bytes / GiB:.1f} GiB |"
                 )
+
+
+def plans(gpus: int) -> list[ParallelPlan]:
+    """FSDP alone, CFG-parallel, and the sequence-parallel layouts ``gpus`` allows."""
+    out = [ParallelPlan(gpus)]
+    if gpus >= 2:
+        out.append(ParallelPlan(gpus, cfg_parallel=True))
+        out.append(ParallelPlan(gpus, sequence_parallel=gpus))
+    if gpus >= 4:
+        out.append(ParallelPlan(gpus, cfg_parallel=True, sequence_parallel=gpus // 2))
+    return out
+
+
+def step_time_table() -> None:
+    size = SIZES["720p, 189 frames"]
+    print(
+        f"assumed: {MFU:.0%} of dense peak, {LINK_EFFICIENCY:.0%} of NVLink; {H200.name}, {DEFAULT_TEXT_TOKENS} text tokens"
+    )
+    print("| model | GPUs | parallelism | s / step, W8A8 | s / step, W8A16 | x one GPU |")
+    print("|---|---|---|---|---|---|")
+    for name, overrides in (("Nano", NANO), ("Super", SUPER)):
+        shape = TransformerShape.from_config({**_defaults(), **overrides})
+        vision = size.vision_tokens(shape.patch)
+        one = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, ParallelPlan(1), H200)
+        for gpus in (1, 2, 4, 8):
+            for plan in plans(gpus):
+                fp8 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200)
+                bf16 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200, w8a8=False)
+                print(f"| {name} | {gpus} | {plan.label} | {fp8:.2f} | {bf16:.2f} | {one / fp8:.1f}x |")
 
 
 def _defaults() -> dict:

@@ -1,0 +1,109 @@
+"""Time per denoising step of a Cosmos 3 transformer, forecast from FLOPs and bytes alone.
+
+One pass is one transformer forward over ``text + vision`` tokens; a step runs two (classifier-
+free guidance). The work of a pass, from the transformer's shape (``forecast.TransformerShape``):
+
+- **linears**: ``2 x tokens x weights`` FLOPs for each tower's decoder linears (the generation
+  tower on the vision tokens, the understanding tower on the text); the embedders and heads are
+  left out (under 1 % at these sizes);
+- **attention**: the generation queries against every key (text and vision) and the causal text
+  pathway: ``4 x queries x keys x heads x head_dim`` FLOPs (``Q K^T`` and ``P V``), half of it for
+  the causal part.
+
+How the ranks split it (``ParallelPlan``): CFG-parallel gives each rank of a pair one pass;
+sequence parallelism (Ulysses, degree ``S``) gives each rank ``1/S`` of the vision tokens' linears
+and ``1/S`` of the heads of their attention, while the short text pathway stays whole on every
+rank. FSDP2 all-gathers every layer's weights once per pass (FP8: one byte per weight), overlapped
+with the compute by its prefetch; Ulysses moves each rank's Q/K/V before attention and the output
+after it through all-to-alls on the critical path.
+
+The forecast is ``max(compute, all-gather) + all-to-all`` per pass, with compute at an assumed
+fraction of the GPU's dense peak (``MFU``) and the collectives at an assumed fraction of its
+NVLink bandwidth. Assumptions, not measurements: docs/cosmos3.md prints them beside the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_fp8.runtime.forecast import TransformerShape
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    fp8_tflops: float  # dense peak, W8A8 steps
+    bf16_tflops: float  # dense peak, W8A16 steps and attention
+    link_gb_s: float  # NVLink bandwidth per direction per GPU
+
+
+# NVIDIA's data sheets (SXM, dense, no sparsity): H100 and H200 share the compute; NVLink 4
+# carries 900 GB/s in both directions together, 450 GB/s each way.
+H100 = Gpu("H100 SXM", 1979.0, 989.0, 450.0)
+H200 = Gpu("H200 SXM", 1979.0, 989.0, 450.0)
+MFU = 0.5  # the fraction of peak a large GEMM or flash-attention kernel sustains (assumed)
+LINK_EFFICIENCY = 0.7  # of NVLink bandwidth an NCCL all-gather / all-to-all sustains (assumed)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    gpus: int
+    cfg_parallel: bool = False
+    sequence_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        pairs = 2 if self.cfg_parallel else 1
+        if self.gpus % (pairs * self.sequence_parallel):
+            raise ValueError(
+                f"{self.gpus} GPUs do not split into {pairs} CFG ranks x {self.sequence_parallel} sequence ranks"
+            )
+
+    @property
+    def label(self) -> str:
+        parts = (["CFG 2"] if self.cfg_parallel else []) + (
+            [f"SP {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
+        )
+        return " x ".join(parts) or "FSDP only"
+
+
+@dataclass(frozen=True)
+class PassWork:
+    """One transformer forward over ``text`` + ``vision`` tokens, on one rank."""
+
+    linear_flops: float
+    attention_flops: float
+    all_gather_bytes: float  # FP8 weights this rank receives
+    all_to_all_bytes: float  # what this rank sends (and receives) in Ulysses' all-to-alls
+
+
+def layer_weights(shape: TransformerShape) -> int:
+    """Weights of one tower's linears in one decoder layer (q, k, v, out; gate, up, down)."""
+    attention = shape.hidden * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    return attention + 3 * shape.hidden * shape.intermediate
+
+
+def pass_work(shape: TransformerShape, text: int, vision: int, sequence_parallel: int = 1, gpus: int = 1) -> PassWork:
+    """The FLOPs and bytes of one pass on one rank of a sequence group of ``sequence_parallel``,
+    the weights sharded over ``gpus``."""
+    s = sequence_parallel
+    per_layer = layer_weights(shape)
+    linear = 2 * (vision / s + text) * per_layer * shape.layers
+    width = shape.heads * shape.head_dim
+    gen_attention = 4 * vision * (text + vision) * width / s
+    text_attention = 2 * text * text * width  # causal: half of the square
+    weights = 2 * per_layer * shape.layers  # both towers, FP8: one byte each
+    qkv_out = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.dtype_bytes
+    all_to_all = (vision / s) * qkv_out * (s - 1) / s * shape.layers
+    return PassWork(linear, (gen_attention + text_attention) * shape.layers, weights * (gpus - 1) / gpus, all_to_all)
+
+
+def step_seconds(
+    shape: TransformerShape, text: int, vision: int, plan: ParallelPlan, gpu: Gpu, w8a8: bool = True
+) -> float:
+    """Forecast seconds of one denoising step (two guidance passes) on ``plan``'s GPUs."""
+    work = pass_work(shape, text, vision, plan.sequence_parallel, plan.gpus)
+    linear_tflops = gpu.fp8_tflops if w8a8 else gpu.bf16_tflops
+    compute = work.linear_flops / (linear_tflops * 1e12 * MFU) + work.attention_flops / (gpu.bf16_tflops * 1e12 * MFU)
+    link = gpu.link_gb_s * 1e9 * LINK_EFFICIENCY
+    one_pass = max(compute, work.all_gather_bytes / link) + work.all_to_all_bytes / link
+    return one_pass * (1 if plan.cfg_parallel else 2)
