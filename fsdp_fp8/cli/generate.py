@@ -26,8 +26,8 @@ from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
-from fsdp_fp8.interop.cfg_parallel import request_slots
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
+from fsdp_fp8.interop.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
 
@@ -78,8 +78,17 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
     cfg_parallel = getattr(args, "cfg_parallel", False)
-    slot, slots, writes = request_slots(rank, world, cfg_parallel)  # --cfg-parallel: a pair per request
-    pipe = load_pipeline(path, step_policy=args.step_policy, cfg_parallel=cfg_parallel, options=options)
+    sequence_parallel = getattr(args, "sequence_parallel", 1)
+    # The ranks of one request: a CFG pair, a sequence group, or both (interop.parallel_layout)
+    layout = ParallelLayout(rank, world, cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
+    slot, slots, writes = layout.slot, layout.slots, layout.writes
+    pipe = load_pipeline(
+        path,
+        step_policy=args.step_policy,
+        cfg_parallel=cfg_parallel,
+        sequence_parallel=sequence_parallel,
+        options=options,
+    )
     load_s = time.perf_counter() - t0
     residency = apply_residency(
         pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
@@ -108,6 +117,7 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
         pipeline=type(pipe).__name__,
         steps=args.steps,
         cfg_parallel=cfg_parallel,
+        parallelism=layout.describe(),
         load_seconds=round(load_s, 3),
         sample_seconds=round(sample_s, 3),
         residency=residency.as_dict(),

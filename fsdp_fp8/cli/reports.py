@@ -285,6 +285,7 @@ class PipelineReport(Report):
     latent_sha256: str
     outputs: list[PromptOutput]
     cfg_parallel: bool = False  # the guidance passes ran on rank pairs (--cfg-parallel)
+    parallelism: str = "none"  # the ranks of one request: "CFG 2 x SP 4", "SP 2", "CFG 2" or "none"
 
     def set_no_fp8(self) -> None:
         super().set_no_fp8()
@@ -301,7 +302,8 @@ class PipelineReport(Report):
             *_line(
                 "pipeline",
                 f"{self.pipeline}, {plural(len(self.outputs), 'prompt')}, {plural(self.steps, 'step')} each, "
-                f"in {self.sample_seconds:.2f} s" + (", guidance passes on rank pairs" if self.cfg_parallel else ""),
+                f"in {self.sample_seconds:.2f} s"
+                + (f", each request on {self.parallelism} ranks" if self.parallelism != "none" else ""),
             ),
             f"precision       {_precision(self.precision_trace, self.step_policy)}",
             *_residency_line(self.residency),

@@ -15,7 +15,9 @@ wrong precision.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,9 +27,11 @@ from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
-from fsdp_fp8.interop.cfg_parallel import cfg_pair, pair_of
+from fsdp_fp8.interop.cfg_parallel import cfg_pair
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.interop.parallel_layout import ParallelLayout, head_problems
+from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
 from fsdp_fp8.load.spec import TowerSpec
@@ -45,6 +49,7 @@ def load_pipeline(
     step_policy: str | dict = "auto",
     towers: TowerSpec | None = None,
     cfg_parallel: bool = False,
+    sequence_parallel: int = 1,
     options: LoadOptions | None = None,
     **kwargs,
 ):
@@ -63,8 +68,11 @@ def load_pipeline(
     run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
-    (``fsdp_fp8.interop.cfg_parallel``); both ranks of a pair must then be given the same
-    request. Needs an even number of ranks.
+    (``fsdp_fp8.interop.cfg_parallel``). ``sequence_parallel``: groups of that many ranks split
+    the generation tokens of each pass (``fsdp_fp8.interop.sequence_parallel``; Cosmos 3). The
+    ranks of one request (``interop.parallel_layout``) must then be given the same request; the
+    world size must divide into them, and the degree into the attention heads (both checked
+    before anything loads).
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     options = load_options(options, mesh=mesh, **settings)
@@ -73,17 +81,32 @@ def load_pipeline(
     if TRANSFORMER in kwargs:
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
-    if cfg_parallel:  # before the first collective: every rank sees the same world size
-        pair_of(*rank_and_world())
+    layout = _layout(root, cfg_parallel, sequence_parallel)  # before the first collective: alike on every rank
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     routing = prepare_for_inference(loaded, step_policy)
     pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
             component.to(options.device)
-    attach_pipeline_state(loaded.model, PipelineState(routing, cfg=cfg_pair() if cfg_parallel else None))
+    sequence = sequence_group(layout.sequence_groups(), layout.rank) if sequence_parallel > 1 else None
+    if sequence is not None:
+        install_sequence_parallel(loaded.model, sequence)
+    cfg = cfg_pair(layout) if cfg_parallel else None
+    attach_pipeline_state(loaded.model, PipelineState(routing, cfg=cfg, sequence=sequence))
     LOADED.set(pipe, loaded)
     return pipe
+
+
+def _layout(root: Path, cfg_parallel: bool, sequence_parallel: int) -> ParallelLayout:
+    """This rank's place in the CFG pairs and sequence groups; ``ValueError`` when the world or
+    the transformer's heads cannot be cut so (from the files and the world size alone)."""
+    layout = ParallelLayout(*rank_and_world(), cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
+    source = root / TRANSFORMER / "config.json"
+    if sequence_parallel > 1:
+        problems = head_problems(json.loads(source.read_text()), sequence_parallel, str(source))
+        if problems:
+            raise ValueError("; ".join(problems))
+    return layout
 
 
 def loaded_of(pipe) -> LoadedModel:

@@ -1,9 +1,10 @@
 """Classifier-free-guidance parallelism: the two passes of one step on the two ranks of a pair.
 
 Under FSDP every rank runs whole requests, so one prompt on two GPUs runs its conditional and
-its unconditional pass on both. With CFG-parallel, ranks ``(2k, 2k + 1)`` form a pair that
-serves one request: at each denoising step the pair's rank 0 runs the conditional pass, its
-rank 1 the unconditional pass, at the same time, and the two predictions are exchanged in one
+its unconditional pass on both. With CFG-parallel, two ranks form a pair that serves one
+request (``(2k, 2k + 1)``; with sequence groups, the ranks at one position of a request's two
+groups: ``interop.parallel_layout``): at each denoising step the pair's role-0 rank runs the
+conditional pass, its role-1 rank the unconditional pass, at the same time, and the two predictions are exchanged in one
 all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
 stay FSDP's). Each rank computes one pass per step instead of two. FSDP's collectives stay in
 lockstep: both passes run the same blocks in the same order, only the sequence lengths differ.
@@ -39,26 +40,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fsdp_fp8.interop.parallel_layout import ParallelLayout
+
 COND, UNCOND = "cond", "uncond"
 # The keyword arguments that change from step to step; the pipeline passes the same objects to
 # both passes of a step (its comment on the shared per-step timestep tensors).
 PER_STEP = ("vision_tokens", "vision_timesteps", "sound_tokens", "sound_timesteps", "action_tokens", "action_timesteps")
-
-
-def pair_of(rank: int, world: int) -> tuple[int, int]:
-    """``(pair index, role)``: rank ``r`` is role ``r % 2`` (0 cond, 1 uncond) of pair ``r // 2``."""
-    if world % 2:
-        raise ValueError(f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}")
-    return rank // 2, rank % 2
-
-
-def request_slots(rank: int, world: int, cfg_parallel: bool) -> tuple[int, int, bool]:
-    """``(slot, slots, writes)``: this rank serves requests ``slot, slot + slots, ...``; ``writes``:
-    it reports and saves them (both ranks of a CFG pair hold the same latents; the cond rank writes)."""
-    if not cfg_parallel:
-        return rank, world, True
-    pair, role = pair_of(rank, world)
-    return pair, world // 2, role == 0
 
 
 def _same_object(a, b) -> bool:
@@ -156,14 +143,15 @@ class CfgPair:
         return tree_unflatten(out, spec)
 
 
-def cfg_pair() -> CfgPair:
-    """This rank's side of its CFG pair, its group made (collective: every rank calls it, in pairs
-    ``(2k, 2k + 1)``). Needs a process group of an even size."""
-    if not dist.is_initialized():
-        raise ValueError("CFG-parallel needs a process group (torchrun, 2 ranks or more in pairs)")
-    _, role = pair_of(dist.get_rank(), dist.get_world_size())
-    group, _ = dist.new_subgroups(group_size=2)
-    return CfgPair(group, role)
+def cfg_pair(layout: ParallelLayout) -> CfgPair:
+    """This rank's side of its CFG pair (``layout.cfg_pairs()``), every pair's group made
+    (collective: every rank calls it with the same layout)."""
+    mine = None
+    for ranks in layout.cfg_pairs():
+        group = dist.new_group(ranks=ranks)
+        if layout.rank in ranks:
+            mine = group
+    return CfgPair(mine, layout.role)
 
 
-__all__ = ["CfgPair", "cfg_pair", "pair_of", "request_slots"]
+__all__ = ["CfgPair", "cfg_pair"]

@@ -1,0 +1,225 @@
+"""Sequence (Ulysses) parallelism for diffusers' ``Cosmos3OmniTransformer``: the ranks of a
+sequence group split the generation tokens of one pass, bit for bit what one rank computes.
+
+Cosmos 3 packs one sequence per pass: a short causal text ("understanding") prefix and the long
+vision ("generation") part. The transformer offers two seams around its decoder stack
+(``_cp_shard_fn``, ``_cp_gather_fn``; the pipeline transformer's one subclass of ours calls
+``shard`` / ``gather`` below through them, ``interop.forward_state``), and each attention layer
+takes a processor (``set_processor``): diffusers' own context-parallel path refuses causal and
+GQA attention, so the attention is this module's processor.
+
+::
+
+    gen rows (L)  ──pad to sp x chunk──▶ rank p keeps rows [p x chunk, (p + 1) x chunk)   (shard)
+    every decoder layer, on each rank:
+      text rows: whole, every head (the causal pathway, as one rank runs it)
+      gen rows:  q/k/v of its rows, every head ──all-to-all──▶ every row, heads / sp
+                 (keys and values: the text keys for those heads + every real gen row;
+                  the padded rows are dropped, never masked)
+                 attention ──all-to-all──▶ its rows, every head ──▶ to_add_out, MLP
+    gen rows of every rank ──all-gather──▶ the L real rows on every rank               (gather)
+
+Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 16 bits gives
+any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
+a rank's slice is therefore at least ``MIN_ROWS`` rows (padded). Attention per head is the same
+computation on the same rows (SDPA's kernel splits work over batch and heads). Norms and rotary
+embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
+projections of one pathway receive the same tensor object, as in diffusers' processor, so the
+shared FP8 quantization of one input still happens once (``fp8.shared_inputs``).
+
+Collectives: tensors travel as bytes (``uint8`` views: gloo takes no bfloat16 or float8; NCCL
+takes the same calls) into contiguous buffers made for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_fp8.runtime.collectives import all_gather_into
+
+MIN_ROWS = 16  # a rank's generation rows at the least: torch._scaled_mm's bits hold from 12 rows
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``_rotate_half`` (``cat((-x2, x1))`` of the two halves of the last dim), the
+    halves taken with ``narrow``: the same operations, and no Python indexing (fake CUDA's tier)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x.narrow(-1, half, x.shape[-1] - half), x.narrow(-1, 0, half)), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``Cosmos3AttnProcessor``'s rotary embedding."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class SequenceParallel:
+    """One rank's side of a sequence group: ``shard`` before the decoder stack, the attention's
+    all-to-alls, ``gather`` after it. Holds the sizes of the pass running (``length``: the real
+    generation rows; ``chunk``: each rank's rows)."""
+
+    def __init__(self, group, position: int, size: int):
+        self.group, self.position, self.size = group, position, size
+        self.length: int | None = None
+        self.chunk: int | None = None
+        self.all_to_alls = 0  # how many this rank ran (for the tests and the bench)
+
+    def rows(self, length: int) -> int:
+        """Each rank's generation rows for a pass of ``length`` rows."""
+        return max(-(-length // self.size), MIN_ROWS)
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        padded = self.size * self.chunk
+        if t.shape[0] < padded:
+            t = torch.cat([t, t.new_zeros((padded - t.shape[0], *t.shape[1:]))])
+        return t.narrow(0, self.position * self.chunk, self.chunk)
+
+    def shard(self, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple):
+        """``_cp_shard_fn``: this rank's generation rows and their rotary tables; the text whole."""
+        self.length = gen_seq.shape[0]
+        self.chunk = self.rows(self.length)
+        cos_und, sin_und, cos_gen, sin_gen = rotary_emb
+        return und_seq, self._slice(gen_seq), (cos_und, sin_und, self._slice(cos_gen), self._slice(sin_gen))
+
+    def gather(self, und_out: torch.Tensor, gen_out: torch.Tensor):
+        """``_cp_gather_fn``: every rank's generation rows, the padding dropped."""
+        rows = gen_out.shape[0]
+        out = gen_out.new_empty((self.size * rows, *gen_out.shape[1:]))
+        self._all_gather(out, gen_out.contiguous())
+        return und_out, out.narrow(0, 0, self.length)
+
+    def to_heads(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Each (chunk, heads, dim) of this rank's rows -> (length, heads / size, dim): every real
+        row, this rank's slice of the heads; all of them in one all-to-all."""
+        rows, dim = xs[0].shape[0], xs[0].shape[-1]
+        shares = [x.shape[1] // self.size for x in xs]
+        parts = [x.reshape(rows, self.size, share, dim) for x, share in zip(xs, shares)]
+        send = torch.cat(parts, dim=2).transpose(0, 1).contiguous()  # chunk j: every tensor's heads slice j
+        out = torch.empty_like(send)  # contiguous: (size, rows, shares, dim), rank i's rows in chunk i
+        self._all_to_all(out, send)
+        both = out.reshape(self.size * rows, sum(shares), dim).narrow(0, 0, self.length)
+        return list(both.split(shares, dim=1))
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse: (length, heads / size, dim) -> (chunk, heads, dim) of this rank's rows."""
+        _, share, dim = x.shape
+        padded = self.size * self.chunk
+        if x.shape[0] < padded:
+            x = torch.cat([x, x.new_zeros((padded - x.shape[0], share, dim))])
+        send = x.reshape(self.size, self.chunk, share, dim).contiguous()  # chunk j: rank j's rows
+        out = torch.empty_like(send)  # chunk i: this rank's rows, heads slice i
+        self._all_to_all(out, send)
+        return out.transpose(0, 1).reshape(self.chunk, self.size * share, dim)
+
+    def _all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        all_gather_into(_bytes(out), _bytes(mine), group=self.group)
+
+    def _all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> None:
+        dist.all_to_all_single(_bytes(out), _bytes(send), group=self.group)
+        self.all_to_alls += 1
+
+    def my_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``t``'s heads (dim 1)."""
+        share = t.shape[1] // self.size
+        return t.narrow(1, self.position * share, share)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes (gloo takes no bfloat16 or float8; NCCL takes the same bytes)."""
+    return t.view(torch.uint8)
+
+
+class UlyssesCosmos3AttnProcessor:
+    """``Cosmos3AttnProcessor``'s computation with the generation pathway split over a sequence
+    group (module docstring); the text pathway exactly as diffusers' processor runs it."""
+
+    def __init__(self, sequence: SequenceParallel, backend=None):
+        self.sequence = sequence
+        self._attention_backend = backend
+
+    def __call__(self, attn, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        sp = self.sequence
+        heads, kv_heads, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        q_und = attn.to_q(und_seq).view(-1, heads, dim)
+        k_und = attn.to_k(und_seq).view(-1, kv_heads, dim)
+        v_und = attn.to_v(und_seq).view(-1, kv_heads, dim)
+        q_gen = attn.add_q_proj(gen_seq).view(-1, heads, dim)
+        k_gen = attn.add_k_proj(gen_seq).view(-1, kv_heads, dim)
+        v_gen = attn.add_v_proj(gen_seq).view(-1, kv_heads, dim)
+
+        q_und, k_und = attn.norm_q(q_und), attn.norm_k(k_und)
+        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
+        q_gen, k_gen = attn.norm_added_q(q_gen), attn.norm_added_k(k_gen)
+
+        cos_und, sin_und, cos_gen, sin_gen = (t.unsqueeze(1) for t in rotary_emb)
+        q_und, k_und = _rope(q_und, cos_und, sin_und), _rope(k_und, cos_und, sin_und)
+        k_und_for_gen = _rope(k_und_for_gen, cos_und, sin_und)
+        q_gen, k_gen = _rope(q_gen, cos_gen, sin_gen), _rope(k_gen, cos_gen, sin_gen)
+
+        causal_out = dispatch_attention_fn(
+            q_und.unsqueeze(0),
+            k_und.unsqueeze(0),
+            v_und.unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+            backend=self._attention_backend,
+        )
+        causal_out = causal_out.squeeze(0).flatten(-2, -1)
+
+        # Fewer key/value heads than ranks: each rank's query heads share one key/value head,
+        # which goes to every rank that needs it (repeated as GQA would; the same values).
+        repeat = max(sp.size // kv_heads, 1)
+        if repeat > 1:
+            k_und_for_gen, v_und, k_gen, v_gen = (
+                t.repeat_interleave(repeat, dim=1) for t in (k_und_for_gen, v_und, k_gen, v_gen)
+            )
+        q_gen, k_gen, v_gen = sp.to_heads(q_gen, k_gen, v_gen)
+        all_k = torch.cat([sp.my_heads(k_und_for_gen), k_gen], dim=0)
+        all_v = torch.cat([sp.my_heads(v_und), v_gen], dim=0)
+        full_out = dispatch_attention_fn(
+            q_gen.unsqueeze(0),
+            all_k.unsqueeze(0),
+            all_v.unsqueeze(0),
+            is_causal=False,
+            enable_gqa=True,
+            backend=self._attention_backend,
+        )
+        full_out = sp.to_rows(full_out.squeeze(0)).flatten(-2, -1)
+        return attn.to_out(causal_out), attn.to_add_out(full_out)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``Cosmos3PackedMoTAttention`` modules of ``model`` (by their processor's class name)."""
+    return [m for m in model.modules() if type(getattr(m, "processor", None)).__name__ == "Cosmos3AttnProcessor"]
+
+
+def install_sequence_parallel(model: nn.Module, sequence: SequenceParallel) -> int:
+    """Give every attention layer of ``model`` (a Cosmos 3 transformer) the Ulysses processor of
+    ``sequence``; returns how many. The seams (``_cp_shard_fn`` / ``_cp_gather_fn``) are the
+    pipeline state's (``interop.forward_state``)."""
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no Cosmos3PackedMoTAttention with diffusers' Cosmos3AttnProcessor: "
+            "sequence parallelism splits Cosmos 3 transformers only"
+        )
+    for module in modules:
+        module.set_processor(
+            UlyssesCosmos3AttnProcessor(sequence, getattr(module.processor, "_attention_backend", None))
+        )
+    return len(modules)
+
+
+def sequence_group(groups: list[list[int]], rank: int) -> SequenceParallel:
+    """This rank's ``SequenceParallel``, every group made (collective: every rank calls it with the
+    same ``groups``, from ``ParallelLayout.sequence_groups``)."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            mine = SequenceParallel(group, ranks.index(rank), len(ranks))
+    assert mine is not None, (rank, groups)
+    return mine

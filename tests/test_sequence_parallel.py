@@ -1,0 +1,211 @@
+"""Sequence (Ulysses) parallelism for Cosmos 3: the generation tokens of one pass split over a
+sequence group, composed with FSDP2's FP8 sharding and CFG-parallel, latents bit-identical to the
+one-rank sequential run.
+
+The pipelines are test_cfg_parallel's: the embedded demo's (4 query heads, 2 key/value heads)
+and one around the real ModelOpt 0.47 export (2 query heads, 1 key/value head: ranks share it).
+Two sizes: the demo's default image (16 generation tokens: each rank's slice is padded to 16
+rows) and a multi-frame video (144 tokens). One spawn per world size records what the tests judge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+from test_cfg_parallel import roots  # noqa: E402, F401 - the two pipeline roots (a module fixture)
+
+from fsdp_fp8.interop.parallel_layout import ParallelLayout, head_problems, layout_problems  # noqa: E402
+
+STEPS = 4
+IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # latent 8 x 8, patch 2: 16 generation tokens
+VIDEO = {"num_frames": 9, "height": 64, "width": 48}  # latent 3 x 16 x 12: 144 generation tokens
+SIZES = {"image": IMAGE, "video": VIDEO}
+PROMPTS = ("a red fox", "a lighthouse in a storm")
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _generate(root: str, prompt: str, size: dict, cfg_parallel: bool = False, sequence_parallel: int = 1) -> dict:
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.fp8.linear import Float8StaticLinear
+    from fsdp_fp8.interop.forward_state import pipeline_state_of
+
+    pipe = load_pipeline(
+        root, device=torch.device("cpu"), cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel
+    )
+    pipe.set_progress_bar_config(disable=True)
+    groups = {id(m.shared): m.shared for m in pipe.transformer.modules() if isinstance(m, Float8StaticLinear)}
+    groups.pop(id(None), None)
+    forwards = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    out = pipe(
+        prompt,
+        **size,
+        num_inference_steps=STEPS,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
+    state = pipeline_state_of(pipe.transformer)
+    return {
+        "digest": _digest(out.video),
+        "forwards": len(forwards),
+        # each sibling group quantized its one input once per forward: SP changes no count
+        "quantizations": sorted(g.quantizations // len(forwards) for g in groups.values()),
+        "all_to_alls": state.sequence.all_to_alls if state.sequence is not None else 0,
+        "ours": [c.__name__ for c in type(pipe.transformer).__mro__ if c.__module__.startswith("fsdp_fp8")],
+    }
+
+
+def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
+    from fsdp_fp8.cli.runner import main
+
+    argv = ["--checkpoint", root, "--frames", "1", "--height", "32", "--width", "32", "--steps", str(STEPS)]
+    assert main([*argv, *extra, "--report", str(report)]) == 0
+    return json.loads(report.read_text()) if rank == 0 else None
+
+
+def _observe(rank: int, world: int, demo: str, fixture: str, prompts_file: str, reports: str) -> dict:
+    obs: dict = {}
+    pipelines = {"demo": demo, "fixture": fixture}
+    if world == 1:
+        for name, root in pipelines.items():
+            for label, size in SIZES.items():
+                obs[f"{name} {label}"] = [_generate(root, p, size) for p in PROMPTS]
+        obs["launch"] = _launch(demo, Path(reports, "one.json"))
+        obs["launch_prompts"] = _launch(demo, Path(reports, "one-prompts.json"), "--prompts", prompts_file)
+        return obs
+    layouts = {2: [("sp", False, 2)], 4: [("cfg sp", True, 2), ("sp", False, 4)]}[world]
+    for key, cfg, sp in layouts:
+        slot = ParallelLayout(rank, world, cfg_parallel=cfg, sequence_parallel=sp).slot
+        for name, root in pipelines.items():
+            if sp > 2 and name == "fixture":
+                continue  # its 2 query heads split 2 ways at most
+            for label, size in SIZES.items():
+                obs[f"{key} {name} {label}"] = _generate(root, PROMPTS[slot], size, cfg, sp)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    with mock.patch.dict(os.environ, env):
+        sp_args = ("--sequence-parallel", "2")
+        obs["launch"] = _launch(demo, Path(reports, f"{world}.json"), *sp_args, rank=rank)
+        if world == 4:
+            prompts = ("--prompts", prompts_file)
+            obs["launch_prompts"] = _launch(demo, Path(reports, "4-prompts.json"), *sp_args, *prompts, rank=rank)
+            hsdp = ("--cfg-parallel", "--replicas", "2")
+            obs["launch_hsdp"] = _launch(demo, Path(reports, "4-hsdp.json"), *sp_args, *hsdp, rank=rank)
+    return obs
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory, roots):  # noqa: F811 - the fixture imported above
+    reports = tmp_path_factory.mktemp("reports")
+    prompts = reports / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    args = (*roots, str(prompts), str(reports))
+    out = {1: [_observe(0, 1, *args)]}
+    out.update({w: run_ranks(_observe, w, *args, timeout=600) for w in (2, 4)})
+    return out
+
+
+CASES = [
+    (2, "sp", 2, False),  # (world, key, degree, cfg)
+    (4, "cfg sp", 2, True),
+    (4, "sp", 4, False),
+]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("pipeline", ["demo", "fixture"])
+@pytest.mark.parametrize(("world", "key", "degree", "cfg"), CASES)
+def test_sequence_parallel_latents_equal_the_sequential_run(observed, world, key, degree, cfg, pipeline, size):
+    if degree > 2 and pipeline == "fixture":
+        pytest.skip("the fixture's 2 query heads split 2 ways at most")
+    sequential = observed[1][0][f"{pipeline} {size}"]
+    assert sequential[0]["digest"] != sequential[1]["digest"]  # the two prompts differ
+    for rank, obs in enumerate(observed[world]):
+        layout = ParallelLayout(rank, world, cfg_parallel=cfg, sequence_parallel=degree)
+        got = obs[f"{key} {pipeline} {size}"]
+        want = sequential[layout.slot]
+        assert got["digest"] == want["digest"], (rank, layout)
+        assert got["quantizations"] == want["quantizations"] == [1] * len(want["quantizations"])
+        # two all-to-alls per layer and forward (q/k/v in, the output back)
+        assert got["all_to_alls"] == 2 * 2 * got["forwards"]
+        assert got["ours"] == ["PipelinedFSDPCosmos3OmniTransformer"]
+
+
+def test_the_launcher_with_sequence_parallel_equals_the_one_rank_run(observed):
+    one = observed[1][0]["launch"]
+    for world in (2, 4):
+        report = observed[world][0]["launch"]
+        assert report["parallelism"] == "SP 2"
+        assert report["latent_sha256"] == one["latent_sha256"]
+        assert report["precision_trace"] == one["precision_trace"]
+
+
+def test_the_launcher_spreads_prompts_over_the_sequence_groups(observed):
+    one = observed[1][0]["launch_prompts"]
+    report = observed[4][0]["launch_prompts"]
+    want = [(r["index"], r["latent_sha256"]) for r in one["outputs"]]
+    assert [(r["index"], r["latent_sha256"]) for r in report["outputs"]] == want
+    assert {r["rank"] for r in report["outputs"]} == {0, 2}  # the first rank of each group writes
+
+
+def test_the_launcher_composes_cfg_pairs_sequence_groups_and_hsdp_replicas(observed):
+    report = observed[4][0]["launch_hsdp"]
+    assert report["mesh"] == [2, 2] and report["parallelism"] == "CFG 2 x SP 2"
+    assert report["latent_sha256"] == observed[1][0]["launch"]["latent_sha256"]
+
+
+def test_the_layout_puts_sequence_groups_innermost_then_cfg_pairs_then_slots():
+    layout = ParallelLayout(5, 8, cfg_parallel=True, sequence_parallel=4)
+    assert (layout.slot, layout.slots, layout.role, layout.position, layout.writes) == (0, 1, 1, 1, False)
+    assert layout.sequence_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.cfg_pairs() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.describe() == "CFG 2 x SP 4"
+    pairs = ParallelLayout(0, 4, cfg_parallel=True)
+    assert pairs.cfg_pairs() == [[0, 1], [2, 3]] and pairs.sequence_groups() == [[0], [1], [2], [3]]
+    assert [ParallelLayout(r, 8, sequence_parallel=2).slot for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("world", "cfg", "degree", "needle"),
+    [
+        (6, False, 4, "a world of 6 ranks cannot be cut into sequence groups of 4: 4 must divide 6"),
+        (4, True, 4, "CFG pairs of sequence groups of 4 (8 ranks per request): 8 must divide 4"),
+        (3, True, 1, "CFG-parallel runs ranks in pairs: it needs an even world size, got 3"),
+        (4, False, 0, "the sequence-parallel degree must be an integer >= 1, got 0"),
+    ],
+)
+def test_a_world_the_layout_cannot_cut_is_named(world, cfg, degree, needle):
+    assert any(needle in p for p in layout_problems(world, cfg, degree))
+    with pytest.raises(ValueError, match="cannot be cut|even world size|integer >= 1"):
+        ParallelLayout(0, world, cfg_parallel=cfg, sequence_parallel=degree)
+
+
+def test_a_degree_the_heads_cannot_take_names_both_counts():
+    config = {"num_attention_heads": 64, "num_key_value_heads": 8}
+    assert head_problems(config, 4) == head_problems(config, 8) == []
+    assert head_problems({"num_attention_heads": 2, "num_key_value_heads": 1}, 2) == []  # ranks share the kv head
+    (problem,) = head_problems(config, 3, "T/config.json")
+    assert "64 query heads and 8 key/value heads (T/config.json)" in problem and "--sequence-parallel 3" in problem
+    (problem,) = head_problems({"num_attention_heads": 24, "num_key_value_heads": 8}, 16)
+    assert "24 query heads and 8 key/value heads" in problem  # 16 divides neither the heads nor 24
+
+
+def test_load_pipeline_refuses_a_degree_before_loading(roots):  # noqa: F811
+    from fsdp_fp8 import load_pipeline
+
+    with pytest.raises(ValueError, match="sequence groups of 2: 2 must divide 1"):
+        load_pipeline(roots[0], device=torch.device("cpu"), sequence_parallel=2)
