@@ -33,6 +33,9 @@ Sections:
              (2 forwards) per precision and kernel option
   allgather  the uint8 all-gather of uneven shards (zero-row ranks included) under torchrun at
              the largest world the box allows (one GPU per rank), ms and GB/s per weight shape
+  alltoall   sequence parallelism's all-to-alls (q/k/v to heads, the output back) under torchrun at
+             the largest world the box allows, the 64B model's 720p video among the shapes: the
+             rows and heads every rank gets back, ms and GB/s (needs 2 GPUs; --dry: gloo, 3 ranks)
   demo       ``torchrun launch/infer.py`` at min(8, GPU count) ranks under NCCL: seconds, load,
              digest, watchdog/terminate lines
 
@@ -66,7 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # fake_cuda, as a script and as an imported module
 
-# Seconds per section: (--quick on one H200, full run). The quick ones sum to 335 s, under the
+# Seconds per section: (--quick on one H200, full run). The quick ones sum to 350 s, under the
 # 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
 # is their sum plus TIMEOUT_MARGIN_S, so a section's budget always ends first.
 BUDGETS = {
@@ -77,6 +80,7 @@ BUDGETS = {
     "load": (25, 180),
     "step": (40, 240),
     "allgather": (25, 90),
+    "alltoall": (15, 60),
     "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
 }
 TIMEOUT_MARGIN_S = 60
@@ -118,6 +122,7 @@ NEEDS = {
     "load": ("torch", "torchao", "safetensors", "numpy"),
     "step": ("torch", "torchao"),
     "allgather": ("torch", "torchao"),
+    "alltoall": ("torch", "torchao", "diffusers"),
     "demo": ("torch", "torchao", "safetensors", "numpy", "diffusers", "transformers", "tokenizers", "huggingface_hub"),
 }
 
@@ -802,6 +807,33 @@ def section_allgather(ctx: Context) -> None:
         r["bytes_equal_everywhere"] = all(x["bytes_equal"] and x["out_reused_equal"] for x in got["records"])
 
 
+def section_alltoall(ctx: Context) -> None:
+    import torch
+
+    if ctx.fake:
+        ctx.skip("torchrun", "a real collective between ranks; the local packing runs on fake CUDA in the CPU suite")
+        return
+    world = torch.cuda.device_count() if ctx.device.type == "cuda" else 3
+    if world < 2:
+        ctx.skip("torchrun", f"{world} GPU: a sequence group needs two (NCCL refuses two ranks on one GPU)")
+        return
+    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp, ctx.variant(f"world {world}") as r:
+        report = Path(tmp) / "alltoall.json"
+        args = ["--report", str(report), "--reps", "2" if ctx.dry else "10"] + ([] if ctx.dry else ["--large"])
+        env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
+        rc, text = _torchrun(world, ROOT / "tests" / "gpu" / "ulysses_all_to_all.py", *args, env=env)
+        r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
+        if rc != 0 or not report.exists():
+            r.update(status="failed", tail=text[-3000:])
+            return
+        got = json.loads(report.read_text())
+        r.update(backend=got["backend"], world=got["world"])
+        rank0 = [x for x in got["records"] if x["rank"] == 0]
+        r["cases"] = [{k: x.get(k) for k in ("rows", "heads", "chunk", "ms", "gbps")} for x in rank0]
+        # reported, not judged: tests/gpu/test_gpu_nccl.py asserts the rows and heads
+        r["rows_equal_everywhere"] = all(x["heads_equal"] and x["round_trip_equal"] for x in got["records"])
+
+
 def section_demo(ctx: Context) -> None:
     import torch
 
@@ -840,6 +872,7 @@ SECTIONS = {
     "load": section_load,
     "step": section_step,
     "allgather": section_allgather,
+    "alltoall": section_alltoall,
     "demo": section_demo,
 }
 

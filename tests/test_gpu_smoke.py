@@ -81,6 +81,16 @@ def test_the_allgather_section_runs_the_hooks_through_a_fake_world_of_8():
     assert "real ranks" in _by_status(records, "skipped")["torchrun"]["reason"]
 
 
+def test_the_alltoall_section_gives_every_gloo_rank_its_rows_and_heads_back():
+    """--dry: 3 gloo ranks under torchrun, rows that do not divide by 3 and fewer than 16 per rank."""
+    ctx = gpu_smoke.Context("alltoall", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    gpu_smoke.run_section("alltoall", ctx)
+    (record,) = _by_status(ctx.records, "ok").values()
+    assert record["backend"] == "gloo" and record["world"] == 3 and record["rows_equal_everywhere"] is True
+    assert [c["rows"] for c in record["cases"]] == [24, 5] and {c["chunk"] for c in record["cases"]} == {16}
+    assert "a real collective" in _by_status(_fake_run("alltoall"), "skipped")["torchrun"]["reason"]
+
+
 @pytest.mark.parametrize(
     "index",
     [(Ellipsis, slice(2, None)), (slice(None), 1), 0, None, (None, Ellipsis, 1), (1, slice(None, None, 2)), -1],
