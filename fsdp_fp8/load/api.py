@@ -45,6 +45,7 @@ from fsdp_fp8.load.meta_build import materialize, meta_init
 from fsdp_fp8.load.plan import LoadPlan, plan_load
 from fsdp_fp8.load.prefetch import start_prefetch
 from fsdp_fp8.load.preflight import device_facts, device_problems, ensure_process_group
+from fsdp_fp8.load.release import release_model
 from fsdp_fp8.load.swap import swap_fp8_linears
 
 if TYPE_CHECKING:  # the layer above: a LoadedModel only carries what it resolved
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
+    """A loaded model and what it was loaded from. ``close()`` (or leaving ``with load_model(...)
+    as loaded:``) lets it go at once: ``fsdp_fp8.load.release``."""
+
     model: nn.Module
     checkpoint: Checkpoint
     plan: LoadPlan
@@ -62,6 +66,19 @@ class LoadedModel:
     fp8_linears: list[str]
     architecture: Architecture | None = None  # set when load_model resolved the model from config.json
     towers: dict[str, str] | None = None  # linear name -> tower (fsdp_fp8.runtime.towers), when one is known
+
+    def close(self) -> None:
+        """Free every storage the load made on this rank now (not when the garbage collector
+        finds FSDP2's reference cycles), close the checkpoint's files, and leave the model
+        refusing to run or be saved. Local: every rank closes its own. A second call does nothing."""
+        release_model(self.model)
+        self.checkpoint.close()
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def local_cuda_index() -> int:
