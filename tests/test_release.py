@@ -135,3 +135,30 @@ def test_leaving_the_with_block_closes_also_on_an_error(tmp_path):
     assert (before, loaded.model.head.weight.untyped_storage().nbytes()) == (6 * 16 * 2, 0)
     with pytest.raises(ModelUnusableError, match="was closed"):
         loaded.model(torch.randn(1, 16, dtype=torch.bfloat16))
+
+
+def test_a_pipeline_lets_its_transformer_go_while_it_still_holds_it(tmp_path):
+    """``loaded_of(pipe).close()``: the transformer's bytes go although ``pipe.transformer`` still
+    references it; the components diffusers loaded are the pipeline's and stay as they are."""
+    pytest.importorskip("diffusers")
+    from fsdp_fp8 import ModelUnusableError, denoising_step, load_pipeline, loaded_of
+    from fsdp_fp8.cli.demo import build_demo_pipeline
+    from fsdp_fp8.collective.unusable import storage_tensors
+    from fsdp_fp8.interop.cosmos import seeded_inputs
+
+    pipe = load_pipeline(build_demo_pipeline(tmp_path / "root"), device=torch.device("cpu"))
+    model = pipe.transformer
+    inputs = seeded_inputs(model.config, torch.bfloat16, torch.Generator().manual_seed(0))
+
+    def nbytes(module) -> int:
+        tensors = [*module.parameters(), *module.buffers()]
+        return sum(t.untyped_storage().nbytes() for p in tensors for t in storage_tensors(p) if not t.is_meta)
+
+    with torch.no_grad(), denoising_step(model, 0, 8):
+        model(**inputs)
+    held, vae = nbytes(model), nbytes(pipe.vae)
+    loaded_of(pipe).close()
+    assert pipe.transformer is model
+    assert (held > 0, nbytes(model), nbytes(pipe.vae)) == (True, 0, vae)
+    with torch.no_grad(), denoising_step(model, 0, 8), pytest.raises(ModelUnusableError, match="was closed"):
+        model(**inputs)
