@@ -13,8 +13,10 @@ import ctypes
 
 import pytest
 import torch
+from fake_cuda import fake_cuda
 from ranks import run_ranks
 from small_models import uneven_model_fn, write_uneven_checkpoint
+from test_fake_cuda_fsdp import _gather, _Model, fake_rank  # noqa: F401 - fake_rank is a fixture
 
 from fsdp_fp8.models import MoTConfig
 
@@ -162,3 +164,38 @@ def test_a_pipeline_lets_its_transformer_go_while_it_still_holds_it(tmp_path):
     assert (held > 0, nbytes(model), nbytes(pipe.vae)) == (True, 0, vae)
     with torch.no_grad(), denoising_step(model, 0, 8), pytest.raises(ModelUnusableError, match="was closed"):
         model(**inputs)
+
+
+def test_release_on_a_fake_cuda_mesh_frees_every_fsdp_storage_of_a_gathered_block(fake_rank):  # noqa: F811
+    """The CUDA path (FakeTensorMode, torch's fake process group, rank 1 of 3): a block left
+    gathered, as FSDP2 leaves the root after a forward, holds its shards and its gathered weights;
+    ``release_model`` frees both, and FSDP2's padded shards, on the fake device."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_fp8 import ModelUnusableError
+    from fsdp_fp8.collective.unusable import storage_tensors
+    from fsdp_fp8.load.release import release_model
+
+    mesh = fake_rank(1, 3)
+    with fake_cuda():
+        model = _Model()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        group = model.blocks[0]._get_fsdp_state()._fsdp_param_group
+        group.lazy_init()
+        group._init_mp_dtypes()
+        _gather(group.fsdp_params, mesh.get_group())  # gathered, and not resharded
+
+        def held() -> dict[str, int]:
+            tensors = {}
+            for i, p in enumerate(group.fsdp_params):
+                tensors |= {f"{i} shard": p._sharded_param_data, f"{i} gathered": p._unsharded_param}
+                tensors |= {f"{i} all-gather {j}": t for j, t in enumerate(p.all_gather_outputs)}
+            return {k: sum(s.untyped_storage().nbytes() for s in storage_tensors(t)) for k, t in tensors.items()}
+
+        before = held()
+        assert release_model(model) and not release_model(model)
+        with pytest.raises(ModelUnusableError, match="was closed"):
+            model.blocks[0].up(torch.empty(2, 32, dtype=torch.bfloat16, device="cuda"))
+    assert all(before.values()) and held() == dict.fromkeys(before, 0), (before, held())
