@@ -68,10 +68,14 @@ def _fix_malloc_thresholds() -> None:
 
 
 def _cycles(rank: int, world: int, path: str) -> dict:
-    """RSS growth over five load -> close cycles, then over five load -> forward -> close cycles."""
-    from fsdp_fp8 import ModelUnusableError, load_model
+    """RSS growth over five load -> close cycles, then over five load -> forward -> close cycles;
+    then what the last closed model answers to a forward and to ``save_checkpoint``."""
+    from pathlib import Path
+
+    from fsdp_fp8 import ExportError, ModelUnusableError, load_model, save_checkpoint
 
     latents, timestep = torch.zeros(1, 8, CONFIG.latent_channels), torch.tensor([0.5])
+    dst = Path(path).parent / f"saved-at-{world}"
     kept = []  # every closed LoadedModel stays referenced: close() alone must free the bytes
 
     def cycle(forward: bool) -> int:
@@ -90,12 +94,14 @@ def _cycles(rank: int, world: int, path: str) -> dict:
         start = _rss()
         held = min(cycle(forward) for _ in range(CYCLES))
         growth["load, forward, close" if forward else "load, close"] = _rss() - start
-    try:
-        kept[-1].model.denoise(latents, timestep, None)
-        refused = ""
-    except ModelUnusableError as exc:
-        refused = str(exc)
-    return {"held": held, "growth": growth, "refused": refused}
+    refused = []
+    for attempt in (lambda: kept[-1].model.denoise(latents, timestep, None), lambda: save_checkpoint(kept[-1], dst)):
+        try:
+            attempt()
+            refused.append("")
+        except (ModelUnusableError, ExportError) as exc:
+            refused.append(str(exc))
+    return {"held": held, "growth": growth, "refused": refused, "saved": dst.exists()}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -104,7 +110,9 @@ def test_rss_is_back_at_its_start_after_five_load_close_cycles(checkpoint_dir, w
     for r in results:
         assert r["held"] > 2 * SLACK  # the bound is not met by being small
         assert {k: v for k, v in r["growth"].items() if v > SLACK} == {}, (r["held"] / MiB, r["growth"])
-        assert "this model was closed" in r["refused"]
+        forward, save = r["refused"]
+        assert "this model was closed and must not be used" in forward, forward
+        assert "this model was closed and must not be saved" in save and not r["saved"], save
 
 
 def test_a_closed_model_refuses_to_run_and_to_be_saved_and_closes_twice(tmp_path):

@@ -263,8 +263,9 @@ def plan_save(
     problems: list[str] = []
     if checkpoint is None and config is None:
         problems.append("pass `config` (the model's config dict) or the `source` it was loaded from")
-    if unusable:
+    if unusable:  # its storage was released: nothing more can be planned from its tensors
         problems.append(unusable_message(unusable, "saved"))
+        return SavePlan(rank, (), None, config or {}, None, None, tuple(sorted(problems)))
     names: dict[str, str] = {}  # model name -> checkpoint key, as the load planned it
     if load_plan is not None:
         names.update({f"{t.module}.weight": t.entry.weight.key for t in load_plan.fp8})
