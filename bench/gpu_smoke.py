@@ -28,7 +28,9 @@ Sections:
              fused quantization, W8A16, W8A16 fused) at the 64B model's shapes, and each one's
              relative error against fp32 as a figure
   load       GB/s of ``load_model`` onto the device (cold page cache) against the floors of the
-             same files: raw read, host-to-device (pinned, pageable), read + copy
+             same files: raw read, host-to-device (pinned, pageable), read + copy; then load and
+             ``LoadedModel.close()`` five times: ``torch.cuda.memory_allocated`` (RSS on the CPU)
+             after each close against before the first load
   step       one layer of the 64B model (hidden 5120, 4096 latent + 256 prompt tokens), CFG step
              (2 forwards) per precision and kernel option
   allgather  the uint8 all-gather of uneven shards (zero-row ranks included) under torchrun at
@@ -599,7 +601,7 @@ def section_load(ctx: Context) -> None:
                     ctx.sync()
                     seconds = time.perf_counter() - t0
                     rep = loaded.report
-                    loaded.checkpoint.close()
+                    loaded.close()  # the device memory and the descriptors, now
                     del loaded
                     if cuda:
                         torch.cuda.empty_cache()
@@ -613,6 +615,7 @@ def section_load(ctx: Context) -> None:
                     whole_gbps=_gbps(rep.bytes_read, seconds),
                     note="page cache evicted (POSIX_FADV_DONTNEED) before each read and each load",
                 )
+            _load_close_cycles(ctx, directory)
             if not cuda:
                 ctx.skip("h2d", "no CUDA device: host-to-device copies not measured")
             else:
@@ -650,6 +653,49 @@ def section_load(ctx: Context) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+CLOSE_CYCLES = 5
+
+
+def _memory_in_use(device) -> int:
+    """Bytes in use where the loads put their tensors: CUDA's allocated bytes, else this process's RSS."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _load_close_cycles(ctx: Context, directory: Path) -> None:
+    """``load_model`` then ``LoadedModel.close()``, CLOSE_CYCLES times: the memory in use after
+    each close against before the first load (the bar: within 5% of one load's bytes)."""
+    import torch
+
+    from fsdp_fp8 import load_model
+
+    unit = "cuda memory_allocated" if ctx.device.type == "cuda" else "RSS"
+    with ctx.variant(f"load/close x{CLOSE_CYCLES}") as r:
+        start = _memory_in_use(ctx.device)
+        loaded_bytes, after_close = [], []
+        for _ in range(CLOSE_CYCLES):
+            with load_model(_stack_fn(LOAD_ROWS, LOAD_COLS), directory, device=ctx.device):
+                loaded_bytes.append(_memory_in_use(ctx.device) - start)
+            after_close.append(_memory_in_use(ctx.device) - start)
+        one_load = min(loaded_bytes)
+        r.update(
+            measure=unit,
+            start_bytes=start,
+            one_load_bytes=one_load,
+            after_close_bytes=after_close,
+            within_5pct_of_one_load=max(after_close) <= 0.05 * one_load,
+        )
+        if ctx.device.type == "cuda":
+            r["reserved_bytes"] = torch.cuda.memory_reserved(ctx.device)  # the caching allocator keeps them
 
 
 def _outside_fake(ctx: Context):

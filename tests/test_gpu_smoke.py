@@ -195,9 +195,13 @@ def test_the_load_section_measures_load_model_against_the_read_floor_on_cpu():
     assert {v: r["status"] for v, r in by.items()} == {
         "raw read": "ok",
         "load_model": "ok",
+        "load/close x5": "ok",
         "h2d": "skipped",
         "vs floor": "ok",
     }, {v: r.get("error") for v, r in by.items()}
+    cycles = by["load/close x5"]  # RSS on the CPU: what close() gives back is measurable here too
+    assert cycles["one_load_bytes"] >= 0.9 * by["load_model"]["bytes_read"] and len(cycles["after_close_bytes"]) == 5
+    assert cycles["within_5pct_of_one_load"], cycles
     load = by["load_model"]
     # load_model read exactly the codes of every linear, 1 byte per element
     assert load["bytes_read"] == load["fp8_linears"] * gpu_smoke.LOAD_ROWS * gpu_smoke.LOAD_COLS > 0

@@ -1,4 +1,5 @@
-"""A model whose collective phase failed: no module computes again, its storage is released.
+"""A model whose collective phase failed, or that was closed: no module computes again, its
+storage is released.
 
 The reason is kept in ``UNUSABLE`` (weakly, on every module), read back
 through ``unusable_reason`` by whoever must refuse such a model later (``save_checkpoint``).
@@ -24,6 +25,27 @@ def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [local]
 
 
+# The reason a closed model carries (``LoadedModel.close``, ``fsdp_fp8.load.release``).
+CLOSED = "LoadedModel.close() released its storage; load the checkpoint again to use it"
+
+
+def unusable_message(reason: str, use: str = "used") -> str:
+    """What a refusal says: the model was closed, or its load did not finish, and why."""
+    state = "was closed" if reason == CLOSED else "did not finish loading"
+    return f"this model {state} and must not be {use}: {reason}"
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Resize every storage holding ``tensor``'s data on this rank to zero bytes (its views,
+    wherever they are held, lose their data too); a storage torch cannot resize is left."""
+    for t in storage_tensors(tensor):
+        if not t.is_meta:
+            try:
+                t.untyped_storage().resize_(0)
+            except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
+                pass
+
+
 def unusable_reason(model: nn.Module) -> str | None:
     """Why ``model`` must not be used (``mark_unusable``), or ``None``."""
     return UNUSABLE.get(model)
@@ -40,7 +62,7 @@ def mark_unusable(model: nn.Module, reason: str) -> None:
     hook, and nothing else stops it computing on released storage). Parameters and buffers, FP8 codes and scales included, have their
     storage resized to zero: nothing half-loaded stays in memory.
     """
-    message = f"this model did not finish loading and must not be used: {reason}"
+    message = unusable_message(reason)
 
     def refuse_hook(module, args):
         raise ModelUnusableError(message)
@@ -53,9 +75,4 @@ def mark_unusable(model: nn.Module, reason: str) -> None:
         module.forward = refuse
         UNUSABLE.set(module, reason)
     for tensor in [*model.parameters(), *model.buffers()]:
-        for t in storage_tensors(tensor):
-            if not t.is_meta:
-                try:
-                    t.untyped_storage().resize_(0)
-                except RuntimeError:  # a storage that cannot be resized (not allocated by torch)
-                    pass
+        free_storage(tensor)

@@ -65,7 +65,8 @@ def load_pipeline(
     refused, and ``local_files_only`` is always set. Collective under a process group, like
     ``load_model``. ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and
     ``fsdp_fp8.routing_of(pipe.transformer)`` the routing (its ``trace``: one precision per step
-    run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``).
+    run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``); ``fsdp_fp8.loaded_of(pipe).close()``
+    lets the transformer go at once (its storage freed; the other components are diffusers').
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``). ``sequence_parallel``: groups of that many ranks split

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torchao.quantization import Float8Tensor  # what quantize_model (runtime PTQ) makes of an fp8 weight
 
 from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.collective.unusable import unusable_message
 from fsdp_fp8.format.checkpoint import Checkpoint
 from fsdp_fp8.format.step_policy import check_step_policy
 from fsdp_fp8.format.writer import (
@@ -250,7 +251,7 @@ def plan_save(
     The arguments are ``save_checkpoint``'s: ``checkpoint`` and ``load_plan`` are what the
     model was loaded from (configs, step policy, KV-cache scales, key names; a ``LoadedModel``
     brings both), ``config`` replaces the source's ``config.json``. ``unusable``: why the model
-    must not be saved (its load did not finish), if it must not. Problems are returned, not
+    must not be saved (its load did not finish, or it was closed), if it must not. Problems are returned, not
     raised; nothing is written and no rank is waited for.
     """
     if isinstance(model, LoadedModel):
@@ -262,8 +263,9 @@ def plan_save(
     problems: list[str] = []
     if checkpoint is None and config is None:
         problems.append("pass `config` (the model's config dict) or the `source` it was loaded from")
-    if unusable:
-        problems.append(f"the model did not finish loading and must not be saved: {unusable}")
+    if unusable:  # its storage was released: nothing more can be planned from its tensors
+        problems.append(unusable_message(unusable, "saved"))
+        return SavePlan(rank, (), None, config or {}, None, None, tuple(sorted(problems)))
     names: dict[str, str] = {}  # model name -> checkpoint key, as the load planned it
     if load_plan is not None:
         names.update({f"{t.module}.weight": t.entry.weight.key for t in load_plan.fp8})
