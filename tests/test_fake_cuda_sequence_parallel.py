@@ -68,7 +68,7 @@ def test_a_ranks_pass_through_shard_attention_and_gather_keeps_cudas_rules(fp8, 
         gen = torch.empty(gen_rows, HIDDEN, dtype=torch.bfloat16)
         rotary = tuple(torch.empty(n, HEAD_DIM, dtype=torch.bfloat16) for n in (7, 7, gen_rows, gen_rows))
         und, local, rotary = sequence.shard(und, gen, rotary)
-        chunk = max(-(-gen_rows // size), 16)
+        chunk = max(-(-gen_rows // size), min(gen_rows, 16))
         assert local.shape == (chunk, HIDDEN) and rotary[2].shape == (chunk, HEAD_DIM)
         with torch.no_grad():
             und_out, gen_out = attn(und, local, rotary)

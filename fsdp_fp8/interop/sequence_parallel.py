@@ -21,7 +21,8 @@ GQA attention, so the attention is this module's processor.
 
 Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 16 bits gives
 any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
-a rank's slice is therefore at least ``MIN_ROWS`` rows (padded). Attention per head is the same
+a rank's slice is therefore at least ``MIN_ROWS`` rows (padded), and a pass shorter than that
+stays whole on the group's first rank. Attention per head is the same
 computation on the same rows (SDPA's kernel splits work over batch and heads). Norms and rotary
 embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
 projections of one pathway receive the same tensor object, as in diffusers' processor, so the
@@ -66,8 +67,10 @@ class SequenceParallel:
         self.all_to_alls = 0  # how many this rank ran (for the tests and the bench)
 
     def rows(self, length: int) -> int:
-        """Each rank's generation rows for a pass of ``length`` rows."""
-        return max(-(-length // self.size), MIN_ROWS)
+        """Each rank's generation rows for a pass of ``length`` rows: an equal share, at least
+        ``MIN_ROWS``; a pass shorter than that stays whole on the group's first rank (the others
+        hold padding), so its GEMMs are the one-rank run's own."""
+        return max(-(-length // self.size), min(length, MIN_ROWS))
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         padded = self.size * self.chunk
