@@ -127,6 +127,8 @@ def test_run_help_is_the_launchers(capsys):
         (["verify", "x", "--world-size", "4", "--replicas", "3"], "--replicas 3 does not divide --world-size 4"),
         (["inspect", "x", "--world-size", "4", "--replicas", "0"], "argument --replicas: must be >= 1, got 0"),
         ([], "the following arguments are required: command"),
+        (["save", "a", "b", "--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
+        (["save", "a", "b", "--timeout", "0"], "--timeout must be > 0, got 0.0"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, message):

@@ -3,6 +3,8 @@ problems in one usage error; options the model kind would ignore are named in a 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fsdp_fp8.cli.options import unused_options, value_problems
@@ -257,6 +259,11 @@ def test_overwrite_lets_existing_outputs_through(tmp_path):
         (["--width", "99999"], "--width must be <= 16,384, got 99,999"),
         (["--fps", "1e9"], "--fps must be <= 1000, got 1e+09"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+        (["--timeout", "1e300"], "--timeout must be <= 86,400 seconds (a day), got 1e+300"),
+        (["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
+        (["--timeout", "nan"], "--timeout must be > 0, got nan"),
+        (["--prompt", "x" * 16_385], "--prompt is 16,385 bytes; a prompt is at most 16,384 bytes (UTF-8)"),
+        (["--negative-prompt", "\u00e9" * 8_193], "--negative-prompt is 16,386 bytes; a prompt is at most 16,384"),
     ],
 )
 def test_values_out_of_their_documented_bounds_are_usage_errors(argv, problem, capsys):
@@ -359,3 +366,65 @@ def test_each_kind_of_report_is_its_own_type_and_its_json_keeps_the_fields(bf16_
     assert set(result) == fields and set(result["ranks"][0]) == set(reports.RankRow.__dataclass_fields__)
     out = capsys.readouterr().out
     assert "resident        " in out and "of 0 blocks" not in out and "sampling        2 steps" in out
+
+
+# --- careless input: each refused before torch loads, one error line naming the option -------
+
+
+def _careless(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    """(argv, the message) of one careless input."""
+    same, link = tmp_path / "same.png", tmp_path / "link.json"
+    if case == "huge line":
+        huge = tmp_path / "huge.txt"
+        huge.write_text("a red fox\n" + "x" * (1 << 20) + "\nanother\n" + "y" * 20_000 + "\n")
+        return ["--prompts", str(huge)], (
+            f"--prompts {huge}: line 2 is 1,048,576 bytes; a prompt is at most 16,384 bytes (UTF-8) (and 1 more)"
+        )
+    if case == "device":
+        return ["--report", "/dev/full", "--overwrite"], "--report /dev/full is not a regular file"
+    if case == "directory of prompts":
+        return ["--prompts", str(tmp_path)], f"--prompts {tmp_path} is not a regular file"
+    if case == "same file":
+        return ["--output", str(same), "--report", str(same)], f"--report {same} and --output {same} are the same"
+    if case == "linked file":
+        link.symlink_to(same)
+        return ["--output", str(same), "--report", str(link)], f"--report {link} and --output {same} are the same"
+    if case == "a prompt's file":
+        (tmp_path / "prompts.txt").write_text("one\ntwo\n")
+        report = tmp_path / "same-001.png"
+        argv = ["--prompts", str(tmp_path / "prompts.txt"), "--output", str(same), "--report", str(report)]
+        return argv, f"--report {report} is --output {same}'s file for prompt 1; name two files"
+    assert case == "timeout"
+    return ["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"
+
+
+@pytest.mark.parametrize(
+    "case", ["huge line", "device", "directory of prompts", "same file", "linked file", "a prompt's file", "timeout"]
+)
+def test_careless_inputs_are_refused_before_torch_loads(tmp_path, case):
+    """A prompt that would never finish its first step, a report into a device, a report that
+    would replace the image, a timeout no backend takes: each one usage error (exit 2) naming
+    the option and the bound or the clash, before torch is imported."""
+    argv, message = _careless(tmp_path, case)
+    code, err, heavy = _refusal_without_torch(argv)
+    assert code == 2 and message in err, err
+    assert err.count("error:") == 1 and heavy == [] and "Traceback" not in err, (err, heavy)
+    assert not (tmp_path / "same.png").exists()
+
+
+def test_a_prompts_file_above_its_bound_is_refused_unread(tmp_path, capsys, monkeypatch):
+    from fsdp_fp8.cli import outputs
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n" * 100)
+    monkeypatch.setattr(outputs, "MAX_PROMPTS_FILE_BYTES", 999)
+    err = _usage_error(["--prompts", str(prompts)], capsys)
+    assert f"--prompts {prompts} is 1,000 bytes; a prompts file is at most 999 bytes" in err
+
+
+def test_a_report_that_cannot_be_written_is_one_error_line(tmp_path):
+    from fsdp_fp8.cli.outputs import write_report
+
+    assert write_report(str(tmp_path / "r.json"), {"a": 1}) is None
+    assert (tmp_path / "r.json").read_text() == '{\n  "a": 1\n}'
+    assert write_report("/dev/full", {"a": 1}) == "--report /dev/full: cannot write the report: No space left on device"

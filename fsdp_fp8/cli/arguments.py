@@ -32,8 +32,10 @@ runs the pipeline."""
 EPILOG = """\
 Bounds (checked before anything loads): --steps 1..10000, --frames 1..1024, --height and
 --width 1..16384 pixels, --fps above 0 and at most 1000, --latent-tokens 1..1000000,
---new-tokens 1..100000. An output file (--output, its per-prompt names, --report) that
-already exists is refused unless --overwrite is given.
+--new-tokens 1..100000, --timeout above 0 and at most 86400 seconds, a prompt (--prompt,
+--negative-prompt, a line of --prompts) at most 16384 bytes, the --prompts file at most 16 MiB.
+An output file (--output, its per-prompt names, --report) must be a regular file, not another
+of them, and is refused if it already exists unless --overwrite is given.
 
 Exit status: 0 success, 1 a failure while loading or running (one "error:" line),
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""

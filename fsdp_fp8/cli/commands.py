@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, noise
 from fsdp_fp8.cli.arguments import RankZeroParser
+from fsdp_fp8.cli.options import timeout_problems
 from fsdp_fp8.cli.reports import hsdp_words, plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
@@ -431,6 +432,8 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
             parser.error("save --clean takes one path: the DESTINATION whose leftovers to remove")
         if not args.clean and args.destination is None:
             parser.error("save needs SOURCE and DESTINATION")
+        if problems := timeout_problems(args.timeout):
+            parser.error("; ".join(problems))
         return _save(args)
     if args.device is None:
         import torch
