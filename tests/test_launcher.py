@@ -82,16 +82,46 @@ def test_step_policy_off_runs_every_step_w8a8_and_changes_the_result(tmp_path, c
     assert "disabled by override 'off'" in caplog.text
 
 
-def test_a_bad_checkpoint_is_one_clear_message_and_a_failing_exit(tmp_path, cache):
+@pytest.mark.parametrize("case", ["missing", "pickles"])
+def test_a_checkpoint_that_is_not_there_is_one_line_from_rank_0_under_plain_torchrun(tmp_path, cache, case):
+    """The README's plain torchrun: a path that names no checkpoint is a usage error of the parse
+    step on every rank (exit 2, before torch: the failure table shows it), printed by rank 0
+    alone, naming no source line of ours (torchrun then adds its own report)."""
     bad = tmp_path / "not-a-checkpoint"
-    bad.mkdir()
-    (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    if case == "pickles":
+        bad.mkdir()
+        (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
     proc, report = _run(tmp_path, cache, "--checkpoint", str(bad), nproc=2)
     assert proc.returncode != 0 and report is None
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]  # rank 0 only
-    assert "pytorch_model.bin" in errors[0] or "pickle" in proc.stderr
-    assert "Traceback" not in proc.stderr.split("error:")[0]
+    ours = [line for line in proc.stderr.splitlines() if "error" in line and "not-a-checkpoint" in line]
+    needle = "does not exist" if case == "missing" else "only pickle checkpoint files ['pytorch_model.bin']"
+    assert len(ours) == 1 and ours[0].startswith("launch/infer.py: error: --checkpoint: "), proc.stderr[-3000:]
+    assert needle in ours[0], ours
+    assert "exitcode  : 2" in proc.stderr  # torchrun's table: the parse step's usage error, not a load's 1
+    assert "raised at" not in proc.stderr and "fsdp_fp8/" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_usage_error_only_rank_1_meets_is_printed_once_by_rank_1(tmp_path):
+    """A --prompts file rank 1's node lacks (each rank reads a relative path from a directory of
+    its own): rank 0 parses cleanly and waits in the rendezvous, rank 1 names the file and itself."""
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    (tmp_path / "node0" / "prompts.txt").write_text("a red fox\n")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "os.chdir(os.path.join(sys.argv[1], 'node' + os.environ['RANK']))\n"
+        "from fsdp_fp8.cli.commands import main\n"
+        "sys.exit(main(['run', '--prompts', 'prompts.txt'], prog='launch/infer.py'))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([*cmd, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    ours = [line for line in proc.stderr.splitlines() if "prompts.txt" in line]
+    assert ours == ["launch/infer.py: error (rank 1; rank 0 did not meet it): --prompts prompts.txt: no such file"], (
+        proc.stderr[-3000:]
+    )
+    assert "usage:" not in proc.stderr, proc.stderr[-3000:]
 
 
 # --- clean failures at 2 ranks: one line per problem, once; the exit status says which kind ----
@@ -109,13 +139,12 @@ def _spawn(*args, timeout=240, **popen):
 def test_a_failure_at_two_ranks_is_its_error_lines_and_nothing_else(tmp_path):
     bad = tmp_path / "not-a-checkpoint"
     bad.mkdir()
-    (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 4)  # a checkpoint by its name, refused by its bytes
     proc = _spawn("--checkpoint", str(bad))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         f"error: cannot load {bad}: 1 problem:",
-        f"  - all 2 ranks: {bad}: only pickle checkpoint files ['pytorch_model.bin']; they are never unpickled "
-        "(arbitrary code), convert them to safetensors",
+        "  - all 2 ranks: model.safetensors: truncated: 4 bytes, too short for the 8-byte header length",
     ]
     assert proc.stdout == ""
 

@@ -185,7 +185,7 @@ def test_options_the_model_ignores_are_named_and_the_digest_names_its_platform(b
 # --- outputs, bounds and the prompts file: refused before anything loads -----------------
 
 
-def _refusal_without_torch(argv: list[str], env: dict | None = None) -> tuple[int, str, list[str]]:
+def _refusal_without_torch(argv: list[str], env: dict | None = None, cwd=None) -> tuple[int, str, list[str]]:
     """``python -m fsdp_fp8 run ARGV`` in a fresh interpreter: (exit code, stderr, the heavy
     modules imported by then). A refusal that comes before torch is imported comes before any
     checkpoint is opened, let alone a weight read."""
@@ -207,6 +207,7 @@ def _refusal_without_torch(argv: list[str], env: dict | None = None) -> tuple[in
         text=True,
         timeout=120,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     exit_code, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
     return exit_code, proc.stderr, heavy
@@ -428,3 +429,84 @@ def test_a_report_that_cannot_be_written_is_one_error_line(tmp_path):
     assert write_report(str(tmp_path / "r.json"), {"a": 1}) is None
     assert (tmp_path / "r.json").read_text() == '{\n  "a": 1\n}'
     assert write_report("/dev/full", {"a": 1}) == "--report /dev/full: cannot write the report: No space left on device"
+
+
+# --- what --checkpoint names, and the sizes its pipeline can make: refused before torch -------
+
+
+def _pipeline_root(root: Path, vae: dict, transformer: dict) -> Path:
+    """A pipeline root as the launcher's parse step sees it: the index, the two configs it reads
+    and a transformer checkpoint file (its contents are the load's to check)."""
+    import json
+
+    (root / "vae").mkdir(parents=True)
+    (root / "transformer").mkdir()
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Cosmos3OmniPipeline"}))
+    (root / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", **vae}))
+    (root / "transformer" / "config.json").write_text(json.dumps(transformer))
+    (root / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    return root
+
+
+WAN = {"scale_factor_spatial": 16, "scale_factor_temporal": 4}
+
+
+@pytest.mark.parametrize(
+    "vae, transformer, argv, message",
+    [
+        (None, None, ["--height", "33", "--width", "33"], "--height 33 is not a multiple of 4 (`scale_factor_spatial` 4 "
+         "in the demo's VAE): use 32 or 36; --width 33 is not a multiple of 4"),
+        (None, None, ["--frames", "2"], "--frames 2 is not 1 + a multiple of 4 (`scale_factor_temporal` 4 in the "
+         "demo's VAE: the VAE makes 1, 5, 9, ... frames): use 1 or 5"),
+        (WAN, {"latent_patch_size": 2}, ["--height", "720", "--width", "1000", "--frames", "93"],
+         "--width 1000 is not a multiple of 16 (`scale_factor_spatial` 16 in ROOT/vae/config.json): use 992 or 1008"),
+        (WAN, {"latent_patch_size": 2}, ["--height", "8"], "--height 8 is not a multiple of 16 (`scale_factor_spatial` "
+         "16 in ROOT/vae/config.json): use 16"),
+        ({**WAN, "scale_factor_spatial": 0}, {"latent_patch_size": 2}, ["--height", "64"],
+         "--checkpoint: ROOT/vae/config.json: `scale_factor_spatial` is 0; it must be an integer >= 1"),
+        ({**WAN, "scale_factor_temporal": None}, {"latent_patch_size": 2}, [],
+         "--checkpoint: ROOT/vae/config.json: `scale_factor_temporal` is None; it must be an integer >= 1"),
+        (WAN, {"latent_patch_size": 0}, [], "--checkpoint: ROOT/transformer/config.json: `latent_patch_size` is 0"),
+    ],
+)  # fmt: skip
+def test_sizes_the_pipeline_cannot_make_are_refused_before_torch(tmp_path, vae, transformer, argv, message):
+    """The pipeline's own check (height and width multiples of its VAE's factor) came after the
+    load; a frame count the VAE cannot make was silently rounded down; a factor of 0 divided."""
+    if vae is not None:
+        root = _pipeline_root(tmp_path / "root", vae, transformer)
+        argv = ["--checkpoint", str(root), *argv]
+        message = message.replace("ROOT", str(root))
+    code, err, heavy = _refusal_without_torch(argv)
+    assert code == 2 and message in err, err
+    assert err.count("error:") == 1 and heavy == [], (err, heavy)
+
+
+def test_sizes_the_pipeline_can_make_pass(tmp_path):
+    root = _pipeline_root(tmp_path / "root", WAN, {"latent_patch_size": 2})
+    args = parse_args(["--checkpoint", str(root), "--height", "720", "--width", "1264", "--frames", "93"])
+    assert (args.height, args.width, args.frames) == (720, 1264, 93)  # 1264 = 16 x 79: the patches pad
+    assert parse_args(["--height", "36", "--width", "36", "--frames", "5"]).frames == 5  # the demo's VAE
+
+
+@pytest.mark.parametrize("case", ["missing", "relative", "file", "pickles", "empty"])
+def test_a_checkpoint_that_is_not_there_is_refused_before_torch(tmp_path, case):
+    """A path the load would refuse only after torch and the process group were up is one usage
+    error naming --checkpoint; a path-looking name that is no directory says it is in neither
+    place it was looked for, without the hub library's advice (no CLI user can pass its flag)."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    (tmp_path / "work").mkdir()
+    path, message = {
+        "missing": (str(tmp_path / "nowhere"), f"--checkpoint: checkpoint directory {tmp_path / 'nowhere'} does "
+                    "not exist"),
+        "relative": ("fixtures/modelopt-0.47-llama-tied", f"--checkpoint: 'fixtures/modelopt-0.47-llama-tied': no "
+                     f"such directory (relative to {tmp_path / 'work'}), and no complete snapshot of "
+                     f"fixtures/modelopt-0.47-llama-tied in the local Hugging Face cache {tmp_path / 'hub'}"),
+        "file": (__file__, f"--checkpoint: checkpoint path {__file__} is not a directory"),
+        "pickles": (str(tmp_path), f"--checkpoint: {tmp_path}: only pickle checkpoint files ['pytorch_model.bin']"),
+        "empty": (str(tmp_path / "work"), f"--checkpoint: {tmp_path / 'work'}: no safetensors checkpoint"),
+    }[case]  # fmt: skip
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    code, err, heavy = _refusal_without_torch(["--checkpoint", path], env, cwd=tmp_path / "work")
+    assert code == 2 and message in err, err
+    assert err.count("error:") == 1 and heavy == [], (err, heavy)
+    assert "raised at" not in err and "local_files_only" not in err and ".py:" not in err, err

@@ -14,6 +14,7 @@ import os
 import sys
 
 from fsdp_fp8.cli import interrupts
+from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -134,14 +135,17 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
 
 class RankZeroParser(argparse.ArgumentParser):
     """A usage error is printed once, by rank 0; under torchrun the other ranks wait for rank 0 to
-    print it (``interrupts.wait_for_rank_0``), then exit 2 silently unless torchrun ended them first."""
+    print it (``interrupts.wait_for_rank_0``), then exit 2 silently when torchrun did not end them
+    first. A rank still running after that wait found an error rank 0 did not (a node-local
+    ``--prompts`` file, a ``--report`` directory only its node lacks): it prints it, naming itself."""
 
     def error(self, message: str):  # noqa: D401 - argparse's signature
-        if os.environ.get("RANK", "0") == "0":
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        else:
-            interrupts.wait_for_rank_0()
+        elif interrupts.wait_for_rank_0():
+            print(f"{self.prog}: error (rank {rank}; rank 0 did not meet it): {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 
@@ -159,9 +163,11 @@ def build_run_parser(prog: str = "launch/infer.py") -> argparse.ArgumentParser:
 def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> argparse.Namespace:
     """The launcher's options, every value checked, or one usage error (exit 2) naming every problem.
 
-    Checked here, before anything is loaded: the value bounds, every output file the run will
-    write (its directory, not a directory itself, not an existing file without --overwrite),
-    the prompts file (present, UTF-8 text, not empty) and the combinations that cannot work.
+    Checked here, before anything is loaded: the value bounds, the checkpoint the path names (a
+    directory holding one, a pipeline root, a hub name in the local cache) and the sizes its
+    pipeline can make, every output file the run will write (its directory, a regular file, not
+    another output, not an existing file without --overwrite), the prompts file (present, UTF-8
+    text, not empty, bounded) and the combinations that cannot work.
     """
     parser = build_run_parser(prog)
     args = parser.parse_args(argv)
@@ -171,6 +177,12 @@ def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py")
         except OSError as exc:
             parser.error(f"--report {args.report}: cannot create its directory: {exc}")
     problems = _combination_problems(args) + value_problems(args)
+    root = None
+    if args.checkpoint:  # on every rank: a node may lack what another has
+        root, found = checkpoint_problems("--checkpoint", args.checkpoint)
+        problems += found
+    if args.checkpoint is None or root is not None:
+        problems += pipeline_size_problems(args, root)
     prompts = None
     if args.prompts is not None and os.path.isfile(args.prompts):
         try:

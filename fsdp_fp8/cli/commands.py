@@ -11,6 +11,7 @@ and a usage error answer at once (each subcommand imports what it needs when it 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -234,9 +235,13 @@ def _run(argv: list[str], prog: str) -> int:
         return launch_ranks(args.nproc_per_node, _without_nproc(argv))
     interrupts.install()
     noise.quiet_third_party()
-    from fsdp_fp8.cli.runner import execute
-    from fsdp_fp8.cli.shutdown import shutdown_distributed
-
+    try:  # torch's import takes seconds: torchrun may stop this rank meanwhile (a peer failed)
+        from fsdp_fp8.cli.runner import execute
+        from fsdp_fp8.cli.shutdown import shutdown_distributed
+    except interrupts.Interrupted as stop:  # no process group yet: one line, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     try:
         code = execute(args)
     except BaseException:
@@ -262,8 +267,6 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _clean(args) -> int:
     """Remove the leftovers of dead saves next to DESTINATION; say what was removed and kept."""
-    import os
-
     from fsdp_fp8.checkpoint.temp_dir import clean_leftovers
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 cleans, once
