@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,52 @@ def test_a_signal_ends_every_rank_with_one_line(tmp_path, cache, signum, name):
     assert code == 128 + signum, stderr[-3000:]
     tail = [line for line in stderr.splitlines() if not line.startswith("[fsdp_fp8] ")]
     assert tail == [f"error: stopped by {name}"], stderr[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child that runs ``rank`` (its environment says which)."""
+    for entry in os.listdir("/proc"):
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if parent == str(launcher) and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.parametrize("extra", [["--cfg-parallel"], []], ids=["cfg-parallel", "plain"])
+def test_a_rank_killed_mid_loop_is_named(tmp_path, cache, extra):
+    """Rank 1 killed (SIGKILL) during generation under the launcher's own --nproc-per-node 2: the
+    survivor names it (was only `error: stopped by SIGTERM` under --cfg-parallel)."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(cache)}
+    cmd = [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", "--steps", "5000", *extra]
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+        try:
+            deadline = time.monotonic() + 240  # a hang guard: the demo may have to be built first
+            while "step 2/5000" not in err_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.2)
+            victim = _rank_pid(proc.pid, 1)
+            os.kill(victim, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = err_path.read_text()
+    assert code == 128 + signal.SIGKILL, stderr[-3000:]  # the first failed rank's own status
+    tail = [line for line in stderr.splitlines() if not line.startswith("[fsdp_fp8] ")]
+    assert len(tail) == 1 and tail[0].startswith(
+        f"error: rank 1 (host {socket.gethostname()}, pid {victim}) ended "
+        "during the pipeline's load or generation: its process is gone"
+    ), tail
 
 
 def test_a_run_prints_no_third_party_noise(tmp_path):
