@@ -162,6 +162,34 @@ def test_a_usage_error_at_two_ranks_is_printed_once_and_exits_2(tmp_path):
     assert plain.stderr.count("error: --steps must be >= 1, got 0") == 1
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
+        (["--height", "33", "--width", "32"], "--height 33 is not a multiple of 4 (`scale_factor_spatial` 4 in the "
+         "demo's VAE): use 32 or 36"),
+        (["--output", "same.png", "--report", "same.png"], "--report same.png and --output same.png are the same file"),
+    ],
+)  # fmt: skip
+def test_careless_input_is_one_usage_error_under_both_launchers(tmp_path, argv, message):
+    """Under the launcher's --nproc-per-node 2 (exit 2, nothing else printed) and under plain
+    torchrun (rank 0 alone prints it; every rank's exit status is the usage error's 2)."""
+    launcher = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", *argv],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert launcher.returncode == 2 and launcher.stderr.splitlines()[-1].startswith("launch/infer.py: error: ")
+    assert message in launcher.stderr and launcher.stderr.count("error:") == 1, launcher.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    plain = subprocess.run(
+        [*cmd, str(ROOT / "launch" / "infer.py"), *argv], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert plain.stderr.count(f"launch/infer.py: error: {message}") == 1, plain.stderr[-3000:]
+    assert "exitcode  : 2" in plain.stderr and "Traceback" not in plain.stderr.split("error:")[0]
+    assert not (tmp_path / "same.png").exists()
+
+
 @pytest.mark.parametrize("signum, name", [(2, "SIGINT"), (15, "SIGTERM")])
 def test_a_signal_ends_every_rank_with_one_line(tmp_path, cache, signum, name):
     """Ctrl-C sends SIGINT to the whole job (the launcher and both ranks); SIGTERM to the
