@@ -40,7 +40,8 @@ ALLOWED = {
 FORBIDDEN_EXTERNAL = {
     "format": ("torch.nn", "torch.distributed", "torchao"),
 }
-TOP_LEVEL = {"errors.py": "errors", "__main__.py": "cli", "__init__.py": None}  # __init__ imports lazily
+# the foundation (errors, the quieting of other libraries' notices), the entry point, the lazy package
+TOP_LEVEL = {"errors.py": "errors", "third_party.py": "errors", "__main__.py": "cli", "__init__.py": None}
 
 
 def layer_of(relative: Path) -> str | None:
@@ -85,7 +86,7 @@ def violations(relative: Path, source: str) -> list[str]:
         parts = module.split(".")
         targets = [parts[1]] if len(parts) > 1 else names  # `from fsdp_fp8 import x` names layers
         for target in targets:
-            target_layer = "errors" if target == "errors" else target
+            target_layer = TOP_LEVEL.get(f"{target}.py") or target
             if target_layer != layer and target_layer not in ALLOWED[layer]:
                 found.append(f"{where}: layer `{layer}` imports `{module}` (layer `{target_layer}`)")
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
