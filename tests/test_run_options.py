@@ -3,6 +3,7 @@ problems in one usage error; options the model kind would ignore are named in a 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -185,20 +186,25 @@ def test_options_the_model_ignores_are_named_and_the_digest_names_its_platform(b
 # --- outputs, bounds and the prompts file: refused before anything loads -----------------
 
 
-def _refusal_without_torch(argv: list[str], env: dict | None = None, cwd=None) -> tuple[int, str, list[str]]:
+def _refusal_without_torch(
+    argv: list[str], env: dict | None = None, cwd=None, many: bool = False
+) -> tuple[int | list[int], str, list[str]]:
     """``python -m fsdp_fp8 run ARGV`` in a fresh interpreter: (exit code, stderr, the heavy
     modules imported by then). A refusal that comes before torch is imported comes before any
-    checkpoint is opened, let alone a weight read."""
+    checkpoint is opened, let alone a weight read. ``many``: ARGV is one JSON list of argument
+    lists, run one after the other in that interpreter (their exit codes, in order)."""
     import json
     import os
     import subprocess
     import sys
 
+    run = "def run(argv):\n    try:\n        main(['run', *argv])\n    except SystemExit as e:\n        return e.code\n"
     code = (
         "import json, sys\n"
         "from fsdp_fp8.cli.commands import main\n"
-        "try:\n    main(['run', *sys.argv[1:]])\nexcept SystemExit as e:\n    code = e.code\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'diffusers'))\n"
+        + run
+        + ("code = [run(a) for a in json.loads(sys.argv[1])]\n" if many else "code = run(sys.argv[1:])\n")
+        + "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'diffusers'))\n"
         "print(json.dumps([code, heavy[:3]]))\n"
     )
     proc = subprocess.run(
@@ -399,17 +405,17 @@ def _careless(tmp_path: Path, case: str) -> tuple[list[str], str]:
     return ["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"
 
 
-@pytest.mark.parametrize(
-    "case", ["huge line", "device", "directory of prompts", "same file", "linked file", "a prompt's file", "timeout"]
-)
-def test_careless_inputs_are_refused_before_torch_loads(tmp_path, case):
+CARELESS = ["huge line", "device", "directory of prompts", "same file", "linked file", "a prompt's file", "timeout"]
+
+
+@pytest.mark.parametrize("case", CARELESS)
+def test_careless_inputs_are_one_usage_error(tmp_path, capsys, case):
     """A prompt that would never finish its first step, a report into a device, a report that
     would replace the image, a timeout no backend takes: each one usage error (exit 2) naming
-    the option and the bound or the clash, before torch is imported."""
+    the option and the bound or the clash (before torch: the last test of this file)."""
     argv, message = _careless(tmp_path, case)
-    code, err, heavy = _refusal_without_torch(argv)
-    assert code == 2 and message in err, err
-    assert err.count("error:") == 1 and heavy == [] and "Traceback" not in err, (err, heavy)
+    err = _usage_error(argv, capsys)
+    assert message in err and err.count("error:") == 1, err
     assert not (tmp_path / "same.png").exists()
 
 
@@ -451,9 +457,7 @@ def _pipeline_root(root: Path, vae: dict, transformer: dict) -> Path:
 WAN = {"scale_factor_spatial": 16, "scale_factor_temporal": 4}
 
 
-@pytest.mark.parametrize(
-    "vae, transformer, argv, message",
-    [
+SIZES = [
         (None, None, ["--height", "33", "--width", "33"], "--height 33 is not a multiple of 4 (`scale_factor_spatial` 4 "
          "in the demo's VAE): use 32 or 36; --width 33 is not a multiple of 4"),
         (None, None, ["--frames", "2"], "--frames 2 is not 1 + a multiple of 4 (`scale_factor_temporal` 4 in the "
@@ -467,18 +471,23 @@ WAN = {"scale_factor_spatial": 16, "scale_factor_temporal": 4}
         ({**WAN, "scale_factor_temporal": None}, {"latent_patch_size": 2}, [],
          "--checkpoint: ROOT/vae/config.json: `scale_factor_temporal` is None; it must be an integer >= 1"),
         (WAN, {"latent_patch_size": 0}, [], "--checkpoint: ROOT/transformer/config.json: `latent_patch_size` is 0"),
-    ],
-)  # fmt: skip
-def test_sizes_the_pipeline_cannot_make_are_refused_before_torch(tmp_path, vae, transformer, argv, message):
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("vae, transformer, argv, message", SIZES)
+def test_sizes_the_pipeline_cannot_make_are_refused(tmp_path, capsys, vae, transformer, argv, message):
     """The pipeline's own check (height and width multiples of its VAE's factor) came after the
     load; a frame count the VAE cannot make was silently rounded down; a factor of 0 divided."""
-    if vae is not None:
-        root = _pipeline_root(tmp_path / "root", vae, transformer)
-        argv = ["--checkpoint", str(root), *argv]
-        message = message.replace("ROOT", str(root))
-    code, err, heavy = _refusal_without_torch(argv)
-    assert code == 2 and message in err, err
-    assert err.count("error:") == 1 and heavy == [], (err, heavy)
+    argv, message = _sizes(tmp_path, vae, transformer, argv, message)
+    err = _usage_error(argv, capsys)
+    assert message in err and err.count("error:") == 1, err
+
+
+def _sizes(tmp_path: Path, vae, transformer, argv: list[str], message: str) -> tuple[list[str], str]:
+    if vae is None:  # the demo's
+        return argv, message
+    root = _pipeline_root(tmp_path / "root", vae, transformer)
+    return ["--checkpoint", str(root), *argv], message.replace("ROOT", str(root))
 
 
 def test_sizes_the_pipeline_can_make_pass(tmp_path):
@@ -488,14 +497,15 @@ def test_sizes_the_pipeline_can_make_pass(tmp_path):
     assert parse_args(["--height", "36", "--width", "36", "--frames", "5"]).frames == 5  # the demo's VAE
 
 
-@pytest.mark.parametrize("case", ["missing", "relative", "file", "pickles", "empty"])
-def test_a_checkpoint_that_is_not_there_is_refused_before_torch(tmp_path, case):
-    """A path the load would refuse only after torch and the process group were up is one usage
-    error naming --checkpoint; a path-looking name that is no directory says it is in neither
-    place it was looked for, without the hub library's advice (no CLI user can pass its flag)."""
-    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
-    (tmp_path / "work").mkdir()
-    path, message = {
+NOT_THERE = ["missing", "relative", "file", "pickles", "empty"]
+
+
+def _not_there(tmp_path: Path, case: str) -> tuple[str, str]:
+    """(a --checkpoint that names no checkpoint, the message), looked up from ``tmp_path/work``
+    with the hub cache ``tmp_path/hub``."""
+    (tmp_path / "work").mkdir(exist_ok=True)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    return {
         "missing": (str(tmp_path / "nowhere"), f"--checkpoint: checkpoint directory {tmp_path / 'nowhere'} does "
                     "not exist"),
         "relative": ("fixtures/modelopt-0.47-llama-tied", f"--checkpoint: 'fixtures/modelopt-0.47-llama-tied': no "
@@ -505,8 +515,38 @@ def test_a_checkpoint_that_is_not_there_is_refused_before_torch(tmp_path, case):
         "pickles": (str(tmp_path), f"--checkpoint: {tmp_path}: only pickle checkpoint files ['pytorch_model.bin']"),
         "empty": (str(tmp_path / "work"), f"--checkpoint: {tmp_path / 'work'}: no safetensors checkpoint"),
     }[case]  # fmt: skip
-    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
-    code, err, heavy = _refusal_without_torch(["--checkpoint", path], env, cwd=tmp_path / "work")
-    assert code == 2 and message in err, err
-    assert err.count("error:") == 1 and heavy == [], (err, heavy)
-    assert "raised at" not in err and "local_files_only" not in err and ".py:" not in err, err
+
+
+@pytest.mark.parametrize("case", NOT_THERE)
+def test_a_checkpoint_that_is_not_there_is_one_usage_error(tmp_path, capsys, monkeypatch, case):
+    """A path the load would refuse only after torch and the process group were up is one usage
+    error naming --checkpoint; a path-looking name that is no directory says it is in neither
+    place it was looked for, without the hub library's advice (no CLI user can pass its flag)."""
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    path, message = _not_there(tmp_path, case)
+    monkeypatch.chdir(tmp_path / "work")
+    err = _usage_error(["--checkpoint", path], capsys)
+    assert message in err and err.count("error:") == 1, err
+    assert "raised at" not in err and "local_files_only" not in err and not re.search(r"\.py:\d", err), err
+
+
+def test_every_careless_input_is_refused_before_torch_is_imported(tmp_path):
+    """The cases above, each in one fresh interpreter: exit 2 before torch (or safetensors,
+    diffusers) is imported, so a mistake costs the time of --help on every rank."""
+    import json
+
+    def new(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        return tmp_path / name
+
+    cases = [_careless(new(f"careless-{i}"), case)[0] for i, case in enumerate(CARELESS)]
+    cases += [_sizes(new(f"sizes-{i}"), *case)[0] for i, case in enumerate(SIZES)]
+    cases += [["--checkpoint", _not_there(new(f"path-{i}"), c)[0]] for i, c in enumerate(NOT_THERE)]
+    code, err, heavy = _refusal_without_torch(
+        [json.dumps(cases)], env={"HF_HUB_CACHE": str(tmp_path / "hub")}, cwd=tmp_path / "path-1" / "work", many=True
+    )
+    assert code == [2] * len(cases), err
+    assert heavy == [] and "Traceback" not in err, (heavy, err[-3000:])
