@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_fp8.cli.options import unused_options, value_problems
+from fsdp_fp8.cli.options import file_problems, unused_options
 from fsdp_fp8.cli.runner import parse_args
 
 
@@ -84,16 +84,16 @@ def test_report_path_checks(tmp_path):
     class Args:
         report = str(tmp_path)
 
-    assert value_problems(Args()) == [f"--report {tmp_path} is a directory; name a file"]
+    assert file_problems(Args()) == [f"--report {tmp_path} is a directory; name a file"]
     Args.report = str(tmp_path / "r.json")
-    assert value_problems(Args()) == []
+    assert file_problems(Args()) == []
     (tmp_path / "ro").mkdir(mode=0o555)
     Args.report = str(tmp_path / "ro" / "r.json")
     import os
 
     if os.access(tmp_path / "ro", os.W_OK):  # root ignores the mode
         pytest.skip("running as root: every directory is writable")
-    assert value_problems(Args()) == [f"--report {Args.report}: directory {tmp_path / 'ro'} is not writable"]
+    assert file_problems(Args()) == [f"--report {Args.report}: directory {tmp_path / 'ro'} is not writable"]
 
 
 def test_good_values_pass(tmp_path):
@@ -300,6 +300,21 @@ def test_a_usage_error_is_printed_by_rank_0_only(monkeypatch, capsys):
     err = _usage_error(["--steps", "0"], capsys)
     assert err.count("usage:") == 1 and "--steps must be >= 1, got 0" in err
     assert waits == ["1"]  # rank 1 waited; rank 0 printed and did not
+
+
+def test_only_an_error_of_a_ranks_own_files_is_printed_by_it_after_the_wait(tmp_path, monkeypatch, capsys):
+    """A rank other than 0 still running after its wait (rank 0 has not ended the job) prints an
+    error its node's files caused, naming itself; one every rank meets (a value) stays rank 0's."""
+    from fsdp_fp8.cli import interrupts
+
+    monkeypatch.setattr(interrupts, "wait_for_rank_0", lambda: True)  # waited the whole grace
+    monkeypatch.setenv("RANK", "1")
+    assert _usage_error(["--steps", "0"], capsys) == ""
+    err = _usage_error(["--prompts", str(tmp_path / "none.txt")], capsys)
+    assert (
+        err
+        == f"launch/infer.py: error (rank 1; rank 0 did not meet it): --prompts {tmp_path / 'none.txt'}: no such file\n"
+    )
 
 
 def test_a_rank_waits_for_rank_0_under_torchrun_only(monkeypatch):

@@ -15,7 +15,7 @@ import sys
 
 from fsdp_fp8.cli import interrupts
 from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems
-from fsdp_fp8.cli.options import EVERY_KIND, USES, given_options, value_problems
+from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
 DESCRIPTION = """\
@@ -139,12 +139,14 @@ class RankZeroParser(argparse.ArgumentParser):
     first. A rank still running after that wait found an error rank 0 did not (a node-local
     ``--prompts`` file, a ``--report`` directory only its node lacks): it prints it, naming itself."""
 
+    node_local = False  # the problems depend on this node's files (set by parse_run_args)
+
     def error(self, message: str):  # noqa: D401 - argparse's signature
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        elif interrupts.wait_for_rank_0():
+        elif interrupts.wait_for_rank_0() and self.node_local:
             print(f"{self.prog}: error (rank {rank}; rank 0 did not meet it): {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
@@ -170,15 +172,28 @@ def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py")
     text, not empty, bounded) and the combinations that cannot work.
     """
     parser = build_run_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # its own errors (a bad type, an unknown option): alike on every rank
+    parser.node_local = True  # from here on, every rank looks at its own node's files
     if args.report:  # its directory is made now, not after the whole run (documented)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
         except OSError as exc:
             parser.error(f"--report {args.report}: cannot create its directory: {exc}")
-    problems = _combination_problems(args) + value_problems(args)
+    local = _file_problems(args)
+    parser.node_local = bool(local)
+    problems = _combination_problems(args) + value_problems(args) + local
+    if problems:
+        parser.error("; ".join(sorted(set(problems))))
+    args.given = given_options(parser, args)
+    return args
+
+
+def _file_problems(args: argparse.Namespace) -> list[str]:
+    """What this node's files say: the checkpoint and the sizes its pipeline can make, the
+    prompts file, every output (checked on every rank: a node may lack what another has)."""
+    problems = file_problems(args)
     root = None
-    if args.checkpoint:  # on every rank: a node may lack what another has
+    if args.checkpoint:
         root, found = checkpoint_problems("--checkpoint", args.checkpoint)
         problems += found
     if args.checkpoint is None or root is not None:
@@ -194,12 +209,8 @@ def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py")
     except ValueError as exc:
         problems.append(str(exc))
     else:
-        count = len(prompts) if prompts is not None else 1
-        problems += planned_outputs(args, count)
-    if problems:
-        parser.error("; ".join(sorted(set(problems))))
-    args.given = given_options(parser, args)
-    return args
+        problems += planned_outputs(args, len(prompts) if prompts is not None else 1)
+    return problems
 
 
 def _combination_problems(args: argparse.Namespace) -> list[str]:

@@ -61,7 +61,7 @@ def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:
-    """Every option value that cannot work, found before loading (sorted)."""
+    """Every option value that cannot work, found before loading, the same on every rank (sorted)."""
     problems = []
     for name, (low, high) in BOUNDS.items():
         value = getattr(args, name, None)
@@ -90,7 +90,14 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")
-    if getattr(args, "report", None) is not None:  # --output: fsdp_fp8.cli.generate.check_output
+    return sorted(problems)
+
+
+def file_problems(args: argparse.Namespace) -> list[str]:
+    """The ``--report`` file and the ``--prompts`` file, as this node's filesystem has them
+    (``--output``: ``outputs.planned_outputs``; sorted)."""
+    problems = []
+    if getattr(args, "report", None) is not None:
         problems += writable_file("--report", args.report, getattr(args, "overwrite", False))
     prompts = getattr(args, "prompts", None)
     if prompts is not None and not os.path.exists(prompts):

@@ -85,7 +85,7 @@ def output_path(output: str, index: int, many: bool) -> Path:
 def planned_outputs(args, prompt_count: int) -> list[str]:
     """Problems with the files ``--output`` will write (one per prompt with ``--prompts``): each
     must be writable and none may be ``--report`` (the report would replace the image); the
-    report itself is checked with the other values (``options.value_problems``)."""
+    report itself is checked with the prompts file (``options.file_problems``)."""
     if not getattr(args, "output", None):
         return []
     many = args.prompts is not None
