@@ -129,6 +129,7 @@ def test_run_help_is_the_launchers(capsys):
         ([], "the following arguments are required: command"),
         (["save", "a", "b", "--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
         (["save", "a", "b", "--timeout", "0"], "--timeout must be > 0, got 0.0"),
+        (["save", "/nonexistent/source", "b"], "SOURCE: checkpoint directory /nonexistent/source does not exist"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, message):
@@ -190,6 +191,7 @@ def _without_torch(argv: list[str]) -> tuple[int, str, str, list[str]]:
         (["frobnicate"], 2),
         (["run", "--steps", "0", "--output", "x.gif"], 2),
         (["run", "--frobnicate"], 2),
+        (["save", "/nonexistent/source", "/tmp/never-written"], 2),
     ],
 )
 def test_help_and_usage_errors_do_not_import_torch(argv, exit_code):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, noise
 from fsdp_fp8.cli.arguments import RankZeroParser
+from fsdp_fp8.cli.inputs import checkpoint_problems
 from fsdp_fp8.cli.inspection import (
     MAX_WORLD_SIZE,
     bytes_and_mib,
@@ -353,7 +354,10 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
             parser.error("save --clean takes one path: the DESTINATION whose leftovers to remove")
         if not args.clean and args.destination is None:
             parser.error("save needs SOURCE and DESTINATION")
-        if problems := timeout_problems(args.timeout):
+        problems = timeout_problems(args.timeout)
+        if not args.clean:  # before torch, as the launcher's --checkpoint
+            problems += checkpoint_problems("SOURCE", args.source)[1]
+        if problems:
             parser.error("; ".join(problems))
         return _save(args)
     if args.device is None:
