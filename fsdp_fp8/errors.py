@@ -49,6 +49,15 @@ class CheckpointError(ProblemsError, ValueError):
     default_context = "checkpoint"
 
 
+class CheckpointPathError(CheckpointError, FileNotFoundError):
+    """A path that names no checkpoint directory: missing, not a directory, or a hub name with no
+    (or no safe) snapshot in the local cache. The user's to fix, so reported like every other
+    ``CheckpointError`` (its problem alone, never where fsdp_fp8 raised it); a
+    ``FileNotFoundError`` too, as ``open()`` of a missing path is."""
+
+    default_context = "no checkpoint"
+
+
 class ExportError(ProblemsError, ValueError):
     """A model cannot be written as a checkpoint (``export_fp8``, ``save_checkpoint``)."""
 

@@ -127,6 +127,9 @@ def test_run_help_is_the_launchers(capsys):
         (["verify", "x", "--world-size", "4", "--replicas", "3"], "--replicas 3 does not divide --world-size 4"),
         (["inspect", "x", "--world-size", "4", "--replicas", "0"], "argument --replicas: must be >= 1, got 0"),
         ([], "the following arguments are required: command"),
+        (["save", "a", "b", "--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
+        (["save", "a", "b", "--timeout", "0"], "--timeout must be > 0, got 0.0"),
+        (["save", "/nonexistent/source", "b"], "SOURCE: checkpoint directory /nonexistent/source does not exist"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, message):
@@ -188,6 +191,7 @@ def _without_torch(argv: list[str]) -> tuple[int, str, str, list[str]]:
         (["frobnicate"], 2),
         (["run", "--steps", "0", "--output", "x.gif"], 2),
         (["run", "--frobnicate"], 2),
+        (["save", "/nonexistent/source", "/tmp/never-written"], 2),
     ],
 )
 def test_help_and_usage_errors_do_not_import_torch(argv, exit_code):
@@ -222,3 +226,87 @@ def test_verify_and_inspect_wording(checkpoints, capsys):
     assert "k/v scale" not in out and "1 files" not in out
     assert all(len(line) <= 100 for line in out.splitlines() if ": reads " not in line), out
     assert "staging ring: host buffers" in out and "prefetch: page-cache hints" in out
+
+
+# --- inspect: configs it divides by, a world size it can list, a user's words ------------------
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory) -> Path:
+    pytest.importorskip("diffusers")
+    from fsdp_fp8.cli.demo import build_demo_pipeline
+
+    return build_demo_pipeline(tmp_path_factory.mktemp("demo") / "root")
+
+
+def _edited(root: Path, to: Path, config: str, key: str, value) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(root, to)
+    data = json.loads((to / config).read_text())
+    if value is ...:
+        del data[key]
+    else:
+        data[key] = value
+    (to / config).write_text(json.dumps(data))
+    return to
+
+
+@pytest.mark.parametrize(
+    "config, key, value, problem",
+    [
+        ("vae/config.json", "scale_factor_spatial", 0, "`scale_factor_spatial` is 0; it must be an integer >= 1"),
+        ("vae/config.json", "scale_factor_spatial", None, "`scale_factor_spatial` is None; it must be an integer"),
+        ("vae/config.json", "scale_factor_temporal", "4", "`scale_factor_temporal` is '4'; it must be an integer"),
+        ("transformer/config.json", "latent_patch_size", 0, "`latent_patch_size` is 0; it must be an integer >= 1"),
+        ("transformer/config.json", "latent_patch_size", ..., "`latent_patch_size` is missing"),
+        ("transformer/config.json", "hidden_size", -64, "`hidden_size` is -64; it must be an integer >= 1"),
+    ],
+)
+def test_inspect_refuses_a_config_it_would_divide_by(demo_root, tmp_path, capsys, config, key, value, problem):
+    """Were ZeroDivisionError / TypeError / KeyError tracebacks: now one error naming the file."""
+    root = _edited(demo_root, tmp_path / "root", config, key, value)
+    assert cli.main(["inspect", str(root), "--height", "64"]) == 1
+    out, err = capsys.readouterr()
+    assert err.count("error:") == 1 and f"{root / config}: {problem}" in err, err
+    assert "memory forecast" not in out
+
+
+def test_inspect_caps_the_world_size_and_summarises_many_ranks(checkpoints, capsys):
+    path = str(checkpoints["mot-tiny"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["inspect", path, "--world-size", "1000000"])
+    assert exit_.value.code == 2
+    assert "--world-size: must be <= 65,536 (the most ranks a forecast is made for), got 1,000,000" in (
+        capsys.readouterr().err
+    )
+    assert cli.main(["inspect", path, "--world-size", "16"]) == 0
+    assert len(_figures(capsys.readouterr().out)) == 16  # every rank, up to 16
+    assert cli.main(["inspect", path, "--world-size", "65536"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  rank ")]
+    assert [r.split(":")[0] for r in rows] == ["  rank 0", "  rank 65535"], out
+    assert "  ... 65,534 ranks between: each reads between these two and holds the same" in out
+
+    def read(row: str) -> int:
+        return int(row.split("reads ")[1].split(" bytes")[0].replace(",", ""))
+
+    assert read(rows[0]) >= read(rows[1])  # rank 0 reads the most, the last rank the least
+    assert cli.main(["verify", path, "--device", "cpu", "--world-size", "4096", "--replicas", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "shard 0 (512 ranks: 0, 8, ..., 4088) of 8: reads" in out and out.count(" of 8: reads ") == 8
+
+
+def test_inspect_speaks_in_a_users_words(demo_root, capsys):
+    """The step policy's windows, a prefetch no larger than what a rank reads, a phrase once."""
+    assert cli.main(["inspect", str(demo_root), "--world-size", "2", "--height", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "step policy:     W8A16 steps 0-2 and the last 3 (W8A8 between), reasoner W8A16" in out
+    prefetch = " ".join(line.strip() for line in out.split("  prefetch: ")[1].split("\n  rank 0")[0].splitlines())
+    hinted = int(prefetch.split("at most ")[1].split(" bytes")[0].replace(",", ""))
+    total = int(out.split("files:")[1].split(" bytes")[0].split(", ")[-1].replace(",", ""))
+    assert 0 < hinted < total and prefetch.endswith("per rank (every row it reads)"), prefetch
+    activations = next(line for line in out.splitlines() if line.strip().startswith("activations"))
+    widest = activations.split("widest: ")[1].split(" ")[0]
+    assert activations.count(widest) == 1, activations

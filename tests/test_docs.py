@@ -51,20 +51,74 @@ def _anchors(path: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
 
 
-def _options_in_help(argv, capsys, main) -> set[str]:
-    with pytest.raises(SystemExit):
-        main(argv)
-    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", capsys.readouterr().out)) - {"--help"}
+def _parser_options(command: str) -> set[str]:
+    """The options ``COMMAND --help`` lists: the ``--`` flags of the parser that prints it."""
+    from fsdp_fp8.cli.arguments import build_run_parser
+    from fsdp_fp8.cli.commands import build_parser
+
+    if command == "run":
+        parser = build_run_parser()
+    else:
+        parser = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+
+
+def _table_options(text: str, header: str) -> set[str]:
+    """The ``--`` flags in the first column of every docs table whose first header cell is ``header``."""
+    found, rows = set(), None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            rows = None
+        elif rows is None:
+            rows = cells[0] == header  # a table's header row decides whether its rows count
+        elif rows:
+            found |= set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", cells[0]))
+    return found
 
 
 @pytest.mark.parametrize("command", ["run", "inspect", "verify", "save"])
-def test_every_option_is_in_usage_md(command, capsys):
-    from fsdp_fp8.cli import commands
-
-    options = _options_in_help([command, "--help"], capsys, commands.main)
+def test_every_option_is_in_usage_md(command):
+    """Each option ``--help`` lists has a row in usage.md's option table for its command, and each
+    row an option of the command: an option added to the parser alone fails here."""
     usage = (ROOT / "docs" / "usage.md").read_text()
+    header = "option" if command == "run" else f"`{command}` option"
+    options = _parser_options(command)
     assert options, command
-    assert sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])", usage)) == []
+    assert sorted(options - _table_options(usage, header)) == [], f"in --help, not in the {header!r} table"
+    assert sorted(_table_options(usage, header) - options) == [], f"in the {header!r} table, not in --help"
+
+
+def test_the_option_table_test_sees_an_option_added_to_help_only(monkeypatch):
+    from fsdp_fp8.cli import arguments
+
+    group = dict(arguments.OPTIONS)
+    group["reporting"] = [*group["reporting"], (("--brand-new",), dict(action="store_true", help="new"))]
+    monkeypatch.setattr(arguments, "OPTIONS", group)
+    with pytest.raises(AssertionError, match="--brand-new"):
+        test_every_option_is_in_usage_md("run")
+
+
+def test_fsdp_fp8_cache_has_the_codes_one_meaning_everywhere(tmp_path, monkeypatch):
+    """``FSDP_FP8_CACHE`` is the demo directory's parent (the code's meaning); every doc that
+    names it says so: ``$FSDP_FP8_CACHE/cosmos3-demo-<version>``, default ``~/.cache/fsdp_fp8``."""
+    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.export import cache
+
+    monkeypatch.setattr(cache, "build_once", lambda path, build, complete: path)  # the path, nothing built
+    monkeypatch.setenv("FSDP_FP8_CACHE", str(tmp_path))
+    assert demo_checkpoint().parent == tmp_path and demo_checkpoint().name.startswith("cosmos3-demo-")
+    monkeypatch.delenv("FSDP_FP8_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert demo_checkpoint().parent == tmp_path / "home" / ".cache" / "fsdp_fp8"
+    said = {}
+    for path in DOCS:
+        for paragraph in path.read_text().split("\n\n"):
+            if "FSDP_FP8_CACHE" in paragraph and "cosmos3-demo" in paragraph:  # where it is explained
+                said[path.name] = paragraph
+                assert "$FSDP_FP8_CACHE/cosmos3-demo-<version>" in paragraph, (path.name, paragraph)
+                assert re.findall(r"default `([^`]*)`", paragraph) == ["~/.cache/fsdp_fp8"], (path.name, paragraph)
+    assert {"usage.md", "cosmos3.md"} <= set(said), said
 
 
 def _python_blocks(path: Path) -> list[str]:

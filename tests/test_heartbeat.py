@@ -50,6 +50,45 @@ def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow
     return "finished"
 
 
+def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
+    """Rank 1 dies between two collectives; rank 0, inside no collective, is then sent SIGTERM,
+    as torchrun sends it to the other ranks once one has died."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.cli import interrupts
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    interrupts.install()
+    with watch_peers(stall_s=bound(30.0), interval_s=INTERVAL_S):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        while _alive(pids[1]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # not reached: the handler raises
+    return "finished"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(text: str, victim: int) -> None:
+    """The certain verdict: the victim's process is gone, named at once (no silence waited for)."""
+    host = re.escape(socket.gethostname())
+    assert re.search(rf"rank {victim} \(host {host}, pid \d+\) ended during generation: its process is gone", text)
+
+
 def _named(text: str, victim: int, stall_s: float) -> None:
     found = re.search(
         rf"rank {victim} \(host {re.escape(socket.gethostname())}, pid \d+\) stopped answering: "
@@ -87,8 +126,23 @@ def test_a_killed_rank_is_named_by_the_live_rank(victim, monkeypatch):
     message = str(info.value)
     assert f"rank {victim} died of SIGKILL before returning a result" in message, message
     assert f"rank {live} raised:" in message and "PeerLostError: " in message, message
-    _named(message, victim, stall_s)
+    _gone(message, victim)
     assert "the collective then failed: " in message  # gloo's own error, kept
+
+
+def test_a_rank_stopped_after_a_peer_died_names_the_peer(monkeypatch):
+    """A rank inside no collective when torchrun stops it (its own compute, a CFG pair's turn)
+    used to say only `stopped by SIGTERM`; the dead peer's process is gone, so it is named."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_stopped_after_the_peer_died, 2, bound(1.0), timeout=300)
+    message = str(info.value)
+    assert "rank 1 died of SIGKILL before returning a result" in message, message
+    assert "rank 0 raised:" in message and "PeerLostError: " in message, message
+    _gone(message, 1)
+    assert "this rank was then stopped by SIGTERM" in message, message
 
 
 def test_a_slow_peer_or_one_that_left_early_is_not_named():

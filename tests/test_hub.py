@@ -201,3 +201,16 @@ def test_ref_names_follow_git_check_ref_format(revision, valid):
     from fsdp_fp8.format.hub import ref_name_problem
 
     assert (ref_name_problem(revision) is None) == valid, ref_name_problem(revision)
+
+
+@pytest.mark.parametrize("command", [["verify", "--device", "cpu"], ["inspect"]])
+def test_a_path_looking_name_in_neither_place_says_both_and_no_hub_advice(hub, capsys, command):
+    """A mistyped relative path (``fixtures/...`` for ``tests/fixtures/...``) reads as a repo id:
+    the answer names the directory it was looked up in and the cache, not the hub library's
+    advice to pass ``local_files_only=False`` (no CLI user can), and no source line of ours."""
+    cache, _, _ = hub
+    assert cli.main([command[0], "fixtures/modelopt-0.47-llama-tied", *command[1:]]) == 1
+    err = capsys.readouterr().err
+    assert f"'fixtures/modelopt-0.47-llama-tied': no such directory (relative to {Path.cwd()}), and no complete " in err
+    assert f"snapshot of fixtures/modelopt-0.47-llama-tied in the local Hugging Face cache {cache}" in err, err
+    assert "local_files_only" not in err and "raised at" not in err and ".py:" not in err, err

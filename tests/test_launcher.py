@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,16 +83,46 @@ def test_step_policy_off_runs_every_step_w8a8_and_changes_the_result(tmp_path, c
     assert "disabled by override 'off'" in caplog.text
 
 
-def test_a_bad_checkpoint_is_one_clear_message_and_a_failing_exit(tmp_path, cache):
+@pytest.mark.parametrize("case", ["missing", "pickles"])
+def test_a_checkpoint_that_is_not_there_is_one_line_from_rank_0_under_plain_torchrun(tmp_path, cache, case):
+    """The README's plain torchrun: a path that names no checkpoint is a usage error of the parse
+    step on every rank (exit 2, before torch: the failure table shows it), printed by rank 0
+    alone, naming no source line of ours (torchrun then adds its own report)."""
     bad = tmp_path / "not-a-checkpoint"
-    bad.mkdir()
-    (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    if case == "pickles":
+        bad.mkdir()
+        (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
     proc, report = _run(tmp_path, cache, "--checkpoint", str(bad), nproc=2)
     assert proc.returncode != 0 and report is None
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]  # rank 0 only
-    assert "pytorch_model.bin" in errors[0] or "pickle" in proc.stderr
-    assert "Traceback" not in proc.stderr.split("error:")[0]
+    ours = [line for line in proc.stderr.splitlines() if "error" in line and "not-a-checkpoint" in line]
+    needle = "does not exist" if case == "missing" else "only pickle checkpoint files ['pytorch_model.bin']"
+    assert len(ours) == 1 and ours[0].startswith("launch/infer.py: error: --checkpoint: "), proc.stderr[-3000:]
+    assert needle in ours[0], ours
+    assert "exitcode  : 2" in proc.stderr  # torchrun's table: the parse step's usage error, not a load's 1
+    assert "raised at" not in proc.stderr and "fsdp_fp8/" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_usage_error_only_rank_1_meets_is_printed_once_by_rank_1(tmp_path):
+    """A --prompts file rank 1's node lacks (each rank reads a relative path from a directory of
+    its own): rank 0 parses cleanly and waits in the rendezvous, rank 1 names the file and itself."""
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    (tmp_path / "node0" / "prompts.txt").write_text("a red fox\n")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "os.chdir(os.path.join(sys.argv[1], 'node' + os.environ['RANK']))\n"
+        "from fsdp_fp8.cli.commands import main\n"
+        "sys.exit(main(['run', '--prompts', 'prompts.txt'], prog='launch/infer.py'))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([*cmd, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    ours = [line for line in proc.stderr.splitlines() if "prompts.txt" in line]
+    assert ours == ["launch/infer.py: error (rank 1; rank 0 did not meet it): --prompts prompts.txt: no such file"], (
+        proc.stderr[-3000:]
+    )
+    assert "usage:" not in proc.stderr, proc.stderr[-3000:]
 
 
 # --- clean failures at 2 ranks: one line per problem, once; the exit status says which kind ----
@@ -109,13 +140,12 @@ def _spawn(*args, timeout=240, **popen):
 def test_a_failure_at_two_ranks_is_its_error_lines_and_nothing_else(tmp_path):
     bad = tmp_path / "not-a-checkpoint"
     bad.mkdir()
-    (bad / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 4)  # a checkpoint by its name, refused by its bytes
     proc = _spawn("--checkpoint", str(bad))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         f"error: cannot load {bad}: 1 problem:",
-        f"  - all 2 ranks: {bad}: only pickle checkpoint files ['pytorch_model.bin']; they are never unpickled "
-        "(arbitrary code), convert them to safetensors",
+        "  - all 2 ranks: model.safetensors: truncated: 4 bytes, too short for the 8-byte header length",
     ]
     assert proc.stdout == ""
 
@@ -130,6 +160,34 @@ def test_a_usage_error_at_two_ranks_is_printed_once_and_exits_2(tmp_path):
     plain = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert plain.returncode != 0 and plain.stderr.count("usage: launch/infer.py") == 1, plain.stderr[-3000:]
     assert plain.stderr.count("error: --steps must be >= 1, got 0") == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"),
+        (["--height", "33", "--width", "32"], "--height 33 is not a multiple of 4 (`scale_factor_spatial` 4 in the "
+         "demo's VAE): use 32 or 36"),
+        (["--output", "same.png", "--report", "same.png"], "--report same.png and --output same.png are the same file"),
+    ],
+)  # fmt: skip
+def test_careless_input_is_one_usage_error_under_both_launchers(tmp_path, argv, message):
+    """Under the launcher's --nproc-per-node 2 (exit 2, nothing else printed) and under plain
+    torchrun (rank 0 alone prints it; every rank's exit status is the usage error's 2)."""
+    launcher = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", *argv],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert launcher.returncode == 2 and launcher.stderr.splitlines()[-1].startswith("launch/infer.py: error: ")
+    assert message in launcher.stderr and launcher.stderr.count("error:") == 1, launcher.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    plain = subprocess.run(
+        [*cmd, str(ROOT / "launch" / "infer.py"), *argv], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert plain.stderr.count(f"launch/infer.py: error: {message}") == 1, plain.stderr[-3000:]
+    assert "exitcode  : 2" in plain.stderr and "Traceback" not in plain.stderr.split("error:")[0]
+    assert not (tmp_path / "same.png").exists()
 
 
 @pytest.mark.parametrize("signum, name", [(2, "SIGINT"), (15, "SIGTERM")])
@@ -157,6 +215,52 @@ def test_a_signal_ends_every_rank_with_one_line(tmp_path, cache, signum, name):
     assert code == 128 + signum, stderr[-3000:]
     tail = [line for line in stderr.splitlines() if not line.startswith("[fsdp_fp8] ")]
     assert tail == [f"error: stopped by {name}"], stderr[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child that runs ``rank`` (its environment says which)."""
+    for entry in os.listdir("/proc"):
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if parent == str(launcher) and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+def test_a_rank_killed_mid_loop_under_cfg_parallel_is_named(tmp_path, cache):
+    """Rank 1 killed (SIGKILL) during generation under the launcher's own --nproc-per-node 2 and
+    --cfg-parallel: the survivor names it (was only `error: stopped by SIGTERM`). Without
+    --cfg-parallel the same holds (tests/test_heartbeat.py holds the mechanism)."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(cache)}
+    cmd = [sys.executable, str(ROOT / "launch" / "infer.py"), "--nproc-per-node", "2", "--steps", "5000"]
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([*cmd, "--cfg-parallel"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+        try:
+            deadline = time.monotonic() + 240  # a hang guard: the demo may have to be built first
+            while "step 2/5000" not in err_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.2)
+            victim = _rank_pid(proc.pid, 1)
+            os.kill(victim, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = err_path.read_text()
+    assert code == 128 + signal.SIGKILL, stderr[-3000:]  # the first failed rank's own status
+    tail = [line for line in stderr.splitlines() if not line.startswith("[fsdp_fp8] ")]
+    assert len(tail) == 1 and tail[0].startswith(
+        f"error: rank 1 (host {socket.gethostname()}, pid {victim}) ended "
+        "during the pipeline's load or generation: its process is gone"
+    ), tail
 
 
 def test_a_run_prints_no_third_party_noise(tmp_path):

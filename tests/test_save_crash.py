@@ -210,6 +210,31 @@ def test_the_cli_clean_removes_dead_leftovers_and_says_so(tmp_path, capsys):
     assert "removed" not in capsys.readouterr().out
 
 
+def test_a_pid_no_process_can_have_is_an_unknown_owner_kept_and_named_once(tmp_path, capsys, caplog):
+    """A leftover named with pid 10**25 (os.kill overflows on it) used to end `save --clean` and
+    every save into its parent in an OverflowError, keeping the dead leftover beside it."""
+    import dataclasses
+
+    from fsdp_fp8.cli.commands import main
+    from fsdp_fp8.save.temp_dir import Owner
+
+    me = Owner.this_process()
+    pid, start = _dead_pid()
+    parent = tmp_path / "out"
+    odd = _leftover(parent, "ckpt", dataclasses.replace(me, pid=10**25))
+    dead = _leftover(parent, "ckpt", dataclasses.replace(me, pid=pid, start=start))
+    assert main(["save", "--clean", str(parent / "ckpt")]) == 0
+    said = "".join(capsys.readouterr())
+    assert f"left {odd} alone: its owner is unknown: the pid in its name, {10**25}, cannot be a process id" in said
+    assert said.count(odd.name) == 1 and not dead.exists() and odd.exists(), said
+    dead = _leftover(parent, "ckpt", dataclasses.replace(me, pid=pid, start=start))
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8"):
+        report = _save_once(write_uneven_checkpoint(tmp_path / "src"), parent / "ckpt")
+    assert report.removed_leftovers == (str(dead),) and not dead.exists() and odd.exists()
+    assert caplog.text.count(odd.name) == 1, caplog.text
+    assert (parent / "ckpt" / "model.safetensors").is_file()
+
+
 # --- permissions ------------------------------------------------------------------------------
 
 

@@ -344,3 +344,21 @@ def test_describe_trace_of_the_published_policy():
 def test_describe_trace_rejects_unknown():
     with pytest.raises(ValueError, match="bf16"):
         describe_trace(["a16", "bf16"])
+
+
+@pytest.mark.parametrize(
+    "first, last, overlap, reasoner, words",
+    [
+        (3, 3, "a16", "a16", "W8A16 steps 0-2 and the last 3 (W8A8 between), reasoner W8A16"),
+        (3, 3, "native", "native", "W8A16 steps 0-2 and the last 3 (W8A8 between), W8A8 where the two overlap, "
+         "reasoner W8A8"),
+        (1, 0, "a16", "a16", "W8A16 step 0 (W8A8 after), reasoner W8A16"),
+        (0, 1, "native", "a16", "W8A16 the last step (W8A8 before), reasoner W8A16"),
+        (0, 0, "a16", "native", "W8A8 every step, reasoner W8A8"),
+    ],
+)  # fmt: skip
+def test_a_policy_is_described_in_a_users_words(first, last, overlap, reasoner, words):
+    """What ``inspect`` and the launcher's log say: the windows by step, not the schema's fields."""
+    from fsdp_fp8.format.step_policy import describe_policy
+
+    assert describe_policy(parse_step_policy(_policy(first, last, overlap, reasoner))) == words

@@ -1,5 +1,6 @@
 """``scripts/venv-run`` says what it is doing while it sets the venv up: a line per phase, pip's
-own output (on stderr, so the command's stdout stays its own), and how long it took.
+own output (on stderr, so the command's stdout stays its own), and how long it took;
+and it runs the command in the caller's directory.
 
 The venv is a stand-in whose ``python`` records its arguments and prints what pip would, and
 the base ``python`` one without torch: the script's own logic runs, nothing is installed."""
@@ -20,12 +21,13 @@ def _executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run(venv: Path, base_python: Path):
+def _run(venv: Path, base_python: Path, *command: str, cwd: Path | None = None):
     env = {**os.environ, "FSDP_FP8_VENV": str(venv), "PYTHON": str(base_python)}
     env.pop("FSDP_FP8_TORCH_INDEX_URL", None)
     return subprocess.run(
-        [str(ROOT / "scripts" / "venv-run"), "echo", "the command ran"],
+        [str(ROOT / "scripts" / "venv-run"), *(command or ("echo", "the command ran"))],
         env=env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,  # a hang guard: the script runs no real pip here
@@ -61,3 +63,24 @@ def test_set_up_shows_each_phase_pip_and_the_time_taken(tmp_path):
     again = _run(venv, base)  # installed: the command starts at once, silently
     assert (again.returncode, again.stdout, again.stderr) == (0, "the command ran\n", "")
     assert len(log.read_text().splitlines()) == 2
+
+
+def test_the_command_runs_where_the_caller_is(tmp_path):
+    """`cd /tmp && /path/to/clone/scripts/venv-run python -c 'import os; print(os.getcwd())'`
+    prints /tmp: a snippet or an --output path relative to the caller's directory stays there."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".fsdp_fp8-installed").write_text(_stamp())  # set up already: the command runs at once
+    _executable(venv / "bin" / "python", '#!/bin/sh\nexec python3 "$@"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ran = _run(venv, tmp_path / "python3", "python", "-c", "import os; print(os.getcwd())", cwd=elsewhere)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, f"{elsewhere}\n", "")
+
+
+def _stamp() -> str:
+    """What scripts/venv-run writes once the venv is set up for this pyproject and constraints."""
+    import hashlib
+
+    data = (ROOT / "pyproject.toml").read_bytes() + (ROOT / "constraints.txt").read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16] + "\n"

@@ -14,7 +14,8 @@ import os
 import sys
 
 from fsdp_fp8.cli import interrupts
-from fsdp_fp8.cli.options import EVERY_KIND, USES, given_options, value_problems
+from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems
+from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
 DESCRIPTION = """\
@@ -32,8 +33,10 @@ runs the pipeline."""
 EPILOG = """\
 Bounds (checked before anything loads): --steps 1..10000, --frames 1..1024, --height and
 --width 1..16384 pixels, --fps above 0 and at most 1000, --latent-tokens 1..1000000,
---new-tokens 1..100000. An output file (--output, its per-prompt names, --report) that
-already exists is refused unless --overwrite is given.
+--new-tokens 1..100000, --timeout above 0 and at most 86400 seconds, a prompt (--prompt,
+--negative-prompt, a line of --prompts) at most 16384 bytes, the --prompts file at most 16 MiB.
+An output file (--output, its per-prompt names, --report) must be a regular file, not another
+of them, and is refused if it already exists unless --overwrite is given.
 
 Exit status: 0 success, 1 a failure while loading or running (one "error:" line),
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
@@ -132,14 +135,19 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
 
 class RankZeroParser(argparse.ArgumentParser):
     """A usage error is printed once, by rank 0; under torchrun the other ranks wait for rank 0 to
-    print it (``interrupts.wait_for_rank_0``), then exit 2 silently unless torchrun ended them first."""
+    print it (``interrupts.wait_for_rank_0``), then exit 2 silently when torchrun did not end them
+    first. A rank still running after that wait found an error rank 0 did not (a node-local
+    ``--prompts`` file, a ``--report`` directory only its node lacks): it prints it, naming itself."""
+
+    node_local = False  # the problems depend on this node's files (set by parse_run_args)
 
     def error(self, message: str):  # noqa: D401 - argparse's signature
-        if os.environ.get("RANK", "0") == "0":
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        else:
-            interrupts.wait_for_rank_0()
+        elif interrupts.wait_for_rank_0() and self.node_local:
+            print(f"{self.prog}: error (rank {rank}; rank 0 did not meet it): {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 
@@ -157,18 +165,39 @@ def build_run_parser(prog: str = "launch/infer.py") -> argparse.ArgumentParser:
 def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py") -> argparse.Namespace:
     """The launcher's options, every value checked, or one usage error (exit 2) naming every problem.
 
-    Checked here, before anything is loaded: the value bounds, every output file the run will
-    write (its directory, not a directory itself, not an existing file without --overwrite),
-    the prompts file (present, UTF-8 text, not empty) and the combinations that cannot work.
+    Checked here, before anything is loaded: the value bounds, the checkpoint the path names (a
+    directory holding one, a pipeline root, a hub name in the local cache) and the sizes its
+    pipeline can make, every output file the run will write (its directory, a regular file, not
+    another output, not an existing file without --overwrite), the prompts file (present, UTF-8
+    text, not empty, bounded) and the combinations that cannot work.
     """
     parser = build_run_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # its own errors (a bad type, an unknown option): alike on every rank
+    parser.node_local = True  # from here on, every rank looks at its own node's files
     if args.report:  # its directory is made now, not after the whole run (documented)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
         except OSError as exc:
             parser.error(f"--report {args.report}: cannot create its directory: {exc}")
-    problems = _combination_problems(args) + value_problems(args)
+    local = _file_problems(args)
+    parser.node_local = bool(local)
+    problems = _combination_problems(args) + value_problems(args) + local
+    if problems:
+        parser.error("; ".join(sorted(set(problems))))
+    args.given = given_options(parser, args)
+    return args
+
+
+def _file_problems(args: argparse.Namespace) -> list[str]:
+    """What this node's files say: the checkpoint and the sizes its pipeline can make, the
+    prompts file, every output (checked on every rank: a node may lack what another has)."""
+    problems = file_problems(args)
+    root = None
+    if args.checkpoint:
+        root, found = checkpoint_problems("--checkpoint", args.checkpoint)
+        problems += found
+    if args.checkpoint is None or root is not None:
+        problems += pipeline_size_problems(args, root)
     prompts = None
     if args.prompts is not None and os.path.isfile(args.prompts):
         try:
@@ -180,12 +209,8 @@ def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py")
     except ValueError as exc:
         problems.append(str(exc))
     else:
-        count = len(prompts) if prompts is not None else 1
-        problems += planned_outputs(args, count)
-    if problems:
-        parser.error("; ".join(sorted(set(problems))))
-    args.given = given_options(parser, args)
-    return args
+        problems += planned_outputs(args, len(prompts) if prompts is not None else 1)
+    return problems
 
 
 def _combination_problems(args: argparse.Namespace) -> list[str]:

@@ -11,113 +11,30 @@ and a usage error answer at once (each subcommand imports what it needs when it 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, noise
 from fsdp_fp8.cli.arguments import RankZeroParser
-from fsdp_fp8.cli.reports import hsdp_words, plural
+from fsdp_fp8.cli.inputs import checkpoint_problems
+from fsdp_fp8.cli.inspection import (
+    MAX_WORLD_SIZE,
+    bytes_and_mib,
+    per_shard_lines,
+    shard_groups,
+    summary,
+    who,
+    world_words,
+)
+from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
-from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
-from fsdp_fp8.shard_rows import shard_groups
+from fsdp_fp8.format.read_options import ALL_ROWS, ReadOptions
+from fsdp_fp8.format.timeouts import timeout_problems
 
 if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint
-
-
-def _bytes_and_mib(n: int) -> str:
-    return f"{n:,} bytes ({n / 2**20:.2f} MiB)"
-
-
-def _who(shard: int, ranks: list[int]) -> str:
-    return f"rank {shard}" if len(ranks) == 1 else f"shard {shard} (ranks {', '.join(map(str, ranks))})"
-
-
-def _world_words(world_size: int, replicas: int) -> str:
-    if replicas == 1:
-        return f"world size {world_size}"
-    return f"world size {world_size}, {hsdp_words(replicas, world_size // replicas)}"
-
-
-def summary(
-    ckpt: Checkpoint, world_size: int | None = None, replicas: int = 1, options: ReadOptions = DEFAULT_READ_OPTIONS
-) -> str:
-    """``inspect``'s report: the checkpoint's make-up, and with ``world_size`` each rank's share."""
-    q = ckpt.quant
-    fp8_weights = sum(m.weight.nbytes for m in ckpt.fp8_modules.values())
-    scales = sum(m.weight_scale.nbytes + m.input_scale.nbytes for m in ckpt.fp8_modules.values())
-    high = sum(e.nbytes for e in ckpt.high_precision.values())
-    lines = [
-        f"checkpoint:      {ckpt.directory}",
-        f"format:          {'ModelOpt static FP8' if q.is_modelopt_fp8 else 'plain (no quantization config)'}"
-        + (f" via {', '.join(q.spellings)}" if q.spellings else ""),
-        f"producer:        {q.producer or 'unknown'}",
-        f"files:           {len(ckpt.files)} ({ckpt.index_file or 'a single file'}), "
-        f"{_bytes_and_mib(sum(f.size for f in ckpt.files.values()))}",
-        f"FP8 linears:     {len(ckpt.fp8_modules)}"
-        + (f", weights {_bytes_and_mib(fp8_weights)}, scales {scales:,} bytes" if ckpt.fp8_modules else ""),
-        f"high precision:  {plural(len(ckpt.high_precision), 'tensor')}, {_bytes_and_mib(high)}",
-        f"ignore list:     {', '.join(q.ignore) or '(none)'}",
-        f"KV cache:        {q.kv_cache_quant_algo or 'not quantized'}"
-        + (f" ({plural(len(ckpt.kv_scales), 'k/v scale')})" if ckpt.kv_scales else ""),
-        f"step policy:     {'present' if q.step_policy is not None else 'absent'}",
-    ]
-    # A long value wraps under its own column (17: the labels' width), not past the terminal.
-    # Only at spaces, and never the checkpoint's path: a path or a tensor name is never cut.
-    lines = lines[:1] + [
-        w
-        for line in lines[1:]
-        for w in textwrap.wrap(
-            line, width=100, subsequent_indent=" " * 17, break_on_hyphens=False, break_long_words=False
-        )
-    ]
-    if world_size:
-        lines += _forecast_lines(ckpt, world_size, replicas, options)
-    return "\n".join(lines)
-
-
-def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: ReadOptions) -> list[str]:
-    """``inspect --world-size``: how the ranks share the tensors, then each rank's (or shard's) bytes."""
-    from fsdp_fp8.load.prefetch import prefetch_budget
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes, rank_forecast
-
-    fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
-    other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
-    read = [m.weight for m in ckpt.fp8_modules.values()] + list(ckpt.high_precision.values())
-    prefetch = prefetch_budget(options.prefetch_bytes)
-    here = ""
-    if prefetch != options.prefetch_bytes:
-        here = f", {_bytes_and_mib(prefetch)} here (a per-rank share of half the available memory)"
-    lines = [f"{_world_words(world_size, replicas)}:"]
-    for text in (
-        "sharding: every tensor Shard(0) (rows split like torch.chunk), 0-d scales replicated",
-        f"staging ring: host buffers that reads into an accelerator go through, budget {_bytes_and_mib(options.staging_bytes)}",
-        f"prefetch: page-cache hints during the set-up, budget {_prefetch_budget(options.prefetch_bytes)}{here}",
-    ):
-        lines += textwrap.wrap(
-            text,
-            width=100,
-            initial_indent="  ",
-            subsequent_indent="    ",
-            break_on_hyphens=False,
-            break_long_words=False,
-        )
-    groups = shard_groups(world_size, replicas)
-    for shard, ranks in groups:
-        f = rank_forecast(fp8, other, len(groups), shard, options.staging_bytes, staged_entries=read)
-        reads = sum(entry_rank_bytes(e, len(groups), shard) for e in read)
-        lines.append(
-            f"  {_who(shard, ranks)}: reads {_bytes_and_mib(f.read_bytes)} (FP8 {_bytes_and_mib(f.fp8_bytes)}, high precision "
-            f"{_bytes_and_mib(f.high_precision_bytes)}), holds {_bytes_and_mib(f.held_bytes)} (padded), "
-            f"staging ring {_bytes_and_mib(f.staging_peak_bytes)}, prefetch {_bytes_and_mib(min(prefetch, reads))}"
-        )
-    return lines
-
-
-def _prefetch_budget(budget: int) -> str:
-    return "every row a rank reads" if budget >= ALL_ROWS else _bytes_and_mib(budget)
 
 
 def _open(directory: str) -> Checkpoint | None:
@@ -134,6 +51,15 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _world_size(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"must be <= {MAX_WORLD_SIZE:,} (the most ranks a forecast is made for), got {value:,}"
+        )
     return value
 
 
@@ -162,8 +88,8 @@ def _inspect(args: argparse.Namespace) -> int:
                 offload=args.offload,
                 cfg_parallel=args.cfg_parallel,
             )
-        except ValueError as exc:
-            print(f"error: {exc}")
+        except (ValueError, OSError) as exc:  # a config it cannot divide by, another class, no config
+            print(f"error: {exc}", file=sys.stderr)
             return 1
         print("\n".join(fc.lines()))
     return 0
@@ -206,12 +132,13 @@ def _verify(args: argparse.Namespace) -> int:
     if args.world_size:
         groups = shard_groups(args.world_size, args.replicas)
         if args.replicas > 1:
-            print(f"{_world_words(args.world_size, args.replicas)}: each shard's rows are read once per replica")
-        for shard, ranks in groups:
+            print(f"{world_words(args.world_size, args.replicas)}: each shard's rows are read once per replica")
+
+        def line(shard: int, ranks: list[int]) -> str:
             f = plan.forecast(len(groups), shard)
-            print(
-                f"  {_who(shard, ranks)} of {len(groups)}: reads {_bytes_and_mib(f.read_bytes)}, holds {_bytes_and_mib(f.held_bytes)}"
-            )
+            return f"  {who(shard, ranks)} of {len(groups)}: reads {bytes_and_mib(f.read_bytes)}, holds {bytes_and_mib(f.held_bytes)}"
+
+        print("\n".join(per_shard_lines(groups, line)))
     if args.sha256:
         for name, shard in ckpt.files.items():
             print(f"{file_sha256(shard.path)}  {name}")
@@ -232,9 +159,13 @@ def _run(argv: list[str], prog: str) -> int:
         return launch_ranks(args.nproc_per_node, _without_nproc(argv))
     interrupts.install()
     noise.quiet_third_party()
-    from fsdp_fp8.cli.runner import execute
-    from fsdp_fp8.cli.shutdown import shutdown_distributed
-
+    try:  # torch's import takes seconds: torchrun may stop this rank meanwhile (a peer failed)
+        from fsdp_fp8.cli.runner import execute
+        from fsdp_fp8.cli.shutdown import shutdown_distributed
+    except interrupts.Interrupted as stop:  # no process group yet: one line, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     try:
         code = execute(args)
     except BaseException:
@@ -341,7 +272,7 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
 def _add_checkpoint_and_ranks(command: argparse.ArgumentParser, world_size_help: str) -> None:
     """The arguments ``inspect`` and ``verify`` share: the checkpoint, W ranks, R replica groups."""
     command.add_argument("directory", help="checkpoint directory, diffusers pipeline root or hub repo id")
-    command.add_argument("--world-size", type=_positive, default=None, help=world_size_help)
+    command.add_argument("--world-size", type=_world_size, default=None, metavar="W", help=world_size_help)
     command.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
 
 
@@ -428,6 +359,11 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
             parser.error("save --clean takes one path: the DESTINATION whose leftovers to remove")
         if not args.clean and args.destination is None:
             parser.error("save needs SOURCE and DESTINATION")
+        problems = timeout_problems(args.timeout)
+        if not args.clean:  # before torch, as the launcher's --checkpoint
+            problems += checkpoint_problems("SOURCE", args.source)[1]
+        if problems:
+            parser.error("; ".join(problems))
         return _save(args)
     if args.device is None:
         import torch

@@ -11,6 +11,9 @@ built here (256 bytes + the chat and vision special tokens). Nothing is download
 Several torchrun ranks may call :func:`demo_checkpoint` at once: ``fsdp_fp8.export.cache``
 builds it once under a file lock, into a temporary directory renamed into place; a damaged
 cache fails its manifest check and is rebuilt.
+
+Importing this module imports no torch (each function imports what it builds with): the
+launcher checks sizes against the demo's VAE before torch loads (``fsdp_fp8.cli.inputs``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,8 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
-from fsdp_fp8.export.cache import build_once
-from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
 from fsdp_fp8.format.files import file_sha256
 from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
-from fsdp_fp8.format.writer import producer_version
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +86,7 @@ def demo_tokenizer():
 
 def demo_components() -> dict:
     """The high-precision pipeline components, seeded: transformer (bf16), vae, scheduler, tokenizer."""
+    import torch
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
     tokenizer = demo_tokenizer()
@@ -106,6 +105,7 @@ def demo_components() -> dict:
 
 
 def _calibrate(components: dict):
+    import torch
     from diffusers import Cosmos3OmniPipeline
 
     def run(transformer) -> None:
@@ -126,6 +126,8 @@ def _calibrate(components: dict):
 
 def build_demo_pipeline(directory: str | os.PathLike) -> Path:
     """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest)."""
+    from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+
     directory = Path(directory)
     components = demo_components()
     transformer = components["transformer"]
@@ -184,5 +186,8 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
     ``cache_dir`` defaults to ``$FSDP_FP8_CACHE``, else ``~/.cache/fsdp_fp8``.
     """
+    from fsdp_fp8.export.cache import build_once
+    from fsdp_fp8.format.writer import producer_version
+
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
     return build_once(Path(cache_dir or default) / f"cosmos3-demo-{producer_version()}", _build, _is_complete)

@@ -43,16 +43,20 @@ def install() -> None:
         signal.signal(s, _raise)
 
 
-def wait_for_rank_0() -> None:
+def wait_for_rank_0() -> bool:
     """What a rank other than 0 does before it exits on an error that rank 0 prints (a usage error,
     an agreed load failure): torchrun stops every rank once one exits, so a rank that exits first
     could have rank 0 killed before it printed. Under torchrun (``TORCHELASTIC_RUN_ID``; the
     launcher's own ``--nproc-per-node`` goes through torchrun too) wait ``ERROR_GRACE_S``: rank 0
     prints and exits at once, and torchrun then ends the waiting ranks. Outside torchrun nothing
-    waits. A signal meanwhile (torchrun's SIGTERM, once handlers are installed) ends it quietly."""
+    waits. A signal meanwhile (torchrun's SIGTERM, once handlers are installed) ends it quietly.
+
+    True when this rank waited the whole grace and is still running: rank 0 has not ended the
+    job, so it may not have met the error at all (a file only this rank's node lacks)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
+        return False
     try:
         time.sleep(ERROR_GRACE_S)
     except Interrupted:
-        pass
+        return False
+    return True

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from fsdp_fp8.cli.outputs import writable_file
+from fsdp_fp8.cli.outputs import prompt_problem, writable_file
+from fsdp_fp8.format.timeouts import timeout_problems
 
 # kind -> the options (argparse dests) its run reads; "pipeline" is a diffusers pipeline root,
 # "cosmos3" a Cosmos 3 denoiser alone, "diffusers" any other diffusers model (one forward).
@@ -46,6 +47,8 @@ BOUNDS = {
     "nproc_per_node": (1, 1024),
 }
 MAX_FPS = 1000.0
+# A collective stuck for a day is never waited for on purpose; the process group's timeout is
+# a C int of milliseconds in the backends (past 24.8 days, or inf, it fails after start-up).
 
 
 def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
@@ -58,7 +61,7 @@ def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:
-    """Every option value that cannot work, found before loading (sorted)."""
+    """Every option value that cannot work, found before loading, the same on every rank (sorted)."""
     problems = []
     for name, (low, high) in BOUNDS.items():
         value = getattr(args, name, None)
@@ -66,11 +69,10 @@ def value_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         elif value is not None and value > high:
             problems.append(f"--{name.replace('_', '-')} must be <= {high:,}, got {value:,}")
-    for name in ("timeout", "fps"):
-        value = getattr(args, name, None)
-        if value is not None and not value > 0:  # NaN too
-            problems.append(f"--{name} must be > 0, got {value}")
+    problems += timeout_problems(getattr(args, "timeout", None))
     fps = getattr(args, "fps", None)
+    if fps is not None and not fps > 0:  # NaN too
+        problems.append(f"--fps must be > 0, got {fps}")
     if fps is not None and fps > MAX_FPS:
         problems.append(f"--fps must be <= {MAX_FPS:g}, got {fps:g}")
     replicas = getattr(args, "replicas", 1)
@@ -81,14 +83,27 @@ def value_problems(args: argparse.Namespace) -> list[str]:
         world = getattr(args, "nproc_per_node", None) or _world_size()
         if world % 2:
             problems.append(f"--cfg-parallel runs ranks in pairs: it needs an even world size, got {world}")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(args, name, None)
+        if text is not None and (problem := prompt_problem(text)):
+            problems.append(f"--{name.replace('_', '-')} {problem}")
     ids = getattr(args, "prompt_ids", None)
     if ids is not None and (not ids or min(ids) < 0):
         problems.append(f"--prompt-ids must list token ids >= 0, got {ids}")
-    if getattr(args, "report", None) is not None:  # --output: fsdp_fp8.cli.generate.check_output
+    return sorted(problems)
+
+
+def file_problems(args: argparse.Namespace) -> list[str]:
+    """The ``--report`` file and the ``--prompts`` file, as this node's filesystem has them
+    (``--output``: ``outputs.planned_outputs``; sorted)."""
+    problems = []
+    if getattr(args, "report", None) is not None:
         problems += writable_file("--report", args.report, getattr(args, "overwrite", False))
     prompts = getattr(args, "prompts", None)
-    if prompts is not None and not os.path.isfile(prompts):
+    if prompts is not None and not os.path.exists(prompts):
         problems.append(f"--prompts {prompts}: no such file")
+    elif prompts is not None and not os.path.isfile(prompts):
+        problems.append(f"--prompts {prompts} is not a regular file (a directory, pipe or device); name a text file")
     return sorted(problems)
 
 

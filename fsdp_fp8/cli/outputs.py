@@ -4,19 +4,39 @@ prompts file and the output files, every one checked before anything is loaded (
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 OUTPUT_SUFFIXES = (".png", ".mp4")
+# A prompt's UTF-8 bytes, at most: the text encoder's attention grows with the square of its
+# tokens, and a byte-level tokenizer (the demo's) makes one token per byte. 16 KiB runs 2 demo
+# steps in about 10 s on one CPU core; 1 MiB never finished its first step (docs/usage.md).
+MAX_PROMPT_BYTES = 16_384
+MAX_PROMPTS_FILE_BYTES = 16 << 20  # the --prompts file, read whole before anything loads
+
+
+def prompt_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a prompt (too long), or None."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        return f"is {size:,} bytes; a prompt is at most {MAX_PROMPT_BYTES:,} bytes (UTF-8)"
+    return None
 
 
 def read_prompts(args) -> list[str]:
     """The prompts (``--prompts FILE``: one per line, blank lines skipped), else ``[--prompt]``.
 
-    A file that is not UTF-8 text is refused naming the file, the line and the byte offset.
+    A file that is not UTF-8 text is refused naming the file, the line and the byte offset; a
+    file above ``MAX_PROMPTS_FILE_BYTES``, or a line above ``MAX_PROMPT_BYTES``, naming the bound.
     """
     if not args.prompts:
         return [args.prompt]
+    size = os.stat(args.prompts).st_size
+    if size > MAX_PROMPTS_FILE_BYTES:
+        raise ValueError(
+            f"--prompts {args.prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
+        )
     data = Path(args.prompts).read_bytes()
     try:
         text = data.decode("utf-8")
@@ -26,10 +46,14 @@ def read_prompts(args) -> list[str]:
             f"--prompts {args.prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
             f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
         ) from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not prompts:
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
         raise ValueError(f"--prompts {args.prompts}: no prompt in the file (one prompt per line)")
-    return prompts
+    long = [f"line {number} {problem}" for number, line in lines if (problem := prompt_problem(line))]
+    if long:
+        more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
+        raise ValueError(f"--prompts {args.prompts}: {long[0]}{more}")
+    return [line for _, line in lines]
 
 
 def check_output(output: str | None) -> None:
@@ -59,13 +83,34 @@ def output_path(output: str, index: int, many: bool) -> Path:
 
 
 def planned_outputs(args, prompt_count: int) -> list[str]:
-    """Problems with the files ``--output`` will write (one per prompt with ``--prompts``);
-    ``--report`` is checked with the other values (``options.value_problems``)."""
+    """Problems with the files ``--output`` will write (one per prompt with ``--prompts``): each
+    must be writable and none may be ``--report`` (the report would replace the image); the
+    report itself is checked with the prompts file (``options.file_problems``)."""
     if not getattr(args, "output", None):
         return []
     many = args.prompts is not None
     paths = [output_path(args.output, i, many) for i in range(prompt_count if many else 1)]
-    return [p for path in paths for p in writable_file("--output", path, getattr(args, "overwrite", False))]
+    problems = [p for path in paths for p in writable_file("--output", path, getattr(args, "overwrite", False))]
+    report = getattr(args, "report", None)
+    if report is not None:
+        for i, path in enumerate(paths):
+            if not _same_file(path, Path(report)):
+                continue
+            if many:
+                problems.append(f"--report {report} is --output {args.output}'s file for prompt {i}; name two files")
+            else:
+                problems.append(f"--report {report} and --output {args.output} are the same file; name two files")
+    return problems
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` and ``b`` would write one file (symlinks and hard links too)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist yet: the real paths decided
+        return False
 
 
 def writable_file(option: str, path: Path, overwrite: bool) -> list[str]:
@@ -76,6 +121,8 @@ def writable_file(option: str, path: Path, overwrite: bool) -> list[str]:
     parent = path.absolute().parent
     if path.is_dir():
         return [f"{option} {path} is a directory; name a file"]
+    if path.exists() and not path.is_file():  # /dev/full, a pipe (its open would block), a socket
+        return [f"{option} {path} is not a regular file (a device, pipe or socket); name a file"]
     if not parent.is_dir():
         return [f"{option} {path}: directory {parent} does not exist"]
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -86,3 +133,14 @@ def writable_file(option: str, path: Path, overwrite: bool) -> list[str]:
         if not os.access(path, os.W_OK):
             return [f"{option} {path} exists and is not writable"]
     return []
+
+
+def write_report(path: str, fields: dict) -> str | None:
+    """Write the JSON report; the ``error:`` text when the file cannot be written (a full disk,
+    a file removed or made read-only since it was checked), None when it was."""
+    try:
+        with open(path, "w") as f:
+            json.dump(fields, f, indent=2)
+    except OSError as exc:
+        return f"--report {path}: cannot write the report: {exc.strerror or exc}"
+    return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ from fsdp_fp8.cli import interrupts
 from fsdp_fp8.cli.arguments import parse_run_args
 from fsdp_fp8.cli.generate import is_pipeline_root, run_pipeline
 from fsdp_fp8.cli.options import unused_options
+from fsdp_fp8.cli.outputs import write_report
 from fsdp_fp8.cli.platform import platform_info
 from fsdp_fp8.cli.reports import (
     CausalLMReport,
@@ -291,7 +291,8 @@ def execute(args: argparse.Namespace) -> int:
         return 1
     if rank == 0:
         print(report.text(), flush=True)
-        if args.report:
-            with open(args.report, "w") as f:
-                json.dump(report.to_dict(), f, indent=2)
+        problem = write_report(args.report, report.to_dict()) if args.report else None
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            return 1
     return 0

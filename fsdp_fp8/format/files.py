@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.handles import open_regular, present, read_json_file, short_repr
 from fsdp_fp8.format.hub import resolve_hub_path
 
@@ -50,10 +51,11 @@ def resolve_directory(path: str | os.PathLike) -> Path:
     """The directory holding the weights: ``path`` itself (or, for a hub name, its cached
     snapshot: ``fsdp_fp8.format.hub``), or a diffusers pipeline's ``transformer/``."""
     directory = resolve_hub_path(path)
+    where = "" if directory.is_absolute() else f" (relative to {os.getcwd()})"
     if not directory.exists():
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        raise CheckpointPathError([f"checkpoint directory {directory} does not exist{where}"])
     if not directory.is_dir():
-        raise NotADirectoryError(f"checkpoint path {directory} is not a directory")
+        raise CheckpointPathError([f"checkpoint path {directory} is not a directory{where}"])
     own = any(directory.glob("*.safetensors")) or any(directory.glob("*.safetensors.index.json"))
     if not own and (directory / "transformer").is_dir():
         return directory / "transformer"

@@ -25,6 +25,8 @@ import os
 import re
 from pathlib import Path
 
+from fsdp_fp8.errors import CheckpointPathError
+
 # What the hub accepts as an owner and a repo name ("--" and ".." are refused below, as there).
 REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?:@(?P<revision>.*))?$")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
@@ -57,7 +59,7 @@ def ref_name_problem(revision: str) -> str | None:
     return None
 
 
-class HubNameRefused(FileNotFoundError):
+class HubNameRefused(CheckpointPathError):
     """A hub name whose revision, ref or snapshot would lead outside the cache."""
 
 
@@ -80,13 +82,14 @@ def resolve_hub_path(path: str | os.PathLike) -> Path:
     root, revision = _split_revision(candidate)
     if is_repo_root(root) and (root == candidate or not candidate.exists()):
         repo = root.name[len(_ROOT_PREFIX) :].replace("--", "/", 1)
-        return _snapshot(repo, revision, str(root.parent), text, f"hub cache repo {root}")
+        return _snapshot(repo, revision, str(root.parent), text, f"hub cache repo {root}:")
     if candidate.exists():
         return candidate
     match = REPO_ID.match(text)
     if match is None:
         return candidate  # neither a directory nor a repo id: the caller reports it missing
-    return _snapshot(match["repo"], match["revision"], None, text, f"{text!r} (no such directory; as a hub repo id)")
+    where = "" if candidate.is_absolute() else f" (relative to {os.getcwd()})"
+    return _snapshot(match["repo"], match["revision"], None, text, f"{text!r}: no such directory{where}, and")
 
 
 def _snapshot(repo: str, revision: str | None, cache_dir: str | None, name: str, what: str) -> Path:
@@ -95,9 +98,11 @@ def _snapshot(repo: str, revision: str | None, cache_dir: str | None, name: str,
     try:
         import huggingface_hub.constants
     except ImportError:
-        raise FileNotFoundError(
-            f"{what}: resolving a Hugging Face hub name needs huggingface_hub "
-            "(pip install 'fsdp_fp8[hf]'), or pass the snapshot directory itself"
+        raise CheckpointPathError(
+            [
+                f"{what} resolving a Hugging Face hub name needs huggingface_hub "
+                "(pip install 'fsdp_fp8[hf]'), or pass the snapshot directory itself"
+            ]
         ) from None
     cache = cache_dir or huggingface_hub.constants.HF_HUB_CACHE
     repo_dir = Path(cache, _ROOT_PREFIX + repo.replace("/", "--"))
@@ -105,11 +110,14 @@ def _snapshot(repo: str, revision: str | None, cache_dir: str | None, name: str,
     wanted = f"{repo}@{revision}" if revision else repo
     try:
         folder = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True)
-    except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError
-        raise FileNotFoundError(
-            f"{what}: no complete snapshot of {wanted} in the local Hugging Face cache {cache} "
-            f"({type(exc).__name__}: {exc}); fsdp_fp8 never downloads: fetch it first "
-            f"(e.g. `hf download {repo}{f' --revision {revision}' if revision else ''}`) or set HF_HUB_CACHE"
+    except Exception:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError
+        # Their text advises passing local_files_only=False, which no user of fsdp_fp8 can do.
+        raise CheckpointPathError(
+            [
+                f"{what} no complete snapshot of {wanted} in the local Hugging Face cache {cache}; "
+                "fsdp_fp8 never downloads: fetch it first (e.g. "
+                f"`hf download {repo}{f' --revision {revision}' if revision else ''}`) or set HF_HUB_CACHE"
+            ]
         ) from None
     return _check_snapshot(name, revision or "main", repo_dir, Path(folder))
 
@@ -120,8 +128,10 @@ def _check_revision(name: str, revision: str) -> None:
     problem = ref_name_problem(revision)
     if problem is not None:
         raise HubNameRefused(
-            f"hub name {name!r}: revision {revision!r} is neither a commit hash nor a valid git ref name "
-            f"({problem}); it could lead outside the cache, so it is refused"
+            [
+                f"hub name {name!r}: revision {revision!r} is neither a commit hash nor a valid git ref name "
+                f"({problem}); it could lead outside the cache, so it is refused"
+            ]
         )
 
 
@@ -136,8 +146,10 @@ def _check_ref(name: str, revision: str, repo_dir: Path) -> None:
     if not COMMIT_HASH.match(commit):
         led = os.path.realpath(repo_dir / "snapshots" / commit) if commit else str(repo_dir / "snapshots")
         raise HubNameRefused(
-            f"hub name {name!r}: revision {revision!r}: {ref} holds {commit[:200]!r}, not a commit hash; "
-            f"it would have led to {led}, so it is refused"
+            [
+                f"hub name {name!r}: revision {revision!r}: {ref} holds {commit[:200]!r}, not a commit hash; "
+                f"it would have led to {led}, so it is refused"
+            ]
         )
 
 
@@ -147,7 +159,9 @@ def _check_snapshot(name: str, revision: str, repo_dir: Path, folder: Path) -> P
     real = Path(os.path.realpath(folder))
     if real.parent != snapshots or not real.is_dir():
         raise HubNameRefused(
-            f"hub name {name!r}: revision {revision!r}: the snapshot {folder} resolves to {real}, "
-            f"which is not a directory inside {snapshots}, so it is refused"
+            [
+                f"hub name {name!r}: revision {revision!r}: the snapshot {folder} resolves to {real}, "
+                f"which is not a directory inside {snapshots}, so it is refused"
+            ]
         )
     return folder

@@ -163,29 +163,36 @@ def resolve_step_policy(
         policy = parse_step_policy(override, "step policy override")
         logger.warning(
             "using the step policy override %s instead of %s",
-            _summary(policy),
-            "the checkpoint's " + _summary(published) if published else "none (checkpoint has none)",
+            describe_policy(policy),
+            "the checkpoint's " + describe_policy(published) if published else "none (checkpoint has none)",
         )
         return policy
     if override == "off":
         if published is not None:
             logger.warning(
                 "the checkpoint's diffusion step policy (%s) is disabled by override 'off'; every step runs W8A8",
-                _summary(published),
+                describe_policy(published),
             )
         return None
     if override == "auto":
         if published is not None:
-            logger.info("using the checkpoint's diffusion step policy: %s", _summary(published))
+            logger.info("using the checkpoint's diffusion step policy: %s", describe_policy(published))
         return published
     raise ValueError(f"step policy override must be 'auto', 'off' or a dict, got {override!r}")
 
 
-def _summary(policy: StepPolicy) -> str:
-    return (
-        f"first {policy.first_count} and last {policy.last_count} steps W8A16, "
-        f"overlap {policy.overlap}, reasoner {policy.reasoner}"
-    )
+def describe_policy(policy: StepPolicy) -> str:
+    """The policy in a user's words: ``W8A16 steps 0-2 and the last 3 (W8A8 between), reasoner W8A16``."""
+    windows = []
+    if policy.first_count:
+        windows.append("step 0" if policy.first_count == 1 else f"steps 0-{policy.first_count - 1}")
+    if policy.last_count:
+        windows.append("the last step" if policy.last_count == 1 else f"the last {policy.last_count}")
+    rest = {2: "between", 1: "after" if policy.first_count else "before"}.get(len(windows))
+    text = f"W8A16 {' and '.join(windows)} (W8A8 {rest})" if windows else "W8A8 every step"
+    if len(windows) == 2 and policy.overlap != "a16":
+        text += f", {_LABELS[policy.overlap]} where the two overlap"
+    return f"{text}, reasoner {_LABELS[policy.reasoner]}"
 
 
 def describe_trace(precisions: list[str]) -> str:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdp_fp8.format.handles import short_repr
+from fsdp_fp8.third_party import quiet_imports
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,14 @@ _NOT_MODEL_CONFIG = ("quantization_config",)
 
 def _import(package: str, class_name: str, source: str):
     try:
-        module = importlib.import_module(package)
+        with quiet_imports():  # diffusers and transformers import their modules lazily, on getattr
+            module = importlib.import_module(package)
+            cls = getattr(module, class_name, None)
     except ImportError as exc:
         raise ValueError(
             f"{source}: model class {class_name!r} comes from {package}, which is not installed "
             f"({exc}); install the extra: {EXTRA}"
         ) from exc
-    cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise ValueError(
             f"{source}: {package} {getattr(module, '__version__', '?')} has no model class {class_name!r}; "

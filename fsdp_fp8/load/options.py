@@ -10,7 +10,6 @@ this process sees, or the CPU (``default_device``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -21,11 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
+from fsdp_fp8.format.timeouts import timeout_problems
 from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions
-
-# An agreement waits at most this long for a peer (a week): beyond it a number is a typo, and
-# timedelta / gloo's millisecond timeouts overflow on far larger ones.
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def local_cuda_index() -> int:
@@ -42,15 +38,6 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
-
-
-def timeout_problems(name: str, value: object) -> list[str]:
-    """Why ``value`` cannot be a timeout in seconds (empty: it can)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return [f"`{name}` is {value!r}; it must be a finite number of seconds"]
-    if not 0 < value <= MAX_TIMEOUT_S:
-        return [f"`{name}` is {value:g} s; it must be > 0 and <= {MAX_TIMEOUT_S:g} s (a week)"]
-    return []
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +81,7 @@ class LoadOptions:
         else:
             problems.append(f"`device` is a {type(device).__name__}; give a torch.device or a string like 'cuda:0'")
         problems += _type_problems(self)
-        problems += timeout_problems("timeout_s", self.timeout_s)
+        problems += timeout_problems(self.timeout_s, "`timeout_s`")
         if problems:
             raise ValueError("LoadOptions: " + "; ".join(problems))
         object.__setattr__(self, "device", device)

@@ -37,6 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_fp8.errors import CheckpointError, raise_if_problems
+from fsdp_fp8.format.pipeline_config import positive_int_problem, read_pipeline_factors
 from fsdp_fp8.shard_rows import padded_rows
 
 GiB = 1 << 30
@@ -77,17 +79,29 @@ class TransformerShape:
     dtype_bytes: int = 2
 
     @classmethod
-    def from_config(cls, config: dict) -> TransformerShape:
-        return cls(
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            heads=config["num_attention_heads"],
-            kv_heads=config["num_key_value_heads"],
-            head_dim=config["head_dim"],
-            layers=config["num_hidden_layers"],
-            latent_channels=config["latent_channel"],
-            patch=config["latent_patch_size"],
-        )
+    def from_config(cls, config: dict, where: str = "config.json") -> TransformerShape:
+        """The shape from a ``Cosmos3OmniTransformer`` config; every field must be an integer
+        >= 1 (the forecast multiplies and divides by them), else one ``CheckpointError`` naming
+        ``where``, each key and its value."""
+        problems = [f"{where}: `{key}` is missing" for key in _SHAPE_KEYS.values() if key not in config]
+        problems += [
+            p for key in _SHAPE_KEYS.values() if key in config if (p := positive_int_problem(config, key, where))
+        ]
+        raise_if_problems(problems, f"cannot forecast from {where}")
+        return cls(**{field: config[key] for field, key in _SHAPE_KEYS.items()})
+
+
+# TransformerShape's fields, from the config keys of diffusers' Cosmos3OmniTransformer
+_SHAPE_KEYS = {
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "layers": "num_hidden_layers",
+    "latent_channels": "latent_channel",
+    "patch": "latent_patch_size",
+}
 
 
 @dataclass(frozen=True)
@@ -207,8 +221,8 @@ def activation_terms(
         Term(
             "activations",
             phases[widest] + rope + positions,
-            detail=f"{tokens} tokens; widest: {widest} ("
-            + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items())
+            detail=f"{tokens} tokens; widest: {widest} {_gib(phases[widest])} (then "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items() if k != widest)
             + ")",
         )
     ]
@@ -305,32 +319,36 @@ def components_bytes(root: Path) -> int:
     return total
 
 
-def vae_compression(root: Path) -> tuple[int, int]:
-    """(spatial, temporal) compression of ``root``'s VAE (diffusers ``AutoencoderKLWan`` config)."""
-    path = root / "vae" / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    return int(config.get("scale_factor_spatial", 16)), int(config.get("scale_factor_temporal", 4))
-
-
 def forecast_checkpoint(
     path: str | Path, world_size: int, *, height: int, width: int, frames: int, **options
 ) -> MemoryForecast:
-    """The forecast for a pipeline root (``model_index.json``) or a Cosmos 3 transformer directory."""
+    """The forecast for a pipeline root (``model_index.json``) or a Cosmos 3 transformer directory.
+    Configs the forecast divides by (the VAE's factors, the transformer's shape) that are no
+    integer >= 1 are refused together in one ``CheckpointError``, before any arithmetic."""
     from fsdp_fp8.format.hub import resolve_hub_path
 
     path = resolve_hub_path(path)
     is_pipeline = (path / "model_index.json").is_file()
     transformer = path / "transformer" if is_pipeline else path
+    where = str(transformer / "config.json")
     config = json.loads((transformer / "config.json").read_text())
     if config.get("_class_name") != "Cosmos3OmniTransformer":
         raise ValueError(
-            f"{transformer / 'config.json'}: `_class_name` is {config.get('_class_name')!r}; the activation "
-            "forecast knows Cosmos3OmniTransformer only"
+            f"{where}: `_class_name` is {config.get('_class_name')!r}; the activation forecast knows "
+            "Cosmos3OmniTransformer only"
         )
-    spatial, temporal = vae_compression(path) if is_pipeline else (16, 4)
+    problems: list[str] = []
+    factors = read_pipeline_factors(path, problems) if is_pipeline else None
+    try:
+        shape = TransformerShape.from_config(config, where)
+    except CheckpointError as exc:
+        problems += exc.problems
+    raise_if_problems(problems, f"cannot forecast {path}")
+    # An official VAE's factors where the config does not say (or there is no pipeline around it).
+    spatial, temporal = (factors.spatial or 16, factors.temporal or 4) if factors else (16, 4)
     return forecast(
         checkpoint_tensors(transformer),
-        TransformerShape.from_config(config),
+        shape,
         VideoSize(height, width, frames, spatial, temporal),
         world_size,
         components_bytes=components_bytes(path) if is_pipeline else 0,

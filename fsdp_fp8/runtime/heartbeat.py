@@ -68,10 +68,11 @@ class _Watch:
         self.store, self.rank, self.world = store, rank, world
         self.stall_s, self.interval_s, self.what = stall_s, interval_s, what
         self.prefix = f"{_PREFIX}/{next(_watches)}"
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid, self.namespace = socket.gethostname(), os.getpid(), _pid_namespace()
         now = time.monotonic()
         self.seen: dict[int, tuple[str | None, float]] = {r: (None, now) for r in range(world) if r != rank}
         self.who: dict[int, str] = {}
+        self.processes: dict[int, tuple[str, int, str]] = {}  # peer -> (host, pid, PID namespace)
         self.beats_seen: dict[int, int] = {r: 0 for r in self.seen}  # new values read, per peer
         self.done: set[int] = set()
         self.store_ok = now
@@ -86,16 +87,17 @@ class _Watch:
         beat = 0
         while not self.stop.is_set():
             try:
-                self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid}")
+                self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid} {self.namespace}")
                 beat += 1
                 for peer in list(self.seen):
                     key = f"{self.prefix}/{peer}"
                     if peer in self.done or not self.store.check([key]):
                         continue
                     value = self.store.get(key).decode()
-                    count, host, pid = value.split(" ", 2)
+                    count, host, pid, namespace = (value.split(" ", 3) + [""])[:4]
                     with self.lock:
                         self.who[peer] = f"host {host}, pid {pid}"
+                        self.processes[peer] = (host, int(pid), namespace)
                         if count == "done":
                             self.done.add(peer)
                         elif value != self.seen[peer][0]:
@@ -108,7 +110,7 @@ class _Watch:
             self.stop.wait(self.interval_s)
         # The last word, from this thread: a beat can then never land after "done".
         with contextlib.suppress(Exception):
-            self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid}")
+            self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid} {self.namespace}")
 
     # --- the judge, on another thread: local state only, so a blocked store cannot block it ---
 
@@ -130,6 +132,18 @@ class _Watch:
                     f"{self.what}; its host (torchrun's MASTER_ADDR {os.environ.get('MASTER_ADDR', '?')}) "
                     "is stalled or gone"
                 )
+        return None
+
+    def gone(self) -> str | None:
+        """A peer whose process has ended, seen at once where it can be: on this host and in this
+        PID namespace (torchrun's ranks of one node), where its pid is absent or a zombie. Not a
+        judgement on silence: certain, so it needs no wait (a peer on another node is named by
+        its silence, or not at all)."""
+        with self.lock:
+            processes = {p: v for p, v in self.processes.items() if p not in self.done}
+        for peer, (host, pid, namespace) in sorted(processes.items()):
+            if host == self.host and namespace and namespace == self.namespace and _process_gone(pid):
+                return f"rank {peer} ({self.who[peer]}) ended {self.what}: its process is gone"
         return None
 
     def _judge(self) -> None:
@@ -168,7 +182,7 @@ class _Watch:
         with self.lock:
             before = dict(self.beats_seen)
         while time.monotonic() < deadline:
-            verdict = self.verdict or self._stalled()
+            verdict = self.verdict or self.gone() or self._stalled()
             if verdict is not None:
                 return verdict
             with self.lock:
@@ -178,6 +192,43 @@ class _Watch:
                 return None
             time.sleep(min(self.interval_s, 0.1))
         return self.verdict or self._stalled()
+
+    def verdict_after(self, exc: BaseException) -> str | None:
+        """Who, if anyone, is gone or silent after the block raised ``exc``. For an error, what
+        the beats say (``wait_for_verdict``); for a signal (torchrun stops the other ranks once
+        one has died), only what is certain at once: a peer whose process is gone. A signal while
+        waiting is re-raised unless a peer is gone."""
+        if not isinstance(exc, Exception):
+            return self.gone()
+        try:
+            return self.wait_for_verdict()
+        except BaseException:
+            verdict = self.gone()
+            if verdict is None:
+                raise
+            return verdict
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026531836]``), or "" where it cannot be read: two
+    processes' pids compare only within one namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: no such process, or a zombie its parent has not reaped
+    (torchrun's agent reaps a dead rank only when it next looks)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[:1]
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc, or hidden from us: not known to be gone
+        return False
+    return state in (["Z"], ["X"])
 
 
 def _store():
@@ -223,10 +274,12 @@ def watch_peers(
         yield
     except BaseException as exc:
         watch.handling.set()
-        verdict = watch.wait_for_verdict() if isinstance(exc, Exception) else None
+        verdict = watch.verdict_after(exc)
         watch.stop.set()
-        if verdict is not None:
+        if verdict is None:
+            raise
+        if isinstance(exc, Exception):
             raise PeerLostError(f"{verdict}; the collective then failed: {type(exc).__name__}: {exc}") from exc
-        raise
+        raise PeerLostError(f"{verdict}; this rank was then {exc or type(exc).__name__}") from exc
     finally:
         watch.finish()

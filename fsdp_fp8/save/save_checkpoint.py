@@ -113,6 +113,8 @@ def _begin(directory: Path, plan: SavePlan, checkpoint: Checkpoint | None, probl
     try:
         if directory.parent.is_dir():
             begun.cleaning = clean_leftovers(directory.parent)
+            for line in begun.cleaning.lines():
+                log.warning("%s", line)
         begun.files = source_files(checkpoint.directory if checkpoint is not None else None)
         needed = sum(f.size for f in plan.layout.files) + begun.files.bytes()
         short = space_problem(directory, needed)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import logging
 import os
 import re
 import shutil
@@ -38,8 +37,6 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 _OWNED = re.compile(
     r"^\.(?P<target>.+)\.tmp-(?P<host>[A-Za-z0-9_.-]+)-(?P<machine>[0-9a-f]{8})-(?P<boot>[0-9a-f]{8})"
@@ -61,6 +58,13 @@ def _short_hash(*parts: str) -> str:
     if not any(parts):
         return _UNKNOWN
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def pid_max() -> int:
+    """The largest process id this kernel hands out (``/proc/sys/kernel/pid_max``; Linux's own
+    ceiling, 2**22, where it cannot be read)."""
+    text = _read("/proc/sys/kernel/pid_max")
+    return int(text) if text.isdigit() else 1 << 22
 
 
 def process_start(pid: int) -> int | None:
@@ -157,7 +161,12 @@ def find_leftovers(parent: Path, me: Owner | None = None) -> list[Leftover]:
             continue
         if owned:
             g = owned.groupdict()
-            owner = Owner(g["host"], g["machine"], g["boot"], g["namespace"], int(g["pid"]), int(g["start"]))
+            pid = int(g["pid"])  # digits only, at most a file name long
+            if not 0 < pid <= pid_max():  # 10**25 would overflow os.kill: no process ever had it
+                why = f"its owner is unknown: the pid in its name, {g['pid']}, cannot be a process id here (1 to {pid_max():,})"
+                found.append(Leftover(Path(entry.path), None, False, why))
+                continue
+            owner = Owner(g["host"], g["machine"], g["boot"], g["namespace"], pid, int(g["start"]))
         dead, why = judge(owner, me)
         found.append(Leftover(Path(entry.path), owner, dead, why))
     return found
@@ -179,7 +188,8 @@ class Cleaning:
 
 
 def clean_leftovers(parent: Path) -> Cleaning:
-    """Remove the temporary directories of dead saves in ``parent``; log each once."""
+    """Remove the temporary directories of dead saves in ``parent``; what was done, for the
+    caller to say once (``Cleaning.lines``: a save logs them, ``save --clean`` prints them)."""
     cleaning = Cleaning()
     for leftover in find_leftovers(parent):
         if not leftover.dead:
@@ -190,8 +200,6 @@ def clean_leftovers(parent: Path) -> Cleaning:
             cleaning.removed.append(leftover)
         except OSError as exc:
             cleaning.failed.append((leftover, f"{type(exc).__name__}: {exc}"))
-    for line in cleaning.lines():
-        log.warning("%s", line)
     return cleaning
 
 

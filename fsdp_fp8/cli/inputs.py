@@ -1,0 +1,91 @@
+"""What the launcher loads, checked before torch is imported: the checkpoint a path names and,
+for a diffusers pipeline, the sizes its VAE can make.
+
+A path names a checkpoint when it is a directory holding one (safetensors files or an index), a
+diffusers pipeline root (``model_index.json`` beside a ``transformer/`` holding one) or a hub name
+whose snapshot is in the local cache (``fsdp_fp8.format.hub``). Anything else (missing, a file,
+unreadable, a directory holding no checkpoint, a hub name not in the cache) is a usage problem
+naming the option and the path, found in the time of any other usage error: before torch and
+before any process group (docs/usage.md). What is inside the files is checked by the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from fsdp_fp8.cli.options import BOUNDS
+from fsdp_fp8.errors import CheckpointPathError
+from fsdp_fp8.format.files import find_layout, resolve_directory
+from fsdp_fp8.format.hub import resolve_hub_path
+from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
+from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX  # imports no torch
+
+
+def checkpoint_problems(option: str, path: str) -> tuple[Path | None, list[str]]:
+    """(the directory ``path`` names, a hub name resolved; why it holds no checkpoint to load)."""
+    try:
+        root = resolve_hub_path(path)
+        weights = resolve_directory(root)
+    except CheckpointPathError as exc:
+        return None, [f"{option}: {p}" for p in exc.problems]
+    if not os.access(weights, os.R_OK | os.X_OK):
+        return None, [f"{option}: {weights} cannot be read (permission denied for this user)"]
+    problems: list[str] = []
+    try:
+        find_layout(weights, problems)
+    except OSError as exc:  # a directory that vanished or turned unreadable meanwhile
+        problems.append(f"{weights}: cannot be read: {exc.strerror or exc}")
+    return root, [f"{option}: {p}" for p in problems]
+
+
+def demo_factors() -> PipelineFactors:
+    """The embedded demo's factors (its VAE and transformer configs, known before it is built)."""
+    from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG, VAE_CONFIG
+
+    return PipelineFactors(
+        VAE_CONFIG["scale_factor_spatial"],
+        VAE_CONFIG["scale_factor_temporal"],
+        TRANSFORMER_CONFIG["latent_patch_size"],
+        "the demo's VAE",
+    )
+
+
+def pipeline_size_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
+    """``--height`` / ``--width`` / ``--frames`` the pipeline at ``root`` (None: the demo) cannot
+    make, and factors in its configs that no size can be divided by. Nothing for a model that is
+    no pipeline (its run ignores the sizes, with a warning)."""
+    problems: list[str] = []
+    if root is None:
+        factors = demo_factors()
+    elif (root / MODEL_INDEX).is_file():
+        factors = read_pipeline_factors(root, problems)
+        problems = [f"--checkpoint: {p}" for p in problems]
+    else:
+        return []
+
+    def source(key: str, step: int) -> str:
+        return f"`{key}` {step} in {factors.vae_config}"
+
+    for name in ("height", "width"):
+        value, step = _in_bounds(args, name), factors.spatial
+        if value is not None and step and value % step:
+            below = value - value % step
+            nearest = f"{below} or {below + step}" if below else f"{step}"
+            problems.append(f"--{name} {value} is not a multiple of {step} ({source(SPATIAL, step)}): use {nearest}")
+    frames, step = _in_bounds(args, "frames"), factors.temporal
+    if frames is not None and step and (frames - 1) % step:
+        below = frames - (frames - 1) % step
+        problems.append(
+            f"--frames {frames} is not 1 + a multiple of {step} ({source(TEMPORAL, step)}: the VAE makes "
+            f"1, {1 + step}, {1 + 2 * step}, ... frames): use {below} or {below + step}"
+        )
+    return problems
+
+
+def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
+    """The option's value when it is inside its bounds (outside, that is the problem reported)."""
+    value = getattr(args, name, None)
+    low, high = BOUNDS[name]
+    return value if value is not None and low <= value <= high else None
