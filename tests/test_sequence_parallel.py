@@ -4,8 +4,8 @@ one-rank sequential run.
 
 The pipelines are test_cfg_parallel's: the embedded demo's (4 query heads, 2 key/value heads)
 and one around the real ModelOpt 0.47 export (2 query heads, 1 key/value head: ranks share it).
-Two sizes: the demo's default image (16 generation tokens: each rank's slice is padded to 16
-rows) and a multi-frame video (144 tokens). One spawn per world size records what the tests judge.
+Three sizes: the demo's default image (16 generation tokens), a multi-frame video (144 tokens)
+and a 12-token image (shorter than a rank's 16 rows: it stays whole on the group's first rank). One spawn per world size records what the tests judge.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ from fsdp_fp8.interop.parallel_layout import ParallelLayout, head_problems, layo
 STEPS = 4
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # latent 8 x 8, patch 2: 16 generation tokens
 VIDEO = {"num_frames": 9, "height": 64, "width": 48}  # latent 3 x 16 x 12: 144 generation tokens
-SIZES = {"image": IMAGE, "video": VIDEO}
+# latent 6 x 8: 12 generation tokens, fewer than a rank's 16 rows: whole on the group's first rank
+# (halves of 6 rows change torch._scaled_mm's bits on the fixture's 32-wide projections)
+TINY = {"num_frames": 1, "height": 24, "width": 32}
+SIZES = {"image": IMAGE, "video": VIDEO, "tiny": TINY}
 PROMPTS = ("a red fox", "a lighthouse in a storm")
 
 
@@ -38,13 +41,19 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _generate(root: str, prompt: str, size: dict, cfg_parallel: bool = False, sequence_parallel: int = 1) -> dict:
+def _generate(
+    root: str, prompt: str, size: dict, cfg_parallel: bool = False, sequence_parallel: int = 1, policy: str = "auto"
+) -> dict:
     from fsdp_fp8 import load_pipeline
     from fsdp_fp8.fp8.linear import Float8StaticLinear
     from fsdp_fp8.interop.forward_state import pipeline_state_of
 
     pipe = load_pipeline(
-        root, device=torch.device("cpu"), cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel
+        root,
+        device=torch.device("cpu"),
+        cfg_parallel=cfg_parallel,
+        sequence_parallel=sequence_parallel,
+        step_policy=policy,
     )
     pipe.set_progress_bar_config(disable=True)
     groups = {id(m.shared): m.shared for m in pipe.transformer.modules() if isinstance(m, Float8StaticLinear)}
@@ -81,10 +90,12 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
 def _observe(rank: int, world: int, demo: str, fixture: str, prompts_file: str, reports: str) -> dict:
     obs: dict = {}
     pipelines = {"demo": demo, "fixture": fixture}
+    # the demo with its step policy (4 steps: every step W8A16), the fixture without (every step W8A8)
+    policies = {"demo": "auto", "fixture": "off"}
     if world == 1:
         for name, root in pipelines.items():
             for label, size in SIZES.items():
-                obs[f"{name} {label}"] = [_generate(root, p, size) for p in PROMPTS]
+                obs[f"{name} {label}"] = [_generate(root, p, size, policy=policies[name]) for p in PROMPTS]
         obs["launch"] = _launch(demo, Path(reports, "one.json"))
         obs["launch_prompts"] = _launch(demo, Path(reports, "one-prompts.json"), "--prompts", prompts_file)
         return obs
@@ -95,7 +106,7 @@ def _observe(rank: int, world: int, demo: str, fixture: str, prompts_file: str, 
             if sp > 2 and name == "fixture":
                 continue  # its 2 query heads split 2 ways at most
             for label, size in SIZES.items():
-                obs[f"{key} {name} {label}"] = _generate(root, PROMPTS[slot], size, cfg, sp)
+                obs[f"{key} {name} {label}"] = _generate(root, PROMPTS[slot], size, cfg, sp, policies[name])
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     with mock.patch.dict(os.environ, env):
         sp_args = ("--sequence-parallel", "2")
@@ -139,7 +150,8 @@ def test_sequence_parallel_latents_equal_the_sequential_run(observed, world, key
         got = obs[f"{key} {pipeline} {size}"]
         want = sequential[layout.slot]
         assert got["digest"] == want["digest"], (rank, layout)
-        assert got["quantizations"] == want["quantizations"] == [1] * len(want["quantizations"])
+        # W8A8 (the fixture): each sibling group quantized its input once per forward, as on one rank
+        assert got["quantizations"] == want["quantizations"] == [int(pipeline == "fixture")] * len(got["quantizations"])
         # two all-to-alls per layer and forward (q/k/v in, the output back)
         assert got["all_to_alls"] == 2 * 2 * got["forwards"]
         assert got["ours"] == ["PipelinedFSDPCosmos3OmniTransformer"]
@@ -209,3 +221,22 @@ def test_load_pipeline_refuses_a_degree_before_loading(roots):  # noqa: F811
 
     with pytest.raises(ValueError, match="sequence groups of 2: 2 must divide 1"):
         load_pipeline(roots[0], device=torch.device("cpu"), sequence_parallel=2)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_ranks_rows_through_an_fp8_linear_give_the_one_rank_bits(size):
+    """W8A8 on CPU: a GEMM of a few rows can round differently from the same rows of a larger
+    one (``torch._scaled_mm``), so a rank's slice is at least 16 rows, or the whole pass."""
+    from small_models import random_fp8_linear
+
+    from fsdp_fp8.interop.sequence_parallel import SequenceParallel
+
+    lin, g = random_fp8_linear(32, 96, "cpu")
+    for length in (6, 12, 20, 30, 37, 64):
+        x = torch.randn(length, 32, generator=g).to(torch.bfloat16)
+        rotary = (torch.empty(0), torch.empty(0), torch.zeros(length, 4), torch.zeros(length, 4))
+        parts = []
+        for position in range(size):
+            _, rows, _ = SequenceParallel(None, position, size).shard(torch.empty(0), x, rotary)
+            parts.append(lin(rows))
+        assert torch.equal(torch.cat(parts)[:length], lin(x)), length

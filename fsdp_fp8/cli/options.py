@@ -8,6 +8,7 @@ import os
 
 from fsdp_fp8.cli.outputs import prompt_problem, writable_file
 from fsdp_fp8.format.timeouts import timeout_problems
+from fsdp_fp8.interop.parallel_layout import layout_problems
 
 # kind -> the options (argparse dests) its run reads; "pipeline" is a diffusers pipeline root,
 # "cosmos3" a Cosmos 3 denoiser alone, "diffusers" any other diffusers model (one forward).
@@ -16,7 +17,7 @@ USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
     "pipeline": DIFFUSION
-    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel"},
+    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "sequence_parallel"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),
@@ -79,10 +80,11 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     if replicas is not None and replicas != 1:
         world = getattr(args, "nproc_per_node", None) or _world_size()
         problems += [f"--{p}" for p in _replica_problems(replicas, world)]
-    if getattr(args, "cfg_parallel", False):
+    cfg, sp = getattr(args, "cfg_parallel", False), getattr(args, "sequence_parallel", 1)
+    if cfg or sp != 1:  # the ranks of one request: interop.parallel_layout (imports no torch)
         world = getattr(args, "nproc_per_node", None) or _world_size()
-        if world % 2:
-            problems.append(f"--cfg-parallel runs ranks in pairs: it needs an even world size, got {world}")
+        given = " ".join((["--cfg-parallel"] if cfg else []) + ([f"--sequence-parallel {sp}"] if sp != 1 else []))
+        problems += [f"{given}: {p}" for p in layout_problems(world, cfg, sp)]
     for name in ("prompt", "negative_prompt"):
         text = getattr(args, name, None)
         if text is not None and (problem := prompt_problem(text)):

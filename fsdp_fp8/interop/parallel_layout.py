@@ -105,7 +105,8 @@ def layout_problems(world: int, cfg_parallel: bool, sequence_parallel: int) -> l
             what = f"sequence groups of {sequence_parallel}"
         elif sequence_parallel == 1:
             return [f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}"]
-        return [f"a world of {world} ranks cannot be cut into {what}: {team} must divide {world}"]
+        ranks = f"{world} rank{'' if world == 1 else 's'}"
+        return [f"a world of {ranks} cannot be cut into {what}: {team} must divide {world}"]
     return []
 
 
