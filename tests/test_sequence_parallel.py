@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(900)
 from ranks import run_ranks  # noqa: E402
 from test_cfg_parallel import roots  # noqa: E402, F401 - the two pipeline roots (a module fixture)
 
-from fsdp_fp8.interop.parallel_layout import ParallelLayout, head_problems, layout_problems  # noqa: E402
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems, layout_problems  # noqa: E402
 
 STEPS = 4
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # latent 8 x 8, patch 2: 16 generation tokens

@@ -27,7 +27,7 @@ from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
-from fsdp_fp8.interop.parallel_layout import ParallelLayout
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
 
@@ -79,7 +79,7 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
     t0 = time.perf_counter()
     cfg_parallel = getattr(args, "cfg_parallel", False)
     sequence_parallel = getattr(args, "sequence_parallel", 1)
-    # The ranks of one request: a CFG pair, a sequence group, or both (interop.parallel_layout)
+    # The ranks of one request: a CFG pair, a sequence group, or both (runtime.parallel_layout)
     layout = ParallelLayout(rank, world, cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
     slot, slots, writes = layout.slot, layout.slots, layout.writes
     pipe = load_pipeline(

@@ -22,7 +22,7 @@ from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX  # imports no torch
-from fsdp_fp8.interop.parallel_layout import head_problems  # nor this
+from fsdp_fp8.runtime.parallel_layout import head_problems  # nor this
 
 
 def checkpoint_problems(option: str, path: str) -> tuple[Path | None, list[str]]:
@@ -96,7 +96,7 @@ def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
 def sequence_parallel_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
     """``--sequence-parallel N`` on a checkpoint that cannot take it: one that is no diffusers
     pipeline (only a pipeline's transformer is split), or a transformer whose attention heads N
-    does not divide (``interop.parallel_layout.head_problems``). ``root`` None: the demo."""
+    does not divide (``runtime.parallel_layout.head_problems``). ``root`` None: the demo."""
     degree = getattr(args, "sequence_parallel", 1)
     if degree == 1:
         return []

@@ -8,7 +8,7 @@ import os
 
 from fsdp_fp8.cli.outputs import prompt_problem, writable_file
 from fsdp_fp8.format.timeouts import timeout_problems
-from fsdp_fp8.interop.parallel_layout import layout_problems
+from fsdp_fp8.runtime.parallel_layout import layout_problems
 
 # kind -> the options (argparse dests) its run reads; "pipeline" is a diffusers pipeline root,
 # "cosmos3" a Cosmos 3 denoiser alone, "diffusers" any other diffusers model (one forward).
@@ -81,7 +81,7 @@ def value_problems(args: argparse.Namespace) -> list[str]:
         world = getattr(args, "nproc_per_node", None) or _world_size()
         problems += [f"--{p}" for p in _replica_problems(replicas, world)]
     cfg, sp = getattr(args, "cfg_parallel", False), getattr(args, "sequence_parallel", 1)
-    if cfg or sp != 1:  # the ranks of one request: interop.parallel_layout (imports no torch)
+    if cfg or sp != 1:  # the ranks of one request: runtime.parallel_layout (imports no torch)
         world = getattr(args, "nproc_per_node", None) or _world_size()
         given = " ".join((["--cfg-parallel"] if cfg else []) + ([f"--sequence-parallel {sp}"] if sp != 1 else []))
         problems += [f"{given}: {p}" for p in layout_problems(world, cfg, sp)]

@@ -30,12 +30,12 @@ from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
 from fsdp_fp8.interop.cfg_parallel import cfg_pair
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
-from fsdp_fp8.interop.parallel_layout import ParallelLayout, head_problems
 from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
 from fsdp_fp8.load.spec import TowerSpec
 from fsdp_fp8.runtime.inference import prepare_for_inference
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems
 
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
 # (docs/design.md, "State kept on other libraries' objects").
@@ -71,7 +71,7 @@ def load_pipeline(
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``). ``sequence_parallel``: groups of that many ranks split
     the generation tokens of each pass (``fsdp_fp8.interop.sequence_parallel``; Cosmos 3). The
-    ranks of one request (``interop.parallel_layout``) must then be given the same request; the
+    ranks of one request (``runtime.parallel_layout``) must then be given the same request; the
     world size must divide into them, and the degree into the attention heads (both checked
     before anything loads).
     """

@@ -3,7 +3,7 @@
 Under FSDP every rank runs whole requests, so one prompt on two GPUs runs its conditional and
 its unconditional pass on both. With CFG-parallel, two ranks form a pair that serves one
 request (``(2k, 2k + 1)``; with sequence groups, the ranks at one position of a request's two
-groups: ``interop.parallel_layout``): at each denoising step the pair's role-0 rank runs the
+groups: ``runtime.parallel_layout``): at each denoising step the pair's role-0 rank runs the
 conditional pass, its role-1 rank the unconditional pass, at the same time, and the two predictions are exchanged in one
 all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
 stay FSDP's). Each rank computes one pass per step instead of two. FSDP's collectives stay in
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_fp8.interop.parallel_layout import ParallelLayout
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 
 COND, UNCOND = "cond", "uncond"
 # The keyword arguments that change from step to step; the pipeline passes the same objects to

@@ -21,7 +21,7 @@ GQA attention, so the attention is this module's processor.
 
 Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 16 bits gives
 any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
-a rank's slice is therefore at least ``MIN_ROWS`` rows (padded), and a pass shorter than that
+a rank's slice is therefore at least 16 rows (padded; ``runtime.parallel_layout.sequence_rows``), and a pass shorter than that
 stays whole on the group's first rank. Attention per head is the same
 computation on the same rows (SDPA's kernel splits work over batch and heads). Norms and rotary
 embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
@@ -39,8 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_fp8.runtime.collectives import all_gather_into
-
-MIN_ROWS = 16  # a rank's generation rows at the least: torch._scaled_mm's bits hold from 12 rows
+from fsdp_fp8.runtime.parallel_layout import sequence_rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +66,8 @@ class SequenceParallel:
         self.all_to_alls = 0  # how many this rank ran (for the tests and the bench)
 
     def rows(self, length: int) -> int:
-        """Each rank's generation rows for a pass of ``length`` rows: an equal share, at least
-        ``MIN_ROWS``; a pass shorter than that stays whole on the group's first rank (the others
-        hold padding), so its GEMMs are the one-rank run's own."""
-        return max(-(-length // self.size), min(length, MIN_ROWS))
+        """Each rank's generation rows for a pass of ``length`` rows (``sequence_rows``)."""
+        return sequence_rows(length, self.size)
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         padded = self.size * self.chunk

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from fsdp_fp8.errors import CheckpointError, raise_if_problems
 from fsdp_fp8.format.pipeline_config import positive_int_problem, read_pipeline_factors
+from fsdp_fp8.runtime.parallel_layout import layout_problems, sequence_rows
 from fsdp_fp8.shard_rows import padded_rows
 
 GiB = 1 << 30
@@ -181,15 +182,28 @@ def units(tensors: Iterable[Tensor], fp32_modules: Iterable[str] = ("time_embedd
 
 
 def activation_terms(
-    shape: TransformerShape, text: int, vision: int, cfg_parallel: bool, fp8_time_embedder: bool = False
+    shape: TransformerShape,
+    text: int,
+    vision: int,
+    cfg_parallel: bool,
+    fp8_time_embedder: bool = False,
+    sequence_parallel: int = 1,
 ) -> list[Term]:
     """The transformer's working set at its widest moment, phase by phase (no autograd: a
     temporary dies when its expression is done). A W8A8 linear quantizes its input through two
     float32 temporaries (``clamp(x.float() / s)``, ``fsdp_fp8.fp8.kernels``): 8 bytes per input
-    element while it runs, then 1 byte of FP8 codes."""
+    element while it runs, then 1 byte of FP8 codes.
+
+    With a sequence group of ``sequence_parallel`` ranks the decoder stack runs on this rank's
+    generation rows (``rows``: ``parallel_layout.sequence_rows``) beside the whole text; the packed
+    sequence, its rotary tables and the time embedding stay whole (built before the split), and
+    the attention adds the all-to-alls' buffers (``sequence_terms``)."""
     e, h, inter = shape.dtype_bytes, shape.hidden, shape.intermediate
     tokens = text + vision
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    sp = sequence_parallel
+    rows = vision if sp == 1 else sequence_rows(vision, sp)
+    local = text + rows  # the rows a decoder layer of this rank runs
     quant = 8  # float32 temporaries of one activation quantization, per element
     # Time embedding of every vision token (Timesteps(256) -> TimestepEmbedding in float32),
     # beside the packed sequence and proj_in's output.
@@ -203,25 +217,32 @@ def activation_terms(
     # pathway, the outputs and to_out's input quantization (flash attention: O(tokens), no
     # tokens^2 matrix; SDPA runs these unmasked calls so on CUDA and on CPU).
     attention = (
-        2 * tokens * h * e
-        + tokens * h
-        + tokens * (q + 2 * kv) * e
-        + max(2 * tokens * q * 4, 3 * tokens * q * e)
-        + 2 * tokens * kv * e
-        + tokens * q * (e + quant)
+        2 * local * h * e
+        + local * h
+        + local * (q + 2 * kv) * e
+        + max(2 * local * q * 4, 3 * local * q * e)
+        + 2 * local * kv * e
+        + local * q * (e + quant)
     )
     # MLP of the generation tower: layer inputs and residuals of both towers, the normed input
     # and its codes, then silu(gate) * up and down_proj's input quantization.
-    mlp = 3 * tokens * h * e + vision * h * (e + 1) + vision * inter * max(3 * e, e + quant)
+    mlp = 3 * local * h * e + rows * h * (e + 1) + rows * inter * max(3 * e, e + quant)
     rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
     positions = 3 * tokens * 8 + tokens * 8 * 2  # mRoPE ids and the sequence indexes (int64)
     phases = {"time embedding": time, "attention": attention, "MLP": mlp}
+    if sp > 1:
+        held = tokens * h * e  # the packed sequence the forward holds while its stack runs on slices
+        phases["attention"] += held + sequence_terms(shape, text, vision, rows, sp)
+        phases["MLP"] += held
+        # after the stack: every rank's rows gathered, then the whole sequence concatenated
+        phases["gather"] = held + sp * rows * h * e + tokens * h * e
     widest = max(phases, key=phases.get)
     terms = [
         Term(
             "activations",
             phases[widest] + rope + positions,
-            detail=f"{tokens} tokens; widest: {widest} {_gib(phases[widest])} (then "
+            detail=f"{tokens} tokens{f', {rows} generation rows on this rank' if sp > 1 else ''}; "
+            f"widest: {widest} {_gib(phases[widest])} (then "
             + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items() if k != widest)
             + ")",
         )
@@ -239,6 +260,19 @@ def activation_terms(
     return terms
 
 
+def sequence_terms(shape: TransformerShape, text: int, vision: int, rows: int, sp: int) -> int:
+    """What a rank's attention adds under sequence parallelism: the q/k/v all-to-all's send and
+    receive buffers (its rows, every head), every row of its share of the heads (q, k, v; the text
+    keys and values of those heads beside them), the output's share and its inverse all-to-all.
+    Key/value heads fewer than the degree are repeated to one per rank."""
+    e, d = shape.dtype_bytes, shape.head_dim
+    q, kv = shape.heads * d, max(shape.kv_heads, sp) * d
+    exchange = 2 * rows * (q + 2 * kv) * e
+    shares = vision * (q + 2 * kv) // sp * e + 2 * (text + vision) * kv // sp * e
+    output = vision * q // sp * e + 2 * rows * q * e
+    return exchange + shares + output
+
+
 def forecast(
     tensors: list[Tensor],
     shape: TransformerShape,
@@ -250,13 +284,16 @@ def forecast(
     resident: str | int = "none",
     offload: str | None = None,
     cfg_parallel: bool = False,
+    sequence_parallel: int = 1,
     prefetch: bool = True,
 ) -> MemoryForecast:
-    """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks."""
+    """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks;
+    ``cfg_parallel`` / ``sequence_parallel``: the ranks of one request (``runtime.parallel_layout``)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if cfg_parallel and world_size % 2:
-        raise ValueError(f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world_size}")
+    problems = layout_problems(world_size, cfg_parallel, sequence_parallel)
+    if problems:
+        raise ValueError("; ".join(problems))
     if offload not in (None, "cpu"):
         raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
     groups = units(tensors)
@@ -296,7 +333,7 @@ def forecast(
     terms.append(Term("non-FP8 components", components_bytes, detail="VAE and other component weights"))
     text = text_tokens
     fp8_time = any(t.key.startswith("time_embedder.") and t.itemsize == 1 for t in tensors)
-    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time)
+    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time, sequence_parallel)
     return MemoryForecast(world_size, text, size.vision_tokens(shape.patch), tuple(terms))
 
 

@@ -26,6 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A rank's generation rows at the least: on the CPU build torch._scaled_mm's bits hold for row
+# slices of 12 rows and more, not always below (interop.sequence_parallel; the forecast counts them).
+MIN_ROWS = 16
+
+
+def sequence_rows(length: int, size: int) -> int:
+    """Each rank's generation rows for a pass of ``length`` rows over a sequence group of ``size``:
+    an equal share, at least ``MIN_ROWS``; a pass shorter than that stays whole on the group's first
+    rank (the others hold padding), so its GEMMs are the one-rank run's own."""
+    return max(-(-length // size), min(length, MIN_ROWS))
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
