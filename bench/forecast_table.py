@@ -3,7 +3,7 @@ transformer shapes alone (``fsdp_fp8.runtime.forecast.config_tensors``: meta dev
 downloaded). Prints a Markdown table: 1, 2, 4, 8 GPUs x 720p / 189 frames and a 1024^2 image.
 
     python bench/forecast_table.py [--cfg-parallel]
-    python bench/forecast_table.py --step-time    # seconds per denoising step (fsdp_fp8.runtime.step_time)
+    python bench/forecast_table.py --step-time    # per layout: memory and seconds per step (runtime.step_time)
 """
 
 from __future__ import annotations
@@ -67,21 +67,35 @@ def plans(gpus: int) -> list[ParallelPlan]:
 
 
 def step_time_table() -> None:
+    """Per GPU at 720p / 189 frames: the memory peak and the seconds per step of each layout."""
     size = SIZES["720p, 189 frames"]
-    print(
-        f"assumed: {MFU:.0%} of dense peak, {LINK_EFFICIENCY:.0%} of NVLink; {H200.name}, {DEFAULT_TEXT_TOKENS} text tokens"
-    )
-    print("| model | GPUs | parallelism | s / step, W8A8 | s / step, W8A16 | x one GPU |")
-    print("|---|---|---|---|---|---|")
+    print(f"assumed: {MFU:.0%} of dense peak, {LINK_EFFICIENCY:.0%} of NVLink; {H200.name}, {DEFAULT_TEXT_TOKENS} text tokens")
+    print("| model | GPUs | parallelism | peak per GPU | fits H100 80 GB | s / step W8A8 | s / step W8A16 | x one GPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, overrides in (("Nano", NANO), ("Super", SUPER)):
-        shape = TransformerShape.from_config({**_defaults(), **overrides})
+        config = {**_defaults(), **overrides}
+        tensors, shape = config_tensors(config), TransformerShape.from_config(config)
         vision = size.vision_tokens(shape.patch)
         one = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, ParallelPlan(1), H200)
         for gpus in (1, 2, 4, 8):
             for plan in plans(gpus):
+                fc = forecast(
+                    tensors,
+                    shape,
+                    size,
+                    gpus,
+                    components_bytes=VAE_BYTES,
+                    cfg_parallel=plan.cfg_parallel,
+                    sequence_parallel=plan.sequence_parallel,
+                )
+                peak = fc.device_bytes / GiB
                 fp8 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200)
                 bf16 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200, w8a8=False)
-                print(f"| {name} | {gpus} | {plan.label} | {fp8:.2f} | {bf16:.2f} | {one / fp8:.1f}x |")
+                fits = "yes" if peak + 1 <= 74.5 else "no"  # 80 GB = 74.5 GiB, 1 GiB for CUDA and NCCL
+                print(
+                    f"| {name} | {gpus} | {plan.label} | {peak:.1f} GiB | {fits} | {fp8:.2f} | {bf16:.2f} | "
+                    f"{one / fp8:.1f}x |"
+                )
 
 
 def _defaults() -> dict:
