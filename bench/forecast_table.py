@@ -69,8 +69,12 @@ def plans(gpus: int) -> list[ParallelPlan]:
 def step_time_table() -> None:
     """Per GPU at 720p / 189 frames: the memory peak and the seconds per step of each layout."""
     size = SIZES["720p, 189 frames"]
-    print(f"assumed: {MFU:.0%} of dense peak, {LINK_EFFICIENCY:.0%} of NVLink; {H200.name}, {DEFAULT_TEXT_TOKENS} text tokens")
-    print("| model | GPUs | parallelism | peak per GPU | fits H100 80 GB | s / step W8A8 | s / step W8A16 | x one GPU |")
+    print(
+        f"assumed: {MFU:.0%} of dense peak, {LINK_EFFICIENCY:.0%} of NVLink; {H200.name}, {DEFAULT_TEXT_TOKENS} text tokens"
+    )
+    print(
+        "| model | GPUs | parallelism | peak per GPU | fits H100 80 GB | s / step W8A8 | s / step W8A16 | x one GPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, overrides in (("Nano", NANO), ("Super", SUPER)):
         config = {**_defaults(), **overrides}
