@@ -86,11 +86,12 @@ def fragments_by_logger(import_time_only: bool = False) -> dict[str, tuple[str, 
 
 
 @contextlib.contextmanager
-def quiet_imports() -> Iterator[None]:
-    """Drop ``QUIET``'s import-time messages while the block runs (fsdp_fp8 imports TorchAO or
-    diffusers in it); every logger is as it was afterwards."""
+def quiet_imports(import_time_only: bool = True) -> Iterator[None]:
+    """Drop ``QUIET``'s import-time messages (``import_time_only=False``: every entry, for a block
+    that also loads with diffusers) while the block runs (fsdp_fp8 imports TorchAO or diffusers in
+    it); every logger is as it was afterwards."""
     added = []
-    for name, fragments in fragments_by_logger(import_time_only=True).items():
+    for name, fragments in fragments_by_logger(import_time_only=import_time_only).items():
         logger, quiet = logging.getLogger(name), QuietFilter(fragments)
         logger.addFilter(quiet)
         added.append((logger, quiet))

@@ -30,6 +30,10 @@ def recorded(set_filter):
 warnings.filterwarnings, warnings.simplefilter = recorded(warnings.filterwarnings), recorded(warnings.simplefilter)
 import fsdp_fp8
 for name in sys.argv[1:]:
+    if name.startswith("pipeline:"):
+        pipe = fsdp_fp8.load_pipeline(name.removeprefix("pipeline:"))
+        print("loaded", type(pipe).__name__)
+        continue
     loaded = fsdp_fp8.load_model(None, name)
     print("loaded", len(loaded.fp8_linears), "FP8 linears")
 ours = sorted({c for c in callers if c.split(".")[0] == "fsdp_fp8"})
@@ -55,3 +59,20 @@ def test_a_snippet_calling_load_model_under_torchrun_prints_only_its_own_lines(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["loaded 31 FP8 linears", "loaded 14 FP8 linears"], proc.stdout
     assert proc.stderr.splitlines() == ["Failed to load: the user's own message"], proc.stderr[-3000:]
+
+
+def test_a_snippet_calling_load_pipeline_prints_only_its_own_lines_and_diffusers_progress_bar(tmp_path):
+    pytest.importorskip("diffusers")
+    from fsdp_fp8.cli.demo import build_demo_pipeline
+
+    root = build_demo_pipeline(tmp_path / "demo")
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(SNIPPET)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(snippet), f"pipeline:{root}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["loaded Cosmos3OmniPipeline"], proc.stdout
+    # diffusers' own progress bar stays (the user's to turn off); no notice, no advice, no warning
+    lines = [line for line in proc.stderr.splitlines() if line and "Loading pipeline components" not in line]
+    assert lines == ["Failed to load: the user's own message"], proc.stderr[-3000:]

@@ -36,6 +36,7 @@ from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
 from fsdp_fp8.load.spec import TowerSpec
 from fsdp_fp8.runtime.inference import prepare_for_inference
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems
+from fsdp_fp8.third_party import quiet_imports
 
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
 # (docs/design.md, "State kept on other libraries' objects").
@@ -78,14 +79,16 @@ def load_pipeline(
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     options = load_options(options, mesh=mesh, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
-    cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
+    with quiet_imports():
+        cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
     if TRANSFORMER in kwargs:
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cfg_parallel, sequence_parallel)  # before the first collective: alike on every rank
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     routing = prepare_for_inference(loaded, step_policy)
-    pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
+    with quiet_imports(import_time_only=False):  # diffusers' notices that never concern a user (third_party)
+        pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
             component.to(options.device)
