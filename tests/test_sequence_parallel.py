@@ -240,3 +240,70 @@ def test_every_ranks_rows_through_an_fp8_linear_give_the_one_rank_bits(size):
             _, rows, _ = SequenceParallel(None, position, size).shard(torch.empty(0), x, rotary)
             parts.append(lin(rows))
         assert torch.equal(torch.cat(parts)[:length], lin(x)), length
+
+
+# --- the transformer alone: other head counts, the separately normalised text key, W8A8 and W8A16
+
+LATENTS = {"45 tokens, 3 frames": (3, 10, 6), "22 tokens": (1, 4, 22), "12 tokens": (1, 6, 8)}
+MODELS = {  # the demo's transformer with other heads, and with use_und_k_norm_for_gen
+    "8 heads, 4 kv": dict(num_attention_heads=8, num_key_value_heads=4),
+    "k norm for gen": dict(qk_norm_for_text=False, use_und_k_norm_for_gen=True),
+}
+
+
+def _transformer_outputs(rank: int, world: int, paths: dict, degree: int) -> dict:
+    """Each model's vision prediction per latent and mode, the transformer run through its one
+    subclass of ours with a sequence group of ``degree`` (1: none)."""
+    from fsdp_fp8 import Float8StaticLinear, install_step_policy, load_model, share_quantized_inputs
+    from fsdp_fp8.interop.cosmos import latent_shape, pack_inputs
+    from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+    from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
+    from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+
+    out = {}
+    for name, path in paths.items():
+        model = load_model(None, path, device=torch.device("cpu")).model
+        share_quantized_inputs(model)
+        sequence = None
+        if degree > 1:
+            sequence = sequence_group(ParallelLayout(rank, world, sequence_parallel=degree).sequence_groups(), rank)
+            install_sequence_parallel(model, sequence)
+        attach_pipeline_state(model, PipelineState(install_step_policy(model, None), sequence=sequence))
+        for mode in ("native", "a16"):
+            for m in model.modules():
+                if isinstance(m, Float8StaticLinear):
+                    m.mode = mode
+            for label, latent in LATENTS.items():
+                g = torch.Generator().manual_seed(len(label))
+                ids = torch.randint(0, model.config.vocab_size, (7,), generator=g)
+                x = torch.randn(latent_shape(model.config, *latent), generator=g).to(torch.bfloat16)
+                with torch.no_grad():
+                    out[(name, mode, label)] = model(**pack_inputs(model.config, ids, x, 500.0))[0][0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def transformers(tmp_path_factory):
+    from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG
+    from fsdp_fp8.testing.cosmos3_checkpoint import write_cosmos3_checkpoint
+
+    paths = {}
+    for name, changes in MODELS.items():
+        config = {**TRANSFORMER_CONFIG, "vocab_size": 256, **changes}
+        paths[name] = str(write_cosmos3_checkpoint(tmp_path_factory.mktemp(name.replace(" ", "-")), config))
+    return {
+        1: _transformer_outputs(0, 1, paths, 1),
+        2: run_ranks(_transformer_outputs, 2, paths, 2, timeout=600),
+        4: run_ranks(_transformer_outputs, 4, paths, 4, timeout=600),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_transformer_split_over_a_sequence_group_gives_the_one_rank_bits(transformers, world):
+    """Both modes, three sizes (uneven rows, fewer than 16 per rank), 8 query / 4 key-value heads
+    and a text key normalised apart for the generation pathway (``k_norm_und_for_gen``)."""
+    one = transformers[1]
+    for rank, got in enumerate(transformers[world]):
+        assert got.keys() == one.keys()
+        differ = sorted(key for key in one if not torch.equal(got[key], one[key]))
+        assert differ == [], (rank, differ)
