@@ -1,104 +1,159 @@
-"""Sequence parallelism against one rank: wall time per denoising step, on CPU, the demo Cosmos 3
-pipeline at a size where attention dominates the step.
+"""Sequence (Ulysses) parallelism against one rank: wall time of one transformer pass per rank.
 
-The one-rank run is a world of 1 (the whole step on one process); the other is 2 gloo ranks with
-``sequence_parallel=2`` (each rank half of the generation tokens' linears and half of the heads'
-attention, the FP8 weights sharded over both). One thread per rank, so on a 2-core machine each
-rank has a core of its own, as each rank has a GPU. Steps 1.. are timed (median of rank 0's
-per-step times, after a warm-up step); the runs alternate ``--rounds`` times and the ratio of each
-pair is printed with the median; the final latents are compared too.
+A random-weight Cosmos 3 transformer (``fsdp_fp8.testing.cosmos3_checkpoint``; 2 layers, hidden
+256, 8 query and 2 key/value heads of 64) exported to static FP8 and loaded by ``load_model``, one
+pass (one forward: one CFG pass of one denoising step) over a long generation sequence, where
+attention is most of the work. Three ways, one thread per rank, gloo on CPU:
 
-    python bench/sequence_parallel.py [--height 288 --width 288 --frames 9 --steps 4 --rounds 3]
+- ``1 rank``: one process, no process group: the reference;
+- ``2 ranks, whole``: FSDP2 over 2 ranks, each computing the whole pass (today without SP);
+- ``2 ranks, SP 2``: FSDP2 over 2 ranks, the generation rows split (``interop/sequence_parallel``),
+  through the transformer's one subclass of ours as ``load_pipeline`` sets it up.
+
+A denoising step is two such passes (classifier-free guidance) and the scheduler's update: the
+pass is what sequence parallelism splits.
+
+Each round starts fresh processes for the three ways in turn (interleaved, so a machine whose
+load changes affects all three alike); a round times ``--passes`` passes after a warm-up, with
+every rank starting each pass together. Printed: the median per way and rank over all rounds,
+the ratios to one rank, whether every way's output has the same bytes, and the load average.
+
+    python bench/sequence_parallel.py [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import default_cache
+
+CONFIG = dict(
+    head_dim=64,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    latent_channel=4,
+    latent_patch_size=2,
+    patch_latent_dim=16,
+    rope_axes_dim=[16, 8, 8],
+    enable_fps_modulation=False,
+    vocab_size=1024,
+)
+TEXT_TOKENS = 64
+WAYS = {"1 rank": (1, 1), "2 ranks, whole": (2, 1), "2 ranks, SP 2": (2, 2)}  # way -> (world, SP degree)
 
 
-def _rank(rank: int, world: int, store: str, args, queue) -> None:
+def checkpoint() -> Path:
+    """The FP8 export of CONFIG, written once into the bench cache."""
+    from fsdp_fp8.testing.cosmos3_checkpoint import write_cosmos3_checkpoint
+
+    cache = default_cache()
+    path = cache / f"cosmos3-sp-{hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:12]}"
+    if not (path / "config.json").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            write_cosmos3_checkpoint(Path(tmp) / "ckpt", CONFIG)
+            os.replace(Path(tmp) / "ckpt", path)  # whole or absent
+    return path
+
+
+def _inputs(config, args) -> dict:
+    from fsdp_fp8.interop.cosmos import latent_shape, pack_inputs
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (TEXT_TOKENS,), generator=g)
+    latent = torch.randn(latent_shape(config, args.frames, args.height, args.width), generator=g).bfloat16()
+    return pack_inputs(config, ids, latent, timestep=500.0)
+
+
+@torch.no_grad()
+def _rank(rank: int, world: int, sp_degree: int, store: str, args, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from fsdp_fp8 import load_pipeline
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from fsdp_fp8 import Float8StaticLinear, install_step_policy, load_model, share_quantized_inputs
+    from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+    from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
+    from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 
-    pipe = load_pipeline(args.root, device=torch.device("cpu"), sequence_parallel=world)
-    pipe.set_progress_bar_config(disable=True)
-    stamps = []
-
-    def on_step(_pipe, _i, _t, _kwargs):
-        stamps.append(time.perf_counter())
-        return {}
-
-    dist.barrier()
-    result = pipe(
-        "a red fox",
-        num_frames=args.frames,
-        height=args.height,
-        width=args.width,
-        num_inference_steps=args.steps,
-        guidance_scale=3.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-        callback_on_step_end=on_step,
-    )
-    steps = [b - a for a, b in zip(stamps, stamps[1:])]  # steps 1 .. n-1
-    digest = hashlib.sha256(result.video.float().contiguous().numpy().tobytes()).hexdigest()
-    _, _, frames, height, width = result.video.shape
-    tokens = frames * (height // 2) * (width // 2)  # the demo transformer's patch is 2
-    queue.put((rank, statistics.median(steps), digest, tokens))
-    dist.destroy_process_group()
+    model = load_model(None, args.checkpoint, device=torch.device("cpu")).model
+    share_quantized_inputs(model)
+    for m in model.modules():
+        if isinstance(m, Float8StaticLinear):
+            m.mode = args.mode
+    sequence = None
+    if sp_degree > 1:
+        sequence = sequence_group(ParallelLayout(rank, world, sequence_parallel=sp_degree).sequence_groups(), rank)
+        install_sequence_parallel(model, sequence)
+    attach_pipeline_state(model, PipelineState(install_step_policy(model, None), sequence=sequence))
+    inputs = _inputs(model.config, args)
+    out = model(**inputs)[0][0]  # warm-up
+    seconds = []
+    for _ in range(args.passes):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        model(**inputs)
+        seconds.append(time.perf_counter() - t0)
+    digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    queue.put((rank, seconds, digest))
+    if world > 1:
+        dist.destroy_process_group()
 
 
-def run(world: int, args) -> tuple[float, str, int]:
-    """(rank 0's median seconds per step, the latent's digest, the generation tokens) of one run
-    on ``world`` ranks."""
+def run_way(world: int, sp_degree: int, args) -> dict[int, tuple[list[float], str]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, args, queue)) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, sp_degree, store, args, queue)) for r in range(world)]
         for proc in procs:
             proc.start()
-        results = sorted(queue.get(timeout=3600) for _ in procs)
+        results = {}
+        for _ in procs:
+            rank, seconds, digest = queue.get(timeout=3600)
+            results[rank] = (seconds, digest)
         for proc in procs:
             proc.join(timeout=60)
-    assert len({digest for _, _, digest, _ in results}) == 1, results
-    return results[0][1:]
+    return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--height", type=int, default=288)
-    p.add_argument("--width", type=int, default=288)
-    p.add_argument("--frames", type=int, default=9)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--frames", type=int, default=4)
+    p.add_argument("--height", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--mode", choices=("native", "a16"), default="native", help="W8A8 (native) or W8A16")
     args = p.parse_args()
-    from fsdp_fp8.cli.demo import demo_checkpoint
-
-    args.root = str(demo_checkpoint())
-    pairs, digests, loads = [], set(), []
+    args.checkpoint = str(checkpoint())
+    times: dict[tuple[str, int], list[float]] = {}
+    digests: set[str] = set()
     for _ in range(args.rounds):
-        one, d1, tokens = run(1, args)
-        two, d2, _ = run(2, args)
-        pairs.append((one, two))
-        digests |= {d1, d2}
-        loads.append(os.getloadavg()[0])
-    print(f"{args.height}x{args.width}, {args.frames} frames ({tokens} generation tokens), {args.steps} steps")
-    for one, two in pairs:
-        print(f"  1 rank {one * 1000:8.1f} ms/step   SP 2 {two * 1000:8.1f} ms/step   ratio {two / one:.2f}")
-    ratio = statistics.median(two / one for one, two in pairs)
-    print(f"median ratio {ratio:.2f} (target <= 0.6); latents identical: {len(digests) == 1}")
-    print(f"load average after each round: {', '.join(f'{x:.2f}' for x in loads)}")
+        for way, (world, sp_degree) in WAYS.items():
+            for rank, (seconds, digest) in run_way(world, sp_degree, args).items():
+                times.setdefault((way, rank), []).extend(seconds)
+                digests.add(digest)
+    tokens = args.frames * (args.height // 2) * (args.width // 2)
+    print(f"{tokens} generation + {TEXT_TOKENS} text tokens, {args.mode}, {args.rounds} rounds x {args.passes} passes")
+    one = statistics.median(times["1 rank", 0])
+    for (way, rank), samples in times.items():
+        median = statistics.median(samples)
+        print(f"{way:<16} rank {rank}  {median * 1000:8.1f} ms/pass   vs 1 rank {median / one:.2f}")
+    print(f"outputs identical: {len(digests) == 1}   load average: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
