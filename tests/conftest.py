@@ -24,3 +24,27 @@ def pytest_timeout_set_timer(item, settings):
 
 def pytest_report_header(config):
     return f"slowdown factor for hang guards and timed bounds: {calibration.slowdown():.2f} (tests/calibration.py)"
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """One ``FSDP_FP8_CACHE`` for the whole run, its demo pipeline built once and shared by the
+    xdist workers (their base directories have one parent; ``build_once`` locks the build, as
+    for concurrent launchers). Read it, never change it: a test that edits a pipeline copies it."""
+    import os
+
+    pytest.importorskip("diffusers")
+    from fsdp_fp8.cli.demo import demo_checkpoint
+
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared-demo-cache"
+    demo_checkpoint(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def demo_root(demo_cache):
+    """The shared demo pipeline's root directory (``demo_cache``)."""
+    from fsdp_fp8.cli.demo import demo_checkpoint
+
+    return demo_checkpoint(demo_cache)

@@ -109,10 +109,8 @@ def _observe(rank: int, world: int, demo_root: str, fixture_root: str, prompts_f
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    from fsdp_fp8.cli.demo import build_demo_pipeline
-
-    demo = build_demo_pipeline(tmp_path_factory.mktemp("demo") / "root")
+def roots(tmp_path_factory, demo_root):
+    demo = demo_root
     fixture = tmp_path_factory.mktemp("fixture") / "root"
     shutil.copytree(demo, fixture, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
     with_policy(FIXTURE, fixture / "transformer")

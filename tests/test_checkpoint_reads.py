@@ -156,7 +156,7 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
     assert cli.main(["inspect", str(FIXTURE), "--world-size", "3"]) == 0
     out = capsys.readouterr().out
     assert "producer:        modelopt 0.47.0" in out and "FP8 linears:     14" in out
-    assert "rank 2: reads" in out and "step policy:     absent" in out
+    assert "rank 2: reads" in out and "step policy:     none (every denoising step W8A8)" in out
     assert cli.main(["verify", "--sha256", str(FIXTURE)]) == 0
     out = capsys.readouterr().out
     assert "model-00003-of-00005.safetensors" in out and out.startswith("OK:")

@@ -231,14 +231,6 @@ def test_verify_and_inspect_wording(checkpoints, capsys):
 # --- inspect: configs it divides by, a world size it can list, a user's words ------------------
 
 
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory) -> Path:
-    pytest.importorskip("diffusers")
-    from fsdp_fp8.cli.demo import build_demo_pipeline
-
-    return build_demo_pipeline(tmp_path_factory.mktemp("demo") / "root")
-
-
 def _edited(root: Path, to: Path, config: str, key: str, value) -> Path:
     import json
     import shutil
@@ -310,3 +302,22 @@ def test_inspect_speaks_in_a_users_words(demo_root, capsys):
     activations = next(line for line in out.splitlines() if line.strip().startswith("activations"))
     widest = activations.split("widest: ")[1].split(" ")[0]
     assert activations.count(widest) == 1, activations
+
+
+def test_the_launchers_status_is_the_first_failed_ranks_own():
+    """Of ranks torch's agent saw fail within one (whole-second) stamp, the one a signal ended
+    (killed) came first, not the peer that exited 1 on seeing it go; otherwise the earliest."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from fsdp_fp8.cli.spawn import _exit_status, first_failure
+
+    def failed(rank: int, code: int, stamp: int) -> ProcessFailure:
+        failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="")
+        failure.timestamp = stamp
+        return failure
+
+    same_second = {0: failed(0, 1, 7), 1: failed(1, -9, 7)}
+    assert _exit_status(first_failure(same_second).exitcode) == 137
+    earlier = {0: failed(0, 1, 6), 1: failed(1, -9, 7)}
+    assert _exit_status(first_failure(earlier).exitcode) == 1
+    assert first_failure({0: failed(0, 2, 7), 1: failed(1, 1, 7)}).local_rank == 0

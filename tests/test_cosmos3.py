@@ -209,10 +209,8 @@ def _observe(rank: int, world: int, policy_dir: str, pipeline_root: str, report_
 
 
 @pytest.fixture(scope="module")
-def pipeline_root(tmp_path_factory):
-    from fsdp_fp8.cli.demo import build_demo_pipeline
-
-    return build_demo_pipeline(tmp_path_factory.mktemp("pipeline") / "root")
+def pipeline_root(demo_root):
+    return demo_root
 
 
 @pytest.fixture(scope="module")

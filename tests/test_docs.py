@@ -347,7 +347,7 @@ def _fill(block_id: str, code: str, ckpt: str, pipeline: str, out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def snippets_under_torchrun(tmp_path_factory):
+def snippets_under_torchrun(tmp_path_factory, demo_cache):
     import json
     import os
     import subprocess
@@ -360,11 +360,11 @@ def snippets_under_torchrun(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("snippets")
     ckpt = str(write_mot_checkpoint(tmp / "ckpt"))
-    pipeline = str(demo_checkpoint(tmp / "cache"))
+    pipeline = str(demo_checkpoint(demo_cache))  # the run's shared demo, built once
     blocks = [{"id": i, **_fill(i, code, ckpt, pipeline, str(tmp))} for i, code in _doc_blocks()]
     (tmp / "blocks.json").write_text(json.dumps(blocks))
     (tmp / "runner.py").write_text(_RUNNER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(tmp / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(demo_cache)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     seen: list[dict] = [{}, {}]

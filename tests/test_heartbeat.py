@@ -20,8 +20,9 @@ INTERVAL_S = 0.25
 
 
 def _stall_s() -> float:
-    # Short for the test, scaled with the machine: a starved heartbeat thread is no stall.
-    return bound(3.0)
+    # Short for the test (the stopped-rank tests last it), scaled with the machine: a starved
+    # heartbeat thread is no stall.
+    return bound(1.5)
 
 
 def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow_s: float = 0.0):
@@ -72,6 +73,32 @@ def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
         while _alive(pids[1]):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # not reached: the handler raises
+    return "finished"
+
+
+def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
+    """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
+    leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
+    word as it left (sooner than rank 0's next look: a long ``interval_s``)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_fp8.cli import interrupts
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    interrupts.install()
+    with watch_peers(stall_s=bound(30.0), interval_s=interval_s):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
+        if rank == 0:
+            while _alive(pids[1]):
+                time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
         time.sleep(60)  # not reached: the handler raises
     return "finished"
 
@@ -145,12 +172,26 @@ def test_a_rank_stopped_after_a_peer_died_names_the_peer(monkeypatch):
     assert "this rank was then stopped by SIGTERM" in message, message
 
 
+def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
+    """Ctrl-C under torchrun: a rank that meets the signal after its peer already left must not
+    report the peer as lost (it was, once, named: "rank 1 ... ended ...: its process is gone")."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_both_stopped_one_after_the_other, 2, bound(2.5), 2.0, timeout=300)
+    message = str(info.value)
+    assert "rank 0 raised:" in message and "rank 1 raised:" in message, message
+    assert message.count("Interrupted: stopped by SIGINT") == 2, message
+    assert "PeerLostError" not in message and "its process is gone" not in message, message
+
+
 def test_a_slow_peer_or_one_that_left_early_is_not_named():
     stall_s = _stall_s()
-    # Rank 1 sleeps 2 stall_s inside the block: between two collectives, then after the last
+    # Rank 1 sleeps 1.5 stall_s inside the block: between two collectives, then after the last
     # one, when rank 0 has left the block (and stopped beating).
-    assert run_ranks(_generate, 2, 1, "slow", stall_s, 2 * stall_s, timeout=300) == ["finished"] * 2
-    assert run_ranks(_generate, 2, 1, "early", stall_s, 2 * stall_s, timeout=300) == ["finished"] * 2
+    assert run_ranks(_generate, 2, 1, "slow", stall_s, 1.5 * stall_s, timeout=300) == ["finished"] * 2
+    assert run_ranks(_generate, 2, 1, "early", stall_s, 1.5 * stall_s, timeout=300) == ["finished"] * 2
 
 
 def test_an_error_of_a_rank_s_own_is_raised_unchanged():

@@ -28,8 +28,8 @@ def _run(tmp_path, cache, *args, nproc=None, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("demo-cache")
+def cache(demo_cache):
+    return demo_cache
 
 
 def test_two_ranks_give_the_single_process_outputs_prompt_by_prompt(tmp_path, cache):

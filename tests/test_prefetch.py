@@ -121,10 +121,14 @@ def test_inspect_reports_the_prefetch_budget_and_each_ranks_share(checkpoint_dir
     inspect = ["inspect", str(checkpoint_dir), "--world-size", "3"]
     assert cli.main([*inspect, "--prefetch-bytes", str(SMALL_BUDGET)]) == 0
     out = capsys.readouterr().out
-    assert f"prefetch: page-cache hints during the set-up, budget {SMALL_BUDGET:,} bytes" in out
+    words = " ".join(out.split())  # the report wraps its long lines
+    assert (
+        f"prefetch: page-cache hints during the set-up, at most {SMALL_BUDGET:,} bytes (0.05 MiB) per rank (the budget)"
+        in words
+    )
     assert out.count(f"prefetch {SMALL_BUDGET:,} bytes") == 3  # every rank reads more than the budget
     assert cli.main([*inspect, "--prefetch-bytes", "0"]) == 0
     assert capsys.readouterr().out.count("prefetch 0 bytes") == 3
     assert cli.main(inspect) == 0  # the default: ALL_ROWS
     out = capsys.readouterr().out
-    assert "budget every row a rank reads" in out and "prefetch 0 bytes" not in out
+    assert "per rank (every row it reads)" in " ".join(out.split()) and "prefetch 0 bytes" not in out

@@ -147,16 +147,15 @@ def test_leaving_the_with_block_closes_also_on_an_error(tmp_path):
         loaded.model(torch.randn(1, 16, dtype=torch.bfloat16))
 
 
-def test_a_pipeline_lets_its_transformer_go_while_it_still_holds_it(tmp_path):
+def test_a_pipeline_lets_its_transformer_go_while_it_still_holds_it(demo_root):
     """``loaded_of(pipe).close()``: the transformer's bytes go although ``pipe.transformer`` still
     references it; the components diffusers loaded are the pipeline's and stay as they are."""
     pytest.importorskip("diffusers")
     from fsdp_fp8 import ModelUnusableError, denoising_step, load_pipeline, loaded_of
-    from fsdp_fp8.cli.demo import build_demo_pipeline
     from fsdp_fp8.collective.unusable import storage_tensors
     from fsdp_fp8.interop.cosmos import seeded_inputs
 
-    pipe = load_pipeline(build_demo_pipeline(tmp_path / "root"), device=torch.device("cpu"))
+    pipe = load_pipeline(demo_root, device=torch.device("cpu"))
     model = pipe.transformer
     inputs = seeded_inputs(model.config, torch.bfloat16, torch.Generator().manual_seed(0))
 

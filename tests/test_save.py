@@ -71,14 +71,12 @@ def _load_and_save(rank, world, sources: dict[str, str], out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    from fsdp_fp8.cli.demo import demo_checkpoint
-
+def sources(tmp_path_factory, demo_root):
     root = tmp_path_factory.mktemp("sources")
     # The demo is a diffusers pipeline: its FP8 transformer is what is loaded and saved.
     return {
         "kv": str(KV_FIXTURE),
-        "demo": str(demo_checkpoint(root / "cache") / "transformer"),
+        "demo": str(demo_root / "transformer"),
         "uneven": str(write_uneven_checkpoint(root / "uneven")),
     }
 

@@ -109,3 +109,31 @@ def test_a_failing_exit_code_aborts_and_still_runs_atexit():
     assert "destroy_process_group called" not in output, output
     for rank in range(2):
         assert f"rank {rank} atexit ran" in proc.stdout, output
+
+
+_LATE_SIGNAL = """
+import atexit, os, signal, sys, time
+from fsdp_fp8.cli import commands, runner
+
+def outcome(args):
+    print("error: the rank's one line", file=sys.stderr, flush=True)
+    return 1
+
+def torchrun_stops_the_ranks():  # as torchrun does once another rank has failed
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+
+runner.execute = outcome
+atexit.register(torchrun_stops_the_ranks)
+sys.exit(commands.main(["run", "--steps", "1"]))
+"""
+
+
+def test_a_signal_after_the_outcome_is_printed_adds_nothing(tmp_path):
+    """torchrun's SIGTERM reaching a rank in its exit's clean-up (``atexit``), after the rank
+    printed its one line: the exit code stays the rank's, and no traceback follows the line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _LATE_SIGNAL], capture_output=True, text=True, timeout=bound(60), env=env, cwd=tmp_path
+    )
+    assert (proc.returncode, proc.stderr) == (1, "error: the rank's one line\n"), proc.stderr

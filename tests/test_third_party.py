@@ -61,11 +61,8 @@ def test_a_snippet_calling_load_model_under_torchrun_prints_only_its_own_lines(t
     assert proc.stderr.splitlines() == ["Failed to load: the user's own message"], proc.stderr[-3000:]
 
 
-def test_a_snippet_calling_load_pipeline_prints_only_its_own_lines_and_diffusers_progress_bar(tmp_path):
-    pytest.importorskip("diffusers")
-    from fsdp_fp8.cli.demo import build_demo_pipeline
-
-    root = build_demo_pipeline(tmp_path / "demo")
+def test_a_snippet_calling_load_pipeline_prints_only_its_own_lines_and_diffusers_progress_bar(tmp_path, demo_root):
+    root = demo_root
     snippet = tmp_path / "snippet.py"
     snippet.write_text(SNIPPET)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -172,6 +172,7 @@ def _run(argv: list[str], prog: str) -> int:
     except BaseException:
         shutdown_distributed(failed=True)  # abort, not destroy; keep the traceback and exit status
         raise
+    interrupts.ignore()  # the outcome is printed: a signal now would only add a traceback
     shutdown_distributed(code)
     return code  # not reached
 

@@ -43,6 +43,14 @@ def install() -> None:
         signal.signal(s, _raise)
 
 
+def ignore() -> None:
+    """Once a rank's outcome is printed and its exit code decided: torchrun's SIGTERM (sent to
+    every rank once one has failed) must not interrupt the exit's clean-up (``atexit``
+    handlers, the process group's abort) with a second message and a traceback."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 def wait_for_rank_0() -> bool:
     """What a rank other than 0 does before it exits on an error that rank 0 prints (a usage error,
     an agreed load failure): torchrun stops every rank once one exits, so a rank that exits first

@@ -27,6 +27,15 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code or 1
 
 
+def first_failure(failures: dict) -> object:
+    """The failure that came first: the earliest timestamp; among failures the agent saw within
+    the same second (its stamps are whole seconds), a rank ended by a signal (a negative exit
+    code: killed, crashed) before one that exited on its own, which usually did so because it
+    saw that peer go; then the lowest rank."""
+    rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode >= 0, r))
+    return failures[rank]
+
+
 def _quiet_agent() -> None:
     """Each of the agent's modules sets its own logger's level: set every one, not only the parents."""
     names = [n for n in logging.root.manager.loggerDict if n.startswith(AGENT_LOGGERS)]
@@ -55,8 +64,7 @@ def launch_ranks(nproc: int, run_argv: list[str]) -> int:
     try:
         torchrun.run(config)
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
-        return _exit_status(failure.exitcode)
+        return _exit_status(first_failure(exc.failures).exitcode)
     except SignalException as exc:  # this process was sent SIGINT / SIGTERM; the ranks said so
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:

@@ -198,11 +198,44 @@ def activation_terms(
     generation rows (``rows``: ``parallel_layout.sequence_rows``) beside the whole text; the packed
     sequence, its rotary tables and the time embedding stay whole (built before the split), and
     the attention adds the all-to-alls' buffers (``sequence_terms``)."""
+    tokens = text + vision
+    sp = sequence_parallel
+    rows = vision if sp == 1 else sequence_rows(vision, sp)
+    phases = _activation_phases(shape, text, vision, rows, fp8_time_embedder, sp)
+    e = shape.dtype_bytes
+    rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
+    positions = 3 * tokens * 8 + tokens * 8 * 2  # mRoPE ids and the sequence indexes (int64)
+    widest = max(phases, key=phases.get)
+    terms = [
+        Term(
+            "activations",
+            phases[widest] + rope + positions,
+            detail=f"{tokens} tokens{f', {rows} generation rows on this rank' if sp > 1 else ''}; "
+            f"widest: {widest} {_gib(phases[widest])} (then "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items() if k != widest)
+            + ")",
+        )
+    ]
+    latent = vision * shape.patch**2 * shape.latent_channels
+    terms.append(
+        Term(
+            "latents and scheduler",
+            latent * (4 * (3 + SOLVER_HISTORY) + e),
+            detail="float32 latents, both predictions, solver history",
+        )
+    )
+    if cfg_parallel:
+        terms.append(Term("CFG-parallel exchange", 3 * latent * e, detail="all-gather of both predictions, one held"))
+    return terms
+
+
+def _activation_phases(
+    shape: TransformerShape, text: int, vision: int, rows: int, fp8_time_embedder: bool, sp: int
+) -> dict[str, int]:
+    """Bytes live at the widest moment of each phase of one forward (``activation_terms``)."""
     e, h, inter = shape.dtype_bytes, shape.hidden, shape.intermediate
     tokens = text + vision
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    sp = sequence_parallel
-    rows = vision if sp == 1 else sequence_rows(vision, sp)
     local = text + rows  # the rows a decoder layer of this rank runs
     quant = 8  # float32 temporaries of one activation quantization, per element
     # Time embedding of every vision token (Timesteps(256) -> TimestepEmbedding in float32),
@@ -227,8 +260,6 @@ def activation_terms(
     # MLP of the generation tower: layer inputs and residuals of both towers, the normed input
     # and its codes, then silu(gate) * up and down_proj's input quantization.
     mlp = 3 * local * h * e + rows * h * (e + 1) + rows * inter * max(3 * e, e + quant)
-    rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
-    positions = 3 * tokens * 8 + tokens * 8 * 2  # mRoPE ids and the sequence indexes (int64)
     phases = {"time embedding": time, "attention": attention, "MLP": mlp}
     if sp > 1:
         held = tokens * h * e  # the packed sequence the forward holds while its stack runs on slices
@@ -236,28 +267,7 @@ def activation_terms(
         phases["MLP"] += held
         # after the stack: every rank's rows gathered, then the whole sequence concatenated
         phases["gather"] = held + sp * rows * h * e + tokens * h * e
-    widest = max(phases, key=phases.get)
-    terms = [
-        Term(
-            "activations",
-            phases[widest] + rope + positions,
-            detail=f"{tokens} tokens{f', {rows} generation rows on this rank' if sp > 1 else ''}; "
-            f"widest: {widest} {_gib(phases[widest])} (then "
-            + ", ".join(f"{k} {_gib(v)}" for k, v in phases.items() if k != widest)
-            + ")",
-        )
-    ]
-    latent = vision * shape.patch**2 * shape.latent_channels
-    terms.append(
-        Term(
-            "latents and scheduler",
-            latent * (4 * (3 + SOLVER_HISTORY) + e),
-            detail="float32 latents, both predictions, solver history",
-        )
-    )
-    if cfg_parallel:
-        terms.append(Term("CFG-parallel exchange", 3 * latent * e, detail="all-gather of both predictions, one held"))
-    return terms
+    return phases
 
 
 def sequence_terms(shape: TransformerShape, text: int, vision: int, rows: int, sp: int) -> int:

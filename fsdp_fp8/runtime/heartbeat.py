@@ -41,6 +41,8 @@ from fsdp_fp8.errors import PeerLostError
 
 DEFAULT_STALL_S = 30.0  # no beat for this long: the peer is named
 DEFAULT_INTERVAL_S = 1.0  # how often each rank beats and looks at the others
+# After a signal, how many intervals a gone peer has to show its last word before it is named.
+SIGNAL_WORD_BEATS = 3
 EXIT_CODE = 1
 _PREFIX = "fsdp_fp8/heartbeat"
 _watches = itertools.count()  # every rank enters its watches in the same order
@@ -146,6 +148,29 @@ class _Watch:
                 return f"rank {peer} ({self.who[peer]}) ended {self.what}: its process is gone"
         return None
 
+    def gone_after_signal(self) -> str | None:
+        """After this rank got SIGINT / SIGTERM: a peer whose process ended without its last word.
+        A Ctrl-C reaches every rank, and a rank stopped by it says "done" as it leaves: a peer
+        gone before this rank looked is then no news. So this rank stops beating first (its own
+        last word tells its peers the same), then reads its gone peers' keys for up to
+        ``SIGNAL_WORD_BEATS`` intervals; one still without a "done" (killed outright) is named."""
+        self.stop.set()
+        self.beater.join(timeout=min(self.stall_s, 5 * self.interval_s))
+        deadline = time.monotonic() + SIGNAL_WORD_BEATS * self.interval_s
+        while (verdict := self.gone()) is not None and time.monotonic() < deadline:
+            time.sleep(min(self.interval_s, 0.1))
+            self._read_last_words()
+        return verdict
+
+    def _read_last_words(self) -> None:
+        """Mark the peers whose key now says "done" (read from this thread: the beat has stopped)."""
+        for peer in [p for p in self.seen if p not in self.done]:
+            key = f"{self.prefix}/{peer}"
+            with contextlib.suppress(Exception):
+                if self.store.check([key]) and self.store.get(key).decode().startswith("done"):
+                    with self.lock:
+                        self.done.add(peer)
+
     def _judge(self) -> None:
         while not self.stop.wait(self.interval_s):
             verdict = self._stalled()
@@ -199,7 +224,7 @@ class _Watch:
         one has died), only what is certain at once: a peer whose process is gone. A signal while
         waiting is re-raised unless a peer is gone."""
         if not isinstance(exc, Exception):
-            return self.gone()
+            return self.gone_after_signal()
         try:
             return self.wait_for_verdict()
         except BaseException:
