@@ -103,8 +103,9 @@ def test_forecast_is_within_15_percent_of_the_measured_peak_at_two_sizes(measure
     for row in rows:
         error = row["forecast"] / row["measured"] - 1
         assert abs(error) <= TOLERANCE, f"{error:+.1%}\n" + "\n".join(row["terms"])
-    # the larger size really is dominated by activations, not weights
-    assert rows[-1]["measured"] > 5 * rows[0]["measured"]
+    # the larger size really is dominated by activations, not weights: 2.85x the tokens, about
+    # 2.9x the peak (a peak of weights would barely grow)
+    assert rows[-1]["measured"] > 2.5 * rows[0]["measured"]
 
 
 def test_a_sequence_groups_decoder_stack_holds_less_than_one_ranks(measured):
