@@ -51,36 +51,10 @@ def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow
     return "finished"
 
 
-def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
-    """Rank 1 dies between two collectives; rank 0, inside no collective, is then sent SIGTERM,
-    as torchrun sends it to the other ranks once one has died."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from fsdp_fp8.cli import interrupts
-    from fsdp_fp8.runtime.heartbeat import watch_peers
-
-    pids = [None, None]
-    dist.all_gather_object(pids, os.getpid())
-    interrupts.install()
-    with watch_peers(stall_s=bound(30.0), interval_s=INTERVAL_S):
-        dist.all_reduce(torch.ones(1))
-        time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
-        if rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        while _alive(pids[1]):
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)  # not reached: the handler raises
-    return "finished"
-
-
-def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
-    """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
-    leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
-    word as it left (sooner than rank 0's next look: a long ``interval_s``)."""
+def _signalled_while_watched(rank: int, settle_s: float, interval_s: float, kill_rank_1: bool, signum: int):
+    """Both ranks in a watch with signal handlers installed (as the launcher's ranks are), past
+    their first beats; rank 1 first killed (SIGKILL) or sent ``signum``; rank 0 sent ``signum``
+    once rank 1's process is gone."""
     import time
 
     import torch
@@ -95,12 +69,26 @@ def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, in
     with watch_peers(stall_s=bound(30.0), interval_s=interval_s):
         dist.all_reduce(torch.ones(1))
         time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
-        if rank == 0:
-            while _alive(pids[1]):
-                time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL if kill_rank_1 else signum)
+        while _alive(pids[1]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
         time.sleep(60)  # not reached: the handler raises
     return "finished"
+
+
+def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
+    """Rank 1 dies between two collectives; rank 0, inside no collective, is then sent SIGTERM,
+    as torchrun sends it to the other ranks once one has died."""
+    return _signalled_while_watched(rank, settle_s, INTERVAL_S, True, signal.SIGTERM)
+
+
+def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
+    """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
+    leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
+    word as it left (sooner than rank 0's next look: a long ``interval_s``)."""
+    return _signalled_while_watched(rank, settle_s, interval_s, False, signal.SIGINT)
 
 
 def _alive(pid: int) -> bool:
