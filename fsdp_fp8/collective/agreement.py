@@ -145,15 +145,13 @@ INPUT_ERRORS = (ValueError, KeyError, OSError)
 
 @dataclass
 class Pending:
-    """What this rank brings to an ``agreement_before_changes``: its problems, the facts the ranks compare,
-    an optional value to share, and what to undo if any rank refuses."""
+    """What this rank brings to an ``agreement_before_changes``: its problems, the facts the ranks compare
+    and what to undo if any rank refuses."""
 
     problems: list[str] = field(default_factory=list)
     facts: dict[str, dict[str, str]] | None = None  # None: this rank has a problem (nothing to compare)
-    share: object = None
     cause: BaseException | None = None  # an unexpected exception, kept for its traceback
     undo: list[Callable[[BaseException], object]] = field(default_factory=list)
-    shared: list | None = None  # after the exit: every rank's ``share``, in rank order
 
     def on_refusal(self, fn: Callable[[BaseException], object]) -> None:
         """Run ``fn(error)`` on this rank if the agreement refuses (the error every rank raises)."""
@@ -176,13 +174,7 @@ class Pending:
 
 
 @contextlib.contextmanager
-def agreement_before_changes(
-    context: str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    *,
-    error: type[ProblemsError] = CheckpointError,
-    stage: str = "agreement before loading",
-) -> Iterator[Pending]:
+def agreement_before_changes(context: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Pending]:
     """Run the body on this rank alone; its exit is one ``agree_or_raise`` over what the body left
     in the ``Pending`` it yields. On a refusal (any rank's problem, facts that differ, a lost peer)
     every ``on_refusal`` function runs, last first, and every rank raises the same error."""
@@ -192,9 +184,7 @@ def agreement_before_changes(
     except Exception as exc:  # this rank's outcome: every rank learns it in the agreement below
         pending.refuse(exc)
     try:
-        pending.shared = agree_or_raise(
-            pending.problems, pending.facts, context, timeout_s, share=pending.share, error=error, stage=stage
-        )
+        agree_or_raise(pending.problems, pending.facts, context, timeout_s)
     except BaseException as exc:
         for undo in reversed(pending.undo):
             undo(exc)

@@ -69,11 +69,15 @@ class SequenceParallel:
         """Each rank's generation rows for a pass of ``length`` rows (``sequence_rows``)."""
         return sequence_rows(length, self.size)
 
-    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+    def _padded(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with zero rows appended up to every rank's chunk (``size * chunk`` rows)."""
         padded = self.size * self.chunk
-        if t.shape[0] < padded:
-            t = torch.cat([t, t.new_zeros((padded - t.shape[0], *t.shape[1:]))])
-        return t.narrow(0, self.position * self.chunk, self.chunk)
+        if t.shape[0] >= padded:
+            return t
+        return torch.cat([t, t.new_zeros((padded - t.shape[0], *t.shape[1:]))])
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        return self._padded(t).narrow(0, self.position * self.chunk, self.chunk)
 
     def shard(self, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple):
         """``_cp_shard_fn``: this rank's generation rows and their rotary tables; the text whole."""
@@ -104,10 +108,7 @@ class SequenceParallel:
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse: (length, heads / size, dim) -> (chunk, heads, dim) of this rank's rows."""
         _, share, dim = x.shape
-        padded = self.size * self.chunk
-        if x.shape[0] < padded:
-            x = torch.cat([x, x.new_zeros((padded - x.shape[0], share, dim))])
-        send = x.reshape(self.size, self.chunk, share, dim).contiguous()  # chunk j: rank j's rows
+        send = self._padded(x).reshape(self.size, self.chunk, share, dim).contiguous()  # chunk j: rank j's rows
         out = torch.empty_like(send)  # chunk i: this rank's rows, heads slice i
         self._all_to_all(out, send)
         return out.transpose(0, 1).reshape(self.chunk, self.size * share, dim)

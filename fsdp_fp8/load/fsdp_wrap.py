@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_fp8.collective import rank_and_world
@@ -261,8 +261,3 @@ def planned_position(mesh: DeviceMesh | None) -> tuple[int, int]:
         return mesh_position(mesh)
     rank, world = rank_and_world()
     return world, rank
-
-
-def offloads_to_cpu(offload_policy: OffloadPolicy | None) -> bool:
-    """Whether ``offload_policy`` keeps the sharded parameters in host memory."""
-    return isinstance(offload_policy, CPUOffloadPolicy)

@@ -92,19 +92,7 @@ class _Watch:
                 self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid} {self.namespace}")
                 beat += 1
                 for peer in list(self.seen):
-                    key = f"{self.prefix}/{peer}"
-                    if peer in self.done or not self.store.check([key]):
-                        continue
-                    value = self.store.get(key).decode()
-                    count, host, pid, namespace = (value.split(" ", 3) + [""])[:4]
-                    with self.lock:
-                        self.who[peer] = f"host {host}, pid {pid}"
-                        self.processes[peer] = (host, int(pid), namespace)
-                        if count == "done":
-                            self.done.add(peer)
-                        elif value != self.seen[peer][0]:
-                            self.seen[peer] = (value, time.monotonic())
-                            self.beats_seen[peer] += 1
+                    self._look(peer)
                 with self.lock:
                     self.store_ok = time.monotonic()
             except Exception:  # noqa: BLE001 - a store that fails is judged by store_ok's age
@@ -113,6 +101,22 @@ class _Watch:
         # The last word, from this thread: a beat can then never land after "done".
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}/{self.rank}", f"done {self.host} {self.pid} {self.namespace}")
+
+    def _look(self, peer: int) -> None:
+        """Read ``peer``'s latest beat (or its last word, "done") from the store and record it."""
+        key = f"{self.prefix}/{peer}"
+        if peer in self.done or not self.store.check([key]):
+            return
+        value = self.store.get(key).decode()
+        count, host, pid, namespace = (value.split(" ", 3) + [""])[:4]
+        with self.lock:
+            self.who[peer] = f"host {host}, pid {pid}"
+            self.processes[peer] = (host, int(pid), namespace)
+            if count == "done":
+                self.done.add(peer)
+            elif value != self.seen[peer][0]:
+                self.seen[peer] = (value, time.monotonic())
+                self.beats_seen[peer] += 1
 
     # --- the judge, on another thread: local state only, so a blocked store cannot block it ---
 
@@ -154,22 +158,14 @@ class _Watch:
         gone before this rank looked is then no news. So this rank stops beating first (its own
         last word tells its peers the same), then reads its gone peers' keys for up to
         ``SIGNAL_WORD_BEATS`` intervals; one still without a "done" (killed outright) is named."""
-        self.stop.set()
-        self.beater.join(timeout=min(self.stall_s, 5 * self.interval_s))
+        self.finish()
         deadline = time.monotonic() + SIGNAL_WORD_BEATS * self.interval_s
         while (verdict := self.gone()) is not None and time.monotonic() < deadline:
             time.sleep(min(self.interval_s, 0.1))
-            self._read_last_words()
+            for peer in list(self.seen):  # from this thread: the beat has stopped
+                with contextlib.suppress(Exception):
+                    self._look(peer)
         return verdict
-
-    def _read_last_words(self) -> None:
-        """Mark the peers whose key now says "done" (read from this thread: the beat has stopped)."""
-        for peer in [p for p in self.seen if p not in self.done]:
-            key = f"{self.prefix}/{peer}"
-            with contextlib.suppress(Exception):
-                if self.store.check([key]) and self.store.get(key).decode().startswith("done"):
-                    with self.lock:
-                        self.done.add(peer)
 
     def _judge(self) -> None:
         while not self.stop.wait(self.interval_s):

@@ -37,9 +37,9 @@ class Gpu:
     link_gb_s: float  # NVLink bandwidth per direction per GPU
 
 
-# NVIDIA's data sheets (SXM, dense, no sparsity): H100 and H200 share the compute; NVLink 4
-# carries 900 GB/s in both directions together, 450 GB/s each way.
-H100 = Gpu("H100 SXM", 1979.0, 989.0, 450.0)
+# NVIDIA's data sheets (SXM, dense, no sparsity): H100 and H200 share the compute (one figure
+# serves both; they differ in memory); NVLink 4 carries 900 GB/s in both directions together,
+# 450 GB/s each way.
 H200 = Gpu("H200 SXM", 1979.0, 989.0, 450.0)
 MFU = 0.5  # the fraction of peak a large GEMM or flash-attention kernel sustains (assumed)
 LINK_EFFICIENCY = 0.7  # of NVLink bandwidth an NCCL all-gather / all-to-all sustains (assumed)
