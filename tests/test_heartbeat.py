@@ -91,6 +91,30 @@ def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, in
     return _signalled_while_watched(rank, settle_s, interval_s, False, signal.SIGINT)
 
 
+def _agreed_error_after_the_peer_left(rank: int, world: int):
+    """Both ranks raise the same agreed error inside the watch (a bad checkpoint every rank read);
+    rank 0 leaves at once, as the rank that prints it does, and rank 1 raises it only once rank
+    0's process is gone. What each rank's watch lets through."""
+    import time
+
+    import torch.distributed as dist
+
+    from fsdp_fp8.errors import CheckpointError
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    try:
+        with watch_peers(stall_s=bound(30.0), interval_s=INTERVAL_S):
+            dist.barrier()  # each rank has seen the other's first beats
+            time.sleep(4 * INTERVAL_S)
+            while rank == 1 and _alive(pids[0]):
+                time.sleep(0.05)
+            raise CheckpointError(["model.safetensors: truncated"], "cannot load ckpt")
+    except Exception as exc:  # noqa: BLE001 - the test compares what came through
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -172,6 +196,14 @@ def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
     assert "rank 0 raised:" in message and "rank 1 raised:" in message, message
     assert message.count("Interrupted: stopped by SIGINT") == 2, message
     assert "PeerLostError" not in message and "its process is gone" not in message, message
+
+
+def test_an_agreed_error_is_not_blamed_on_a_peer_that_left_with_it():
+    """An agreed error (every rank found the same problems) is no lost peer's doing, even when the
+    peer that prints it has already exited; it was once reported by rank 1 as "rank 0 ... ended
+    during the model's load or run: its process is gone" under the launcher."""
+    expected = "CheckpointError: cannot load ckpt: 1 problem:\n  - model.safetensors: truncated"
+    assert run_ranks(_agreed_error_after_the_peer_left, 2, timeout=300) == [expected, expected]
 
 
 def test_a_slow_peer_or_one_that_left_early_is_not_named():

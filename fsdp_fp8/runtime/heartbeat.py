@@ -18,7 +18,8 @@ A rank blocked in a collective cannot raise, so the watcher prints the line and 
 process (``os._exit(1)``; torchrun then stops the others). When the collective raises first
 (a peer killed outright closes its connections), ``watch_peers`` waits up to twice that bound
 for the beats to say who is gone and raises ``PeerLostError`` naming it, chained to the
-backend's error. A rank that leaves the block normally says so, so a peer that is merely
+backend's error; an agreed ``ProblemsError`` passes unchanged at once (the peer that prints it
+may already have exited). A rank that leaves the block normally says so, so a peer that is merely
 ahead is never mistaken for a stalled one. If the store itself stops answering for
 ``stall_s``, that is named instead (the store's host is then the one to look at).
 """
@@ -37,7 +38,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from fsdp_fp8.errors import PeerLostError
+from fsdp_fp8.errors import PeerLostError, ProblemsError
 
 DEFAULT_STALL_S = 30.0  # no beat for this long: the peer is named
 DEFAULT_INTERVAL_S = 1.0  # how often each rank beats and looks at the others
@@ -293,6 +294,8 @@ def watch_peers(
     watch.start()
     try:
         yield
+    except ProblemsError:  # agreed, or found before any collective: no lost peer's doing, even
+        raise  # when the peer that prints it has already left (its process gone)
     except BaseException as exc:
         watch.handling.set()
         verdict = watch.verdict_after(exc)
