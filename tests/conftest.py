@@ -27,9 +27,9 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory):
-    """One ``FSDP_FP8_CACHE`` for the whole run, its demo pipeline built once and shared by the
-    xdist workers (their base directories have one parent; ``build_once`` locks the build, as
+def demo_root(tmp_path_factory):
+    """The demo pipeline's root, built once for the whole run in one ``FSDP_FP8_CACHE`` shared by
+    the xdist workers (their base directories have one parent; ``build_once`` locks the build, as
     for concurrent launchers). Read it, never change it: a test that edits a pipeline copies it."""
     import os
 
@@ -37,14 +37,10 @@ def demo_cache(tmp_path_factory):
     from fsdp_fp8.cli.demo import demo_checkpoint
 
     base = tmp_path_factory.getbasetemp()
-    cache = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared-demo-cache"
-    demo_checkpoint(cache)
-    return cache
+    return demo_checkpoint((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared-demo-cache")
 
 
 @pytest.fixture(scope="session")
-def demo_root(demo_cache):
-    """The shared demo pipeline's root directory (``demo_cache``)."""
-    from fsdp_fp8.cli.demo import demo_checkpoint
-
-    return demo_checkpoint(demo_cache)
+def demo_cache(demo_root):
+    """The ``FSDP_FP8_CACHE`` that holds ``demo_root`` (``<cache>/cosmos3-demo-<version>``)."""
+    return demo_root.parent

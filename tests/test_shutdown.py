@@ -132,11 +132,7 @@ sys.exit(commands.main(["run", "--steps", "1"]))
 def test_a_signal_after_the_outcome_is_printed_adds_nothing(tmp_path):
     """torchrun's SIGTERM reaching a rank in its exit's clean-up (``atexit``), after the rank
     printed its one line: the exit code stays the rank's, and no traceback follows the line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _LATE_SIGNAL], capture_output=True, text=True, timeout=bound(60), env=env, cwd=tmp_path
-    )
-    assert (proc.returncode, proc.stderr) == (1, "error: the rank's one line\n"), proc.stderr
+    assert _exit_and_stderr(_LATE_SIGNAL, tmp_path) == (1, "error: the rank's one line\n")
 
 
 _SIGNAL_WHILE_A_FAILED_RUN_IS_FREED = """
@@ -161,10 +157,14 @@ def test_a_signal_while_a_failed_run_is_freed_adds_nothing(tmp_path):
     """The real ``execute`` prints a failure's one line, then leaves the ``except`` clause, which
     frees the failed run's frames (weak references' callbacks, ``__del__``); torchrun's SIGTERM
     arriving then must not add an ``Exception ignored in`` traceback (seen once in CI)."""
+    expected = "error: rank 1 ended during the pipeline's load or generation\n"
+    assert _exit_and_stderr(_SIGNAL_WHILE_A_FAILED_RUN_IS_FREED, tmp_path) == (1, expected)
+
+
+def _exit_and_stderr(script: str, cwd: Path) -> tuple[int, str]:
+    """``script`` run as a launcher rank's process (``python -c``): its exit code and stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_WHILE_A_FAILED_RUN_IS_FREED],
-        capture_output=True, text=True, timeout=bound(60), env=env, cwd=tmp_path,
-    )  # fmt: skip
-    expected = "error: rank 1 ended during the pipeline's load or generation\n"
-    assert (proc.returncode, proc.stderr) == (1, expected), proc.stderr
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=bound(60), env=env, cwd=cwd
+    )
+    return proc.returncode, proc.stderr

@@ -219,7 +219,10 @@ class _Watch:
         """Who, if anyone, is gone or silent after the block raised ``exc``. For an error, what
         the beats say (``wait_for_verdict``); for a signal (torchrun stops the other ranks once
         one has died), only what is certain at once: a peer whose process is gone. A signal while
-        waiting is re-raised unless a peer is gone."""
+        waiting is re-raised unless a peer is gone. An agreed error (or one found before any
+        collective) is no lost peer's doing, even once the peer that prints it has exited."""
+        if isinstance(exc, ProblemsError):
+            return None
         if not isinstance(exc, Exception):
             return self.gone_after_signal()
         try:
@@ -294,8 +297,6 @@ def watch_peers(
     watch.start()
     try:
         yield
-    except ProblemsError:  # agreed, or found before any collective: no lost peer's doing, even
-        raise  # when the peer that prints it has already left (its process gone)
     except BaseException as exc:
         watch.handling.set()
         verdict = watch.verdict_after(exc)
