@@ -49,6 +49,11 @@ SHAPES = {
     "llama-0.7g": LlamaShape(
         hidden=2048, layers=10, heads=32, kv_heads=4, intermediate=5632, vocab=32000, max_shard_bytes=200 << 20
     ),
+    # "llama-3.4g": 3.58 GB (3.3 GiB) in 16 shard files: Llama-3-8B's hidden 4096 and MLP 14336, 14 of its
+    # layers, a 32000-token vocabulary (issue 40's load-at-the-speed-of-storage checkpoint).
+    "llama-3.4g": LlamaShape(
+        hidden=4096, layers=14, heads=32, kv_heads=8, intermediate=14336, vocab=32000, max_shard_bytes=240 << 20
+    ),
     "llama-tiny": LlamaShape(
         hidden=64, layers=2, heads=4, kv_heads=2, intermediate=136, vocab=301, max_shard_bytes=24 << 10
     ),

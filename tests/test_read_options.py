@@ -15,12 +15,16 @@ from fsdp_fp8.format.read_options import ReadOptions
 
 def test_bad_options_are_refused_naming_each_field():
     with pytest.raises(ValueError) as err:
-        ReadOptions(threads=0, request_bytes=-1, prefetch_bytes=-5)
+        ReadOptions(threads=0, request_bytes=-1, prefetch_bytes=-5, in_flight=True, direct="yes")
     text = str(err.value)
-    assert "ReadOptions.threads must be an int >= 1, got 0" in text
-    assert "ReadOptions.request_bytes must be an int >= 1, got -1" in text
+    assert "\n" not in text  # one line, every field in it
+    assert "ReadOptions.threads must be an int >= 1 or None, got 0" in text
+    assert "ReadOptions.request_bytes must be an int >= 1 or None, got -1" in text
     assert "ReadOptions.prefetch_bytes must be an int >= 0, got -5" in text
+    assert "ReadOptions.in_flight must be an int >= 1, got True" in text
+    assert "ReadOptions.direct must be None, True or False, got 'yes'" in text
     assert ReadOptions(prefetch_bytes=0).prefetch_bytes == 0
+    assert not ReadOptions().resolved and ReadOptions(direct=False, threads=1, request_bytes=4096).resolved
 
 
 def test_two_loads_at_once_each_count_only_their_own_bytes(tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ Each step takes values and returns a value; nothing below calls back up here::
     join_ranks    -> a process group under torchrun, the gloo side group (collective)
     agreement     -> plan_model, on each rank alone: open, the ModelSpec (interop), build on meta,
                      plan, tower map, device checks; exit: the one agreement before any change
-    prefetch      -> this rank's rows hinted to the page cache while the model is set up
+                     then choose_rank_reads: O_DIRECT or the page cache, threads, request size
+    prefetch      -> buffered reads only: this rank's rows hinted to the page cache while the
+                     model is set up
     collective_phase("load"): swap FP8 linears, fully_shard, to_empty, read the rank's rows;
                      exit: one agreement on every rank's outcome
     LoadedModel
@@ -29,6 +31,7 @@ from fsdp_fp8.collective import agreement_before_changes, collective_phase, mark
 from fsdp_fp8.errors import CheckpointError, raise_if_problems
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.format.facts import checkpoint_facts
+from fsdp_fp8.format.read_choice import ReadChoice, choose_reads
 from fsdp_fp8.format.step_policy import parse_step_policy
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.interop.architectures import model_spec
@@ -77,12 +80,13 @@ def load_model(
     join_ranks(f"cannot load {path}", options.timeout_s)  # collective: before any rank can fail or die
     with agreement_before_changes(f"cannot load {path}", options.timeout_s) as pending:
         planned = plan_model(model_fn, path, key_map, towers=towers, options=options)
-        pending.facts = planned.facts(options)
         pending.on_refusal(planned.release)
+        reads = choose_rank_reads(planned.plan, options, f"cannot load {path}")
+        pending.facts = planned.facts(options)
     model, plan, checkpoint = planned.model, planned.plan, planned.checkpoint
     warn_not_strict(plan)
     shards, shard = planned_position(options.mesh)  # the rows this rank will hold once sharded
-    prefetch = start_prefetch(plan, shards, shard, options.read_options.prefetch_bytes)
+    prefetch = start_prefetch(plan, shards, shard, reads.prefetch_bytes)
     wait_s = outcome_timeout_s(plan.slowest_rank_bytes(shards), options.timeout_s)
     try:
         with collective_phase(model, "load", wait_s, failed="checkpoint load failed"):
@@ -92,14 +96,25 @@ def load_model(
             buffers_to(model, options.device)
             prefetched = prefetch.stop()
             t0 = time.perf_counter()
-            rows = read_rows(model, plan, options.read_options)
+            rows = read_rows(model, plan, reads.options)
     except BaseException:
         prefetch.stop()
         checkpoint.close()  # the model is dead: its descriptors go too
         raise
-    report = load_report(rows, plan, time.perf_counter() - t0, prefetched)
+    report = load_report(rows, plan, time.perf_counter() - t0, prefetched, reads.why)
     model.eval()
     return LoadedModel(model, checkpoint, plan, report, swapped, planned.spec, planned.towers)
+
+
+def choose_rank_reads(plan: LoadPlan, options: LoadOptions, context: str) -> ReadChoice:
+    """How this rank reads its rows (``format.read_choice``), before any read; a forced
+    ``O_DIRECT`` a file refuses raises here, inside the agreement, so every rank raises it."""
+    shards, shard = planned_position(options.mesh)
+    ranges = [(e.handle, offset, n) for e, offset, n in plan.rank_ranges(shards, shard) if n]
+    handles = list({id(h): h for h, _, _ in ranges}.values())
+    choice, problems = choose_reads(options.read_options, handles, ranges)
+    raise_if_problems(problems, context)
+    return choice
 
 
 @dataclass(frozen=True, eq=False)

@@ -83,6 +83,8 @@ class OpenFile:
         self._fd: int | None = fd
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, os.close, fd)
+        self._direct: int | None = None  # a second descriptor, O_DIRECT (``open_direct``)
+        self._direct_finalizer = None
 
     @property
     def closed(self) -> bool:
@@ -93,6 +95,38 @@ class OpenFile:
         if fd is None:
             raise ValueError(f"{self.name}: the checkpoint was closed; open it again to read from it")
         return fd
+
+    def direct_fileno(self) -> int | None:
+        """The O_DIRECT descriptor of this same open file, if ``open_direct`` made one."""
+        self.fileno()  # a closed file refuses, as for buffered reads
+        return self._direct
+
+    def open_direct(self, probe) -> str | None:
+        """A second descriptor on the *same* open file (``/proc/self/fd``, checked to be the
+        validated inode, never the path) with ``O_DIRECT``, kept for ``direct_fileno``; None, or why
+        the file system refused it. ``probe(fd)`` reads through it once (an aligned read: some
+        file systems take the flag at open and refuse the reads)."""
+        if self._direct is not None:
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0)
+        if not getattr(os, "O_DIRECT", 0):
+            return "this platform has no O_DIRECT"
+        try:
+            fd = os.open(f"/proc/self/fd/{self.fileno()}", flags)
+        except OSError as exc:
+            return f"open with O_DIRECT: {type(exc).__name__}: {exc.strerror or exc}"
+        try:
+            same = FileIdentity.of(os.fstat(fd))
+            if (same.device, same.inode) != (self.identity.device, self.identity.inode):
+                raise OSError(0, "the descriptor names another file")
+            probe(fd)
+        except OSError as exc:
+            os.close(fd)
+            return f"O_DIRECT read: {type(exc).__name__}: {exc.strerror or exc}"
+        with self._lock:
+            self._direct = fd
+            self._direct_finalizer = weakref.finalize(self, os.close, fd)
+        return None
 
     def pread_into(self, buf: memoryview, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
@@ -135,8 +169,10 @@ class OpenFile:
 
     def close(self) -> None:
         with self._lock:
-            self._fd = None
+            self._fd = self._direct = None
             self._finalizer()
+            if self._direct_finalizer is not None:
+                self._direct_finalizer()
 
     def __getstate__(self):  # a descriptor means nothing in another process: a copy is closed
         return {"path": self.path, "name": self.name, "identity": self.identity}
@@ -144,6 +180,7 @@ class OpenFile:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._fd, self._lock = None, threading.Lock()
+        self._direct, self._direct_finalizer = None, None
         self._finalizer = weakref.finalize(self, lambda: None)
 
     def __repr__(self) -> str:

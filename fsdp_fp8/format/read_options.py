@@ -6,7 +6,7 @@ here is read at call time from a module global: a caller who wants other setting
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 ALL_ROWS = 1 << 62  # a prefetch budget meaning "every row this rank reads"
 # Host memory one copy between an accelerator and the files goes through: the load's staging ring
@@ -18,8 +18,13 @@ DEFAULT_STAGING_BYTES = 64 << 20
 class ReadOptions:
     """Settings of one load's reads.
 
+    - ``direct``: read with ``O_DIRECT`` (past the page cache, ``fsdp_fp8.format.direct_io``).
+      ``None`` (the default): where every file the rank reads takes it and the rank's rows are not
+      already in the page cache; ``True``: always (a file system that refuses it is refused before
+      any read); ``False``: never.
     - ``threads``: reader workers; ``preadv`` releases the GIL, so they overlap on storage and cores.
-    - ``request_bytes``: the largest single ``preadv`` into host storage.
+      ``None``: chosen from the device the files are on (``fsdp_fp8.format.read_choice``).
+    - ``request_bytes``: the largest single ``preadv`` into host storage; ``None``: chosen as ``threads``.
     - ``in_flight``: requests submitted and not yet finished.
     - ``staging_bytes``: host memory reads into accelerator memory go through (one ring of
       ``fsdp_fp8.format.staging.STAGING_SLOTS`` slots, allocated once per load); CPU storage is
@@ -30,21 +35,43 @@ class ReadOptions:
       memory (``fsdp_fp8.load.prefetch.prefetch_budget``).
     """
 
-    threads: int = 4
-    request_bytes: int = 8 << 20
+    direct: bool | None = None
+    threads: int | None = None
+    request_bytes: int | None = None
     in_flight: int = 8
     staging_bytes: int = DEFAULT_STAGING_BYTES
     prefetch_bytes: int = ALL_ROWS
 
     def __post_init__(self):
-        problems = [
-            f"ReadOptions.{f.name} must be an int >= {0 if f.name == 'prefetch_bytes' else 1}, got {getattr(self, f.name)!r}"
-            for f in fields(self)
-            if not isinstance(getattr(self, f.name), int)
-            or getattr(self, f.name) < (0 if f.name == "prefetch_bytes" else 1)
-        ]
-        if problems:
+        problems = (
+            []
+            if self.direct in (None, True, False)
+            else [f"ReadOptions.direct must be None, True or False, got {self.direct!r}"]
+        )
+        for name, least, optional in _SIZES:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                problems.append(
+                    f"ReadOptions.{name} must be an int >= {least}{' or None' if optional else ''}, got {value!r}"
+                )
+        if problems:  # one line: a launcher prints it as is
             raise ValueError("; ".join(problems))
+
+    @property
+    def resolved(self) -> bool:
+        """Whether nothing is left to choose (``read_choice.choose_reads`` returns such a value)."""
+        return None not in (self.direct, self.threads, self.request_bytes)
+
+
+_SIZES = (  # (field, least value, may be None: chosen at load time)
+    ("threads", 1, True),
+    ("request_bytes", 1, True),
+    ("in_flight", 1, False),
+    ("staging_bytes", 1, False),
+    ("prefetch_bytes", 0, False),
+)
 
 
 DEFAULT_READ_OPTIONS = ReadOptions()

@@ -9,7 +9,8 @@ bounded number of requests in flight.
     requests: one preadv each, <= request_bytes (staged: <= one ring slot), <= MAX_BUFFERS buffers
       │ at most ``in_flight`` submitted and unfinished; a staged request waits for a free slot
       ▼
-    ``threads`` workers: slice_reader.preadv_into on the shard's held descriptor (GIL released)
+    ``threads`` workers: slice_reader.preadv_into on the shard's held descriptor (GIL released),
+      or, with ``direct``, direct_io.read_direct on its O_DIRECT twin through an aligned bounce buffer
 
 Why: a plan walks tensors in model order, which jumps between shards and offsets, and one
 synchronous read at a time leaves the storage queue (and, warm, the other cores) idle. Each
@@ -32,10 +33,13 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from fsdp_fp8.format import slice_reader
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
+from fsdp_fp8.format import direct_io, slice_reader
 from fsdp_fp8.format.safetensors_header import TensorEntry
 
+# What ``schedule`` and ``run`` use when called without a load's resolved ``ReadOptions``.
+REQUEST_BYTES = 8 << 20
+THREADS = 4
+IN_FLIGHT = 8
 MAX_BUFFERS = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 
 
@@ -100,9 +104,7 @@ def _split(piece: Piece, limit: int) -> list[Piece]:
     ]
 
 
-def schedule(
-    pieces: Iterable[Piece], request_bytes: int = DEFAULT_READ_OPTIONS.request_bytes, staged_bytes: int = 0
-) -> list[Request]:
+def schedule(pieces: Iterable[Piece], request_bytes: int = REQUEST_BYTES, staged_bytes: int = 0) -> list[Request]:
     """``pieces`` as requests sorted by (file, offset); adjacent pieces in one file merged while
     a request stays within ``request_bytes`` (``ReadOptions.request_bytes``; staged pieces:
     ``staged_bytes``, one ring slot) and ``MAX_BUFFERS`` buffers. Empty pieces are dropped."""
@@ -131,17 +133,21 @@ def schedule(
     return [Request(tuple(r)) for r in requests]
 
 
-def read_request(request: Request, buffers: list[memoryview]) -> int:
-    """One request's ``preadv`` (in a worker); the bytes read."""
+def read_request(request: Request, buffers: list[memoryview], bounce: direct_io.Bounce | None = None) -> int:
+    """One request's ``preadv`` (in a worker); the bytes read. With ``bounce``, through the
+    file's O_DIRECT descriptor where it has one (``OpenFile.open_direct``)."""
     if request.handle is None:  # every entry read_header makes holds one; a hand-made one does not
         p = request.pieces[0]
         raise ValueError(f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint")
+    fd = request.handle.direct_fileno() if bounce is not None else None
+    if fd is not None:
+        return direct_io.read_direct(fd, request.offset, buffers, bounce)
     return slice_reader.preadv_into(request.handle, request.offset, buffers)
 
 
-def _read_then_check(request: Request, buffers: list[memoryview], after_read) -> int:
+def _read_then_check(request: Request, buffers: list[memoryview], after_read, bounce=None) -> int:
     """In a worker: the request's read, then ``after_read`` on its bytes if all arrived in place."""
-    got = read_request(request, buffers)
+    got = read_request(request, buffers) if bounce is None else read_request(request, buffers, bounce=bounce)
     if after_read is not None and got == request.nbytes and not request.staged:
         after_read(request, buffers)
     return got
@@ -175,17 +181,20 @@ def run(
     requests: Iterable[Request],
     *,
     stage: Stage | None = None,
-    threads: int = DEFAULT_READ_OPTIONS.threads,
-    in_flight: int = DEFAULT_READ_OPTIONS.in_flight,
+    threads: int = THREADS,
+    in_flight: int = IN_FLIGHT,
     on_read: Callable[[int], None] | None = None,
     after_read: Callable[[Request, list[memoryview]], None] | None = None,
+    direct: bool = False,
 ) -> list[str]:
     """Read every request; returns the problems (short or failed reads), sorted.
 
     ``on_read(n)`` runs on the calling thread after each finished request; so do the stage's
     ``bind`` and ``finish``. ``after_read(request, buffers)`` runs in the worker, right after a
     request read into place (not staged) arrived whole: a check of the bytes there overlaps
-    the other workers' reads. Returns (or raises) only after every submitted read has finished.
+    the other workers' reads. ``direct``: files with an O_DIRECT descriptor are read through it,
+    one aligned bounce buffer per worker (``direct_io``). Returns (or raises) only after every
+    submitted read has finished.
     (One loop on purpose, a little over 60 lines: submission, completion and the stage's slots
     share its state, and the ``finally`` that waits for every read must cover all of it.)
     """
@@ -193,6 +202,7 @@ def run(
     pending = deque(requests)
     if any(r.staged for r in pending) and stage is None:
         raise ValueError("staged requests need a stage (host buffers to read into)")
+    bounce = direct_io.Bounce(max(r.nbytes for r in pending)) if direct and pending else None
     running: dict = {}
     problems: list[str] = []
     short: dict[str, list] = {}
@@ -209,7 +219,7 @@ def run(
                         buffers = stage.bind(request)
                     else:
                         buffers = [p.dest[p.at : p.at + p.nbytes] for p in request.pieces]
-                    running[pool.submit(_read_then_check, request, buffers, after_read)] = request
+                    running[pool.submit(_read_then_check, request, buffers, after_read, bounce)] = request
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)

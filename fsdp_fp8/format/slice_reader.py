@@ -47,7 +47,8 @@ def reset_bytes_read() -> None:
         _bytes_read = 0
 
 
-def _count(n: int) -> None:
+def count_bytes(n: int) -> None:
+    """Add ``n`` tensor-data bytes to ``bytes_read()`` (every reader of the package calls it)."""
     global _bytes_read
     with _lock:
         _bytes_read += n
@@ -71,7 +72,7 @@ def preadv_into(handle: OpenFile, offset: int, buffers: list[memoryview]) -> int
             if n:
                 views[first] = views[first][n:]
     finally:
-        _count(done)
+        count_bytes(done)
     return done
 
 
@@ -88,7 +89,7 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
             f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
             f"bytes at offset {offset} (truncated since the header was checked?)"
         )
-    _count(done)
+    count_bytes(done)
 
 
 def writable(flat: torch.Tensor) -> memoryview:

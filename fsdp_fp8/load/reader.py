@@ -61,6 +61,7 @@ class LoadReport:
     # land (overlapping the other reads), plus the check of staged codes (on CUDA: launching it)
     code_check_seconds: float = 0.0
     prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache while the model was set up
+    reads: str = ""  # how the rows were read: O_DIRECT or the page cache, threads, request size, why
 
     @property
     def gb_per_s(self) -> float:
@@ -105,7 +106,8 @@ def _read_pieces(
     staged = sum(p.nbytes for p in pieces if p.staged)
     slot, slots = staging_ring(staged, options.staging_bytes)
     ring = StagingRing(slot, slots, device) if staged else None
-    requests = read_schedule.schedule(pieces, request_bytes=options.request_bytes, staged_bytes=slot)
+    request_bytes = options.request_bytes or read_schedule.REQUEST_BYTES
+    requests = read_schedule.schedule(pieces, request_bytes=request_bytes, staged_bytes=slot)
     done = [0] if counted is None else counted
 
     def on_read(n: int) -> None:  # finished requests' bytes
@@ -116,10 +118,11 @@ def _read_pieces(
         problems = read_schedule.run(
             requests,
             stage=ring,
-            threads=options.threads,
+            threads=options.threads or read_schedule.THREADS,
             in_flight=options.in_flight,
             on_read=on_read,
             after_read=after_read,
+            direct=bool(options.direct),
         )
     except BaseException:
         if ring is not None:  # no copy may still read from the ring once it is released...
@@ -242,7 +245,7 @@ def read_rows(model: nn.Module, plan, options: ReadOptions = DEFAULT_READ_OPTION
     return rows
 
 
-def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0) -> LoadReport:
+def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0, reads: str = "") -> LoadReport:
     """The ``LoadReport`` of a load whose reads did ``rows`` and that took ``seconds``."""
     rank, world = rank_and_world()
     device_peak = None
@@ -261,6 +264,7 @@ def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0) -> Lo
         peak_device_bytes=device_peak,
         code_check_seconds=rows.code_check_seconds,
         prefetch_bytes=prefetched,
+        reads=reads,
     )
 
 

@@ -1,0 +1,113 @@
+"""Reads that bypass the page cache: ``O_DIRECT`` into aligned host memory, then one copy out.
+
+Why: a buffered cold read costs the kernel a page-cache page per 4 KiB, the readahead that fills
+it and the copy out of it; at W ranks on few cores that is the load's CPU bill, and the pages then
+crowd the cache for nothing (each rank reads its rows once). ``O_DIRECT`` has the device write
+into our memory instead, so the reader's CPU goes to one ``memmove`` per byte (GIL released).
+
+    request (file-adjacent pieces, any offsets)
+      │ widen to ALIGN: [offset rounded down, end rounded up)   (<= 2 * ALIGN extra bytes)
+      ▼
+    preadv(direct fd) into the worker's aligned bounce buffer (allocated once per worker)
+      │ memmove each piece's bytes to its destination (rows in place, or a staging slot)
+      ▼
+    bytes delivered: fewer only where the file ended (a short read, refused as today)
+
+The destinations (a shard's rows at any byte offset) are never aligned with the file, so the
+device writes into a bounce buffer, not into them. ``ALIGN`` is 4096: above every logical block
+size in use (512 or 4096), so one value works on every device. The descriptor is a second one on
+the validated open file (``OpenFile.open_direct``), never the path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format.handles import OpenFile
+
+ALIGN = 4096
+
+
+def aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uint8 host memory whose first byte is ``ALIGN``-aligned (a view into a
+    slightly larger allocation)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift : shift + nbytes]
+
+
+def probe(fd: int) -> None:
+    """One aligned read through ``fd``: raises the ``OSError`` a file system that takes
+    ``O_DIRECT`` at open but refuses its reads gives (``EINVAL``)."""
+    os.preadv(fd, [slice_reader.writable(aligned(ALIGN))], 0)
+
+
+def open_direct(handles: list[OpenFile]) -> list[str]:
+    """Give each handle its O_DIRECT descriptor; one ``"<file>: <why>"`` per refusal."""
+    return [f"{h.name}: {why}" for h in handles if (why := h.open_direct(probe)) is not None]
+
+
+def in_page_cache(handle: OpenFile, offset: int, nbytes: int = ALIGN) -> bool:
+    """Whether the page cache holds ``nbytes`` of ``handle`` at ``offset`` (a ``RWF_NOWAIT``
+    read: it never waits for the device). False where the kernel cannot tell."""
+    flag = getattr(os, "RWF_NOWAIT", 0)
+    if not flag or nbytes <= 0:
+        return False
+    try:
+        return os.preadv(handle.fileno(), [memoryview(bytearray(nbytes))], offset, flag) == nbytes
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP: the file system cannot say
+        return False
+
+
+class Bounce:
+    """One aligned buffer of ``nbytes`` per reader thread, allocated on its first request."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = -(-nbytes // ALIGN) * ALIGN + ALIGN  # a request's span, widened at both ends
+        self._local = threading.local()
+
+    def buffer(self) -> tuple[torch.Tensor, memoryview]:
+        mine = getattr(self._local, "buffer", None)
+        if mine is None:
+            t = aligned(self.nbytes)
+            mine = self._local.buffer = (t, slice_reader.writable(t))
+        return mine
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_ubyte.from_buffer(view))
+
+
+def read_direct(fd: int, offset: int, buffers: list[memoryview], bounce: Bounce) -> int:
+    """Fill ``buffers`` in order from the bytes at ``offset`` of the O_DIRECT descriptor ``fd``,
+    through this thread's bounce buffer; returns the bytes delivered (fewer only where the file
+    ended). Counted in ``slice_reader.bytes_read`` like a buffered read (the alignment's extra
+    bytes are not tensor bytes)."""
+    wanted = sum(len(b) for b in buffers)
+    start = offset - offset % ALIGN
+    span = -(-(offset + wanted - start) // ALIGN) * ALIGN
+    assert span <= bounce.nbytes, (span, bounce.nbytes)  # internal: Bounce is sized from the requests
+    tensor, view = bounce.buffer()
+    got = 0
+    while got < span:
+        n = os.preadv(fd, [view[got:span]], start + got)
+        if n == 0:
+            break
+        got += n
+        if got % ALIGN:  # end of file: a direct read ends short only there
+            break
+    have = max(0, min(wanted, got - (offset - start)))
+    at, src = 0, tensor.data_ptr() + (offset - start)
+    for b in buffers:
+        n = min(len(b), have - at)
+        if n <= 0:
+            continue  # an empty piece, or past the end of the file
+        ctypes.memmove(_address(b), src + at, n)  # (ctypes releases the GIL for the call)
+        at += n
+    slice_reader.count_bytes(have)
+    return have

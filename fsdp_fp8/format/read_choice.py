@@ -1,0 +1,114 @@
+"""How this rank will read, chosen before the first read: ``ReadOptions`` with nothing left open.
+
+    direct   O_DIRECT where every file takes it (an aligned probe read through a second
+             descriptor on the validated file) and the rank's rows are not in the page cache
+             already (``RWF_NOWAIT`` reads of a few of its pages: a warm cache is served faster
+             from memory than by the device again); ``direct=True`` where a file refuses it is a
+             problem, raised before any read
+    threads  from the block device under the files (``/sys/dev/block/MAJ:MIN/queue``): 2 where it
+             reports itself rotational (a seek costs more than a queue slot gains), else 4
+    request  twice the device's largest single transfer (``max_sectors_kb``), within 1-16 MiB: a
+             request the block layer splits into two keeps two transfers queued per worker
+
+Each value ``ReadOptions`` fixes is kept as given. ``ReadChoice.why`` says in one line what will
+run and why; the load report carries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_fp8.format import direct_io
+from fsdp_fp8.format.handles import OpenFile
+from fsdp_fp8.format.read_options import ReadOptions
+
+MIN_REQUEST, MAX_REQUEST = 1 << 20, 16 << 20
+DEFAULT_THREADS, DEFAULT_REQUEST = 4, 8 << 20
+CACHE_SAMPLES = 4  # pages of the rank's rows looked up in the page cache
+
+
+@dataclass(frozen=True)
+class BlockQueue:
+    """What the block device under a file says of itself (None: not known)."""
+
+    rotational: bool | None
+    max_transfer: int | None  # bytes
+
+    @classmethod
+    def of(cls, handle: OpenFile, sys_root: Path = Path("/sys/dev/block")) -> BlockQueue:
+        dev = handle.identity.device
+        block = sys_root / f"{os.major(dev)}:{os.minor(dev)}"
+        for queue in (block / "queue", block / ".." / "queue"):  # a disk, or a partition of one
+            rotational, sectors_kb = _read_int(queue / "rotational"), _read_int(queue / "max_sectors_kb")
+            if rotational is not None or sectors_kb is not None:
+                return cls(None if rotational is None else rotational == 1, sectors_kb and sectors_kb << 10)
+        return cls(None, None)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class ReadChoice:
+    options: ReadOptions  # resolved: direct, threads and request_bytes set
+    why: str  # one line: what runs, and why
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """Page-cache hints are for buffered reads only: O_DIRECT reads would not use them."""
+        return 0 if self.options.direct else self.options.prefetch_bytes
+
+
+def _sample(ranges: list[tuple[OpenFile, int, int]]) -> list[tuple[OpenFile, int, int]]:
+    """(handle, page offset, bytes) of up to ``CACHE_SAMPLES`` pages where ``ranges`` start,
+    spread over them (a page is ``ALIGN`` bytes, fewer at the end of a file)."""
+    picks = sorted({round(i * (len(ranges) - 1) / max(CACHE_SAMPLES - 1, 1)) for i in range(CACHE_SAMPLES)})
+    out = []
+    for handle, offset, _ in (ranges[i] for i in picks if ranges):
+        page = offset - offset % direct_io.ALIGN
+        out.append((handle, page, min(direct_io.ALIGN, handle.identity.size - page)))
+    return out
+
+
+def _direct(options: ReadOptions, handles: list[OpenFile], ranges) -> tuple[bool, str, list[str]]:
+    """(read with O_DIRECT, why, problems)."""
+    if options.direct is False:
+        return False, "page cache (direct=False)", []
+    sample = _sample(ranges)
+    if options.direct is None and sample and all(direct_io.in_page_cache(*page) for page in sample):
+        return False, "page cache (the rank's rows are cached already)", []
+    refused = direct_io.open_direct(handles)
+    if refused and options.direct:
+        return False, "", [f"ReadOptions(direct=True) but O_DIRECT is refused: {'; '.join(refused)}"]
+    if refused:
+        return False, f"page cache (O_DIRECT refused: {refused[0]}{' and more' if len(refused) > 1 else ''})", []
+    return True, "O_DIRECT" + (" (direct=True)" if options.direct else ""), []
+
+
+def choose_reads(
+    options: ReadOptions, handles: list[OpenFile], ranges: list[tuple[OpenFile, int, int]]
+) -> tuple[ReadChoice, list[str]]:
+    """This rank's reads of ``handles`` (the files it reads; ``ranges``: its (handle, offset,
+    bytes)), resolved from ``options``; and the problems (a forced O_DIRECT refused), one line each."""
+    direct, why, problems = _direct(options, handles, ranges)
+    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
+    threads, request = options.threads, options.request_bytes
+    said = []
+    if threads is None:
+        threads = 2 if queue.rotational else DEFAULT_THREADS
+        said.append("rotational" if queue.rotational else "not rotational" if queue.rotational is False else "")
+    if request is None:
+        request = DEFAULT_REQUEST if queue.max_transfer is None else 2 * queue.max_transfer
+        request = min(max(request, MIN_REQUEST), MAX_REQUEST)
+        said.append(f"max transfer {queue.max_transfer >> 10} KiB" if queue.max_transfer else "")
+    resolved = dataclasses.replace(options, direct=direct, threads=threads, request_bytes=request)
+    device = ", ".join(s for s in said if s)
+    line = f"{why}, {threads} threads, {request >> 10} KiB requests" + (f" (device: {device})" if device else "")
+    return ReadChoice(resolved, line), problems
