@@ -22,7 +22,7 @@ two barriers; what a method imports is imported before its measured block):
             (rank r takes the r-th span of the files' concatenation), in 8 MiB requests, one
             thread, into a buffer touched before the timer; no model, no collective
 
-What-ifs (not run by default): ``fsdp_fp8+noprefetch``, ``+threads1``, ``+threads2``, ``+nocheck``
+What-ifs (not run by default): ``fsdp_fp8+noprefetch``, ``+buffered``, ``+direct``, ``+threads1``, ``+threads2``, ``+nocheck``
 (no FP8 NaN-code check), combinable (``fsdp_fp8+noprefetch+nocheck``): the same load with one
 tunable of the tree changed in the trial's processes, to see what each part costs; ``floor-T``
 reads the floor's span in T contiguous parts on T threads.
@@ -45,6 +45,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -179,6 +180,8 @@ def _no_check(self, request, buffers) -> None:
 
 EXPERIMENTS = {  # name -> ReadOptions fields, or a patch (owner, attribute, value)
     "noprefetch": {"prefetch_bytes": 0},
+    "buffered": {"direct": False},  # the page cache, as before O_DIRECT (ReadOptions.direct)
+    "direct": {"direct": True},
     "threads1": {"threads": 1},
     "threads2": {"threads": 2},
     "nocheck": ("fsdp_fp8.fp8.codes_check", "CodeCheck", "__call__", _no_check),  # the FP8 NaN-code check off
@@ -300,6 +303,7 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
         "bytes_asked": slice_reader.bytes_read(),
         "prefetch_bytes": loaded.report.prefetch_bytes,
         "code_check_thread_s": loaded.report.code_check_seconds,
+        "reads": getattr(loaded.report, "reads", ""),
         "phases_missing": opts["_missing"],
         "_keep": loaded,
     }
@@ -486,6 +490,7 @@ def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, 
         profiler = cProfile.Profile()
     dist.barrier()
     io0 = _io_read_bytes()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     with common.PeakRSS() as mem:
         if profiler:
             profiler.enable()
@@ -493,6 +498,7 @@ def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, 
         out = fn(directory, phases, opts)
         dist.barrier()
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         if profiler:
             profiler.disable()
     disk = _io_read_bytes() - io0 if io0 >= 0 else -1
@@ -505,6 +511,9 @@ def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, 
         "phases": dict(phases.seconds),
         "phases_cpu": dict(phases.cpu),
         "cpu_s": cpu,
+        "cpu_user_s": ru1.ru_utime - ru0.ru_utime,  # (every thread of the rank's process)
+        "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
+        "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
         **out,
     }
     if profiler:
@@ -523,7 +532,12 @@ def warm_page_cache(directory: Path) -> None:
 
 
 def run_trial(ctx, method: str, world: int, directory: Path, cache: str, opts: dict, timeout: float) -> list[dict]:
-    cold = common.drop_page_cache([directory]) if cache == "cold" else warm_page_cache(directory)
+    if cache == "cold":
+        cold = common.drop_page_cache([directory])
+    elif cache == "warm":
+        cold = warm_page_cache(directory)
+    else:  # "evicted": the caller evicted the files' pages just before (bench/load_floor.py)
+        cold = True
     store = (Path(tempfile.mkdtemp(prefix="fsdp_fp8-peer-")) / "store").as_uri()
     pipes, procs = [], []
     for rank in range(world):
@@ -543,7 +557,7 @@ def run_trial(ctx, method: str, world: int, directory: Path, cache: str, opts: d
         if proc.is_alive():
             proc.kill()
     for r in results:
-        r["cold"] = bool(cold) if cache == "cold" else False
+        r["cold"] = bool(cold) if cache != "warm" else False
     return results
 
 

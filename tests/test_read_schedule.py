@@ -13,7 +13,7 @@ import torch
 from calibration import bound
 from safetensors.torch import save_file
 
-from fsdp_fp8.format import read_schedule, slice_reader
+from fsdp_fp8.format import direct_io, read_schedule, slice_reader
 from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.safetensors_header import read_header
 
@@ -120,14 +120,48 @@ def test_reads_run_in_parallel_and_in_flight_stays_bounded(shards, monkeypatch):
     assert most[0] == 3
 
 
-def test_truncation_names_every_short_tensor_its_file_and_both_counts(shards):
+def _direct_or_skip(entries) -> None:
+    """Give every file its O_DIRECT descriptor, or skip where this file system refuses it."""
+    refused = direct_io.open_direct(list({id(e.handle): e.handle for e in entries.values()}.values()))
+    if refused:
+        pytest.skip(f"O_DIRECT refused here: {refused[0]}")
+
+
+def test_direct_reads_deliver_the_bytes_buffered_reads_do_unaligned_ends_included(shards, monkeypatch):
+    """O_DIRECT through the bounce buffer: row ranges at any offset, files whose size is no multiple
+    of the alignment (every read near a file's end is widened past it), requests of a few bytes and
+    of many pages; the count is the tensor bytes, never the alignment's extra."""
+    entries, data = shards
+    _direct_or_skip(entries)
+
+    def no_buffered_read(*args):
+        raise AssertionError("a buffered read where every file has an O_DIRECT descriptor")
+
+    monkeypatch.setattr(slice_reader, "preadv_into", no_buffered_read)
+    rows = {k: (1, e.shape[0]) for k, e in entries.items() if e.shape[0] > 2}  # rows start off alignment
+    for request_bytes in (7, 4096, 1 << 20):
+        pieces, buffers = _pieces(entries, rows)
+        slice_reader.reset_bytes_read()
+        requests = read_schedule.schedule(pieces, request_bytes=request_bytes)
+        assert read_schedule.run(requests, threads=3, direct=True) == []
+        for key, buf in buffers.items():
+            lo, _ = rows.get(key, (0, 0))
+            assert bytes(buf) == data[key][lo * 24 :], key
+        assert slice_reader.bytes_read() == sum(p.nbytes for p in pieces)
+        assert os.path.getsize(entries["f0.t5"].path) % direct_io.ALIGN  # the tail is unaligned
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "O_DIRECT"])
+def test_truncation_names_every_short_tensor_its_file_and_both_counts(shards, direct):
     entries, _ = shards
     f0 = {k: e for k, e in entries.items() if k.startswith("f0.")}
+    if direct:
+        _direct_or_skip(f0)
     t4 = f0["f0.t4"]
     os.truncate(t4.path, t4.begin + 100)  # f0.t4 keeps 100 of its 1536 bytes; f0.t5 keeps none
     pieces, _ = _pieces(f0)
     slice_reader.reset_bytes_read()
-    problems = read_schedule.run(read_schedule.schedule(pieces, request_bytes=512), threads=2)
+    problems = read_schedule.run(read_schedule.schedule(pieces, request_bytes=512), threads=2, direct=direct)
     assert problems == [
         f"`f0.t4` in shard0.safetensors: file ended after 100 of {t4.nbytes} bytes at offset {t4.begin} "
         "(truncated since the header was checked?)",

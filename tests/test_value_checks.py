@@ -8,6 +8,8 @@ anywhere (Python's JSON reads ``1e999`` as inf and accepts ``NaN``), and a model
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import shutil
@@ -132,7 +134,10 @@ def test_reference_model_config_refuses_non_finite_and_non_positive_fields(field
         MoTConfig(**{**base.__dict__, field: value})
 
 
-@pytest.mark.parametrize("path", ["in place", "in place, 2-byte requests", "staged"])
+@pytest.mark.parametrize(
+    "path",
+    ["in place", "in place, 2-byte requests", "staged", "in place, O_DIRECT, 2-byte requests", "staged, O_DIRECT"],
+)
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
 def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, monkeypatch, code, path):
     """ModelOpt saturates to +-448 and never writes the NaN patterns: the loader checks the codes
@@ -154,6 +159,8 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, mon
         monkeypatch.setattr(reader, "_load_local", functools.partial(reader._load_local, stage_cpu=True))
     if "2-byte" in path:
         options = ReadOptions(request_bytes=2)
+    if "O_DIRECT" in path:  # (a file system refusing it refuses the load: test_direct_reads covers that)
+        options = dataclasses.replace(options, direct=True)
 
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]

@@ -22,6 +22,7 @@ the validated open file (``OpenFile.open_direct``), never the path.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 
@@ -44,7 +45,8 @@ def aligned(nbytes: int) -> torch.Tensor:
 def probe(fd: int) -> None:
     """One aligned read through ``fd``: raises the ``OSError`` a file system that takes
     ``O_DIRECT`` at open but refuses its reads gives (``EINVAL``)."""
-    os.preadv(fd, [slice_reader.writable(aligned(ALIGN))], 0)
+    buffer = aligned(ALIGN)  # held while the read writes into it: ``writable`` keeps no reference
+    os.preadv(fd, [slice_reader.writable(buffer)], 0)
 
 
 def open_direct(handles: list[OpenFile]) -> list[str]:
@@ -52,16 +54,41 @@ def open_direct(handles: list[OpenFile]) -> list[str]:
     return [f"{h.name}: {why}" for h in handles if (why := h.open_direct(probe)) is not None]
 
 
-def in_page_cache(handle: OpenFile, offset: int, nbytes: int = ALIGN) -> bool:
-    """Whether the page cache holds ``nbytes`` of ``handle`` at ``offset`` (a ``RWF_NOWAIT``
-    read: it never waits for the device). False where the kernel cannot tell."""
-    flag = getattr(os, "RWF_NOWAIT", 0)
-    if not flag or nbytes <= 0:
+def in_page_cache(handle, offset: int, nbytes: int = ALIGN) -> bool:
+    """Whether the page cache holds every page of ``handle``'s bytes ``[offset, offset + nbytes)``:
+    ``mincore`` over a mapping never touched (no read, no readahead: looking does not change
+    the answer, as a ``RWF_NOWAIT`` read that misses would). False where the kernel cannot tell."""
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    length = offset + nbytes - start
+    if nbytes <= 0 or _libc is None:
+        return False
+    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), start)
+    if addr is None or addr == _MAP_FAILED:
         return False
     try:
-        return os.preadv(handle.fileno(), [memoryview(bytearray(nbytes))], offset, flag) == nbytes
-    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP: the file system cannot say
-        return False
+        pages = (ctypes.c_ubyte * (-(-length // page)))()
+        if _libc.mincore(addr, length, pages) != 0:
+            return False
+        return all(p & 1 for p in pages)
+    finally:
+        _libc.munmap(addr, length)
+
+
+def _c_library():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # no C library with these calls: nobody can tell
+        return None
+
+
+_libc = _c_library()
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class Bounce:
