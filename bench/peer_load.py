@@ -184,6 +184,11 @@ EXPERIMENTS = {  # name -> ReadOptions fields, or a patch (owner, attribute, val
     "direct": {"direct": True},
     "threads1": {"threads": 1},
     "threads2": {"threads": 2},
+    "threads4": {"threads": 4},
+    "threads8": {"threads": 8},
+    "req4m": {"request_bytes": 4 << 20},
+    "req16m": {"request_bytes": 16 << 20},
+    "req32m": {"request_bytes": 32 << 20},
     "nocheck": ("fsdp_fp8.fp8.codes_check", "CodeCheck", "__call__", _no_check),  # the FP8 NaN-code check off
 }
 

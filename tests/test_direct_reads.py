@@ -135,25 +135,37 @@ def test_without_o_direct_the_reads_fall_back_to_the_page_cache_and_say_why(tmp_
 
 
 @pytest.mark.parametrize(
-    "rotational, sectors_kb, threads, request_bytes",
-    [("1", "4096", 2, 8 << 20), ("0", "128", 4, 1 << 20), ("0", "65536", 4, 16 << 20), (None, None, 4, 8 << 20)],
+    "under, rotational, sectors_kb, direct, threads, request_bytes",
+    [
+        ("pci0/ata1", "1", "4096", False, 2, 8 << 20),  # a spinning disk: fewer, larger requests
+        ("pci0/virtio1", "1", "4096", False, 4, 8 << 20),  # virtio says rotational whatever backs it
+        ("pci0/nvme0", "0", "128", False, 4, 1 << 20),  # twice 128 KiB, raised to 1 MiB
+        ("pci0/nvme0", "0", "65536", False, 4, 16 << 20),  # capped
+        ("pci0/nvme0", "0", "4096", True, 4, 8 << 20),  # O_DIRECT: the same rule
+        ("pci0/nvme0", None, None, False, 4, 8 << 20),  # nothing said
+    ],
 )
 def test_threads_and_request_size_come_from_the_device_unless_fixed(
-    tmp_path, monkeypatch, rotational, sectors_kb, threads, request_bytes
+    tmp_path, monkeypatch, under, rotational, sectors_kb, direct, threads, request_bytes
 ):
     d = write_uneven_checkpoint(tmp_path / "ckpt")
     with open_checkpoint(d) as ckpt:
         handle = next(iter(ckpt.handles.values()))
         dev = handle.identity.device
-        queue = tmp_path / "sys" / f"{os.major(dev)}:{os.minor(dev)}" / "queue"
-        queue.mkdir(parents=True)
+        device = tmp_path / "devices" / under
+        (device / "queue").mkdir(parents=True)
+        (tmp_path / "sys").mkdir()
+        (tmp_path / "sys" / f"{os.major(dev)}:{os.minor(dev)}").symlink_to(device)
         if rotational is not None:
-            (queue / "rotational").write_text(rotational + "\n")
-            (queue / "max_sectors_kb").write_text(sectors_kb + "\n")
+            (device / "queue" / "rotational").write_text(rotational + "\n")
+            (device / "queue" / "max_sectors_kb").write_text(sectors_kb + "\n")
         real = read_choice.BlockQueue.of.__func__
         monkeypatch.setattr(read_choice.BlockQueue, "of", classmethod(lambda cls, h: real(cls, h, tmp_path / "sys")))
-        choice, problems = read_choice.choose_reads(ReadOptions(direct=False), [handle], [(handle, 0, 10)])
-        assert problems == [] and (choice.options.threads, choice.options.request_bytes) == (threads, request_bytes)
+        choice, problems = read_choice.choose_reads(ReadOptions(direct=direct), [handle], [(handle, 0, 10)])
+        if problems and direct:
+            pytest.skip(problems[0])
+        assert problems == [] and choice.options.direct == direct
+        assert (choice.options.threads, choice.options.request_bytes) == (threads, request_bytes), choice.why
         fixed, _ = read_choice.choose_reads(ReadOptions(direct=False, threads=7, request_bytes=3), [handle], [])
         assert (fixed.options.threads, fixed.options.request_bytes) == (7, 3)
         assert fixed.why == "page cache (direct=False), 7 threads, 0 KiB requests"

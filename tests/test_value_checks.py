@@ -9,7 +9,6 @@ anywhere (Python's JSON reads ``1e999`` as inf and accepts ``NaN``), and a model
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import shutil
