@@ -151,6 +151,30 @@ def test_direct_reads_deliver_the_bytes_buffered_reads_do_unaligned_ends_include
         assert os.path.getsize(entries["f0.t5"].path) % direct_io.ALIGN  # the tail is unaligned
 
 
+def test_direct_reads_resume_after_partial_reads(tmp_path, monkeypatch):
+    """The kernel may return fewer bytes than asked (whole blocks, or up to the end of the file):
+    the direct read carries on from there, and only the end of the file ends it."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        k: torch.randint(0, 256, (rows, 24), dtype=torch.uint8, generator=gen) for k, rows in (("a", 700), ("b", 333))
+    }
+    save_file(tensors, str(tmp_path / "big.safetensors"))
+    problems: list[str] = []
+    entries = read_header(tmp_path / "big.safetensors", problems).tensors
+    _direct_or_skip(entries)
+    real, calls = os.preadv, []
+
+    def dribble(fd, buffers, offset):  # one block at a time
+        calls.append(offset)
+        return real(fd, [buffers[0][: direct_io.ALIGN]], offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", dribble)
+    pieces, buffers = _pieces(entries, {"a": (5, 700)})
+    assert read_schedule.run(read_schedule.schedule(pieces), threads=2, direct=True) == []
+    assert bytes(buffers["a"]) == bytes(tensors["a"][5:].reshape(-1).tolist())
+    assert bytes(buffers["b"]) == bytes(tensors["b"].reshape(-1).tolist()) and len(calls) > 4
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["page cache", "O_DIRECT"])
 def test_truncation_names_every_short_tensor_its_file_and_both_counts(shards, direct):
     entries, _ = shards
