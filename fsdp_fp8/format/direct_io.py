@@ -82,6 +82,7 @@ def _c_library():
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
     except (OSError, AttributeError):  # no C library with these calls: nobody can tell
         return None
@@ -108,6 +109,25 @@ class Bounce:
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_ubyte.from_buffer(view))
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it (EINVAL) and the reads fault as before
+
+
+def populate(buffers: list[memoryview]) -> None:
+    """Fault in the whole pages of fresh destinations in one ``madvise`` each, before the read
+    writes them: a shard's storage straight from ``to_empty`` is untouched, and the copy would
+    otherwise take one page fault per 4 KiB (measured: a quarter of the reads' system time)."""
+    if _libc is None:
+        return
+    page = mmap.PAGESIZE
+    for view in buffers:
+        if len(view) < page:
+            continue
+        start = _address(view)
+        lo, hi = -(-start // page) * page, (start + len(view)) // page * page
+        if hi > lo:
+            _libc.madvise(lo, hi - lo, MADV_POPULATE_WRITE)  # advice: a refusal changes nothing
 
 
 def read_direct(fd: int, offset: int, buffers: list[memoryview], bounce: Bounce) -> int:

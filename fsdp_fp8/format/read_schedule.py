@@ -139,6 +139,7 @@ def read_request(request: Request, buffers: list[memoryview], bounce: direct_io.
     if request.handle is None:  # every entry read_header makes holds one; a hand-made one does not
         p = request.pieces[0]
         raise ValueError(f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint")
+    direct_io.populate(buffers)
     fd = request.handle.direct_fileno() if bounce is not None else None
     if fd is not None:
         return direct_io.read_direct(fd, request.offset, buffers, bounce)
