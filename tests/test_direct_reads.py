@@ -77,6 +77,7 @@ def test_o_direct_and_the_page_cache_load_the_same_bytes_and_the_report_says_whi
         pytest.skip(f"O_DIRECT refused here: {exc}")
     assert direct.report.reads.startswith("O_DIRECT (direct=True), 3 threads, 0 KiB requests"), direct.report.reads
     assert direct.report.prefetch_bytes == 0  # no page-cache hints for reads that bypass it
+    assert direct.report.read_options.direct and direct.report.read_options.threads == 3
     assert direct.report.bytes_read == buffered.report.bytes_read
     assert direct_bytes.keys() == buffered_bytes.keys()
     for key, value in buffered_bytes.items():

@@ -53,7 +53,7 @@ def _inject(rank: int, case: dict, stack) -> None:
     fault = case.get("fault")
     if fault == "raise_read":
 
-        def broken_read(request, buffers):
+        def broken_read(request, buffers, **kw):
             raise _Injected(f"injected read failure for `{request.pieces[0].entry.key}`")
 
         stack.enter_context(mock.patch.object(read_schedule, "read_request", broken_read))

@@ -87,7 +87,7 @@ def _fault(rank: int, case: dict, stack) -> None:
         stack.enter_context(mock.patch.object(api, "agree_or_raise", agree_then_change))
     elif fault == "raise_read":
 
-        def broken(request, buffers):
+        def broken(request, buffers, **kw):
             raise OSError(f"injected read failure for `{request.pieces[0].entry.key}`")
 
         stack.enter_context(mock.patch.object(read_schedule, "read_request", broken))

@@ -59,9 +59,9 @@ def _load(rank: int, world: int, path: str) -> dict:
         time.sleep(slow[0])
         events.append(("hint", time.monotonic(), (name, offset, n)))  # when the hint returned
 
-    def read(request, buffers):
+    def read(request, buffers, **kw):  # (kw: an O_DIRECT read's bounce buffer)
         events.append(("read", time.monotonic(), (request.pieces[0].entry.file, request.offset, request.nbytes)))
-        return real_read(request, buffers)
+        return real_read(request, buffers, **kw)
 
     read_schedule.os.posix_fadvise, read_schedule.read_request = advise, read
     out = {}
@@ -70,7 +70,9 @@ def _load(rank: int, world: int, path: str) -> dict:
             if budget == "slow":  # hints slower than the set-up: stopped part-way, and joined
                 # Hints slowed with the machine: a busy set-up must not outlast all of them.
                 slow[0], prefetch.PREFETCH_CALL_BYTES = bound(0.05), 1000
-            options = ReadOptions(prefetch_bytes={"slow": 1 << 40, "default": default}.get(budget, budget))
+            # (page-cache reads: the hints are for them; an O_DIRECT load hints nothing, test_direct_reads)
+            budget_bytes = {"slow": 1 << 40, "default": default}.get(budget, budget)
+            options = ReadOptions(direct=False, prefetch_bytes=budget_bytes)
             events.clear()
             loaded = load_model(resolve_model_spec(CONFIG.to_config_dict()).model_fn, path, read_options=options)
             hints = [e for e in events if e[0] == "hint"]

@@ -147,8 +147,8 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
     second_counted = threading.Event()
     real = read_schedule.read_request
 
-    def ordered(request, buffers):  # t0's read is counted, then waits until t1's is counted too
-        got = real(request, buffers)
+    def ordered(request, buffers, **kw):  # t0's read is counted, then waits until t1's is counted too
+        got = real(request, buffers, **kw)
         if request.pieces[0].entry.key == "t1":
             second_counted.set()
         else:

@@ -35,8 +35,8 @@ def test_two_loads_at_once_each_count_only_their_own_bytes(tmp_path, monkeypatch
     b_read = threading.Event()
     real = read_schedule.read_request
 
-    def read(request, buffers):  # every read of load a ends only after load b has read something
-        got = real(request, buffers)
+    def read(request, buffers, **kw):  # every read of load a ends only after load b has read something
+        got = real(request, buffers, **kw)
         if request.handle.path.parent == b:
             b_read.set()
         else:

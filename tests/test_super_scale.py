@@ -121,7 +121,10 @@ def _load_small(rank: int, world: int, path: str) -> dict:
 
     slice_reader.preadv_into = spy
     try:
-        loaded = load_model(resolve_model_spec(open_checkpoint(path).config).model_fn, path)
+        # (through the page cache: the spy sees buffered reads; O_DIRECT ones are bounded alike)
+        loaded = load_model(
+            resolve_model_spec(open_checkpoint(path).config).model_fn, path, read_options=ReadOptions(direct=False)
+        )
     finally:
         slice_reader.preadv_into = real
     forecast = loaded.plan.forecast(world, rank, staging_bytes=1 << 40)  # CPU: whole slices, in place
@@ -130,7 +133,7 @@ def _load_small(rank: int, world: int, path: str) -> dict:
         "report": loaded.report,
         "forecast": forecast,
         "max_read": max(reads),
-        "request_bytes": ReadOptions().request_bytes,
+        "request_bytes": loaded.report.read_options.request_bytes,  # as chosen for this load
         "largest_tensor": max(e.nbytes for e in loaded.checkpoint.tensors.values()),
         "scales": len(loaded.checkpoint.scales),
         "gathered": gathered if rank == 0 else None,

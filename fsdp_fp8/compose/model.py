@@ -101,7 +101,7 @@ def load_model(
         prefetch.stop()
         checkpoint.close()  # the model is dead: its descriptors go too
         raise
-    report = load_report(rows, plan, time.perf_counter() - t0, prefetched, reads.why)
+    report = load_report(rows, plan, time.perf_counter() - t0, prefetched, reads.why, reads.options)
     model.eval()
     return LoadedModel(model, checkpoint, plan, report, swapped, planned.spec, planned.towers)
 

@@ -62,6 +62,7 @@ class LoadReport:
     code_check_seconds: float = 0.0
     prefetch_bytes: int = 0  # this rank's ranges hinted to the page cache while the model was set up
     reads: str = ""  # how the rows were read: O_DIRECT or the page cache, threads, request size, why
+    read_options: ReadOptions | None = None  # the settings the reads ran with (resolved by the load)
 
     @property
     def gb_per_s(self) -> float:
@@ -245,7 +246,9 @@ def read_rows(model: nn.Module, plan, options: ReadOptions = DEFAULT_READ_OPTION
     return rows
 
 
-def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0, reads: str = "") -> LoadReport:
+def load_report(
+    rows: RowsRead, plan, seconds: float, prefetched: int = 0, reads: str = "", options: ReadOptions | None = None
+) -> LoadReport:
     """The ``LoadReport`` of a load whose reads did ``rows`` and that took ``seconds``."""
     rank, world = rank_and_world()
     device_peak = None
@@ -265,6 +268,7 @@ def load_report(rows: RowsRead, plan, seconds: float, prefetched: int = 0, reads
         code_check_seconds=rows.code_check_seconds,
         prefetch_bytes=prefetched,
         reads=reads,
+        read_options=options,
     )
 
 
