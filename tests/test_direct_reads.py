@@ -12,7 +12,8 @@ import os
 
 import pytest
 import torch
-from small_models import uneven_model_fn, write_uneven_checkpoint
+from ranks import run_ranks
+from small_models import load_files, uneven_model_fn, write_uneven_checkpoint
 
 from fsdp_fp8 import load_model
 from fsdp_fp8.errors import CheckpointError
@@ -170,3 +171,31 @@ def test_threads_and_request_size_come_from_the_device_unless_fixed(
         fixed, _ = read_choice.choose_reads(ReadOptions(direct=False, threads=7, request_bytes=3), [handle], [])
         assert (fixed.options.threads, fixed.options.request_bytes) == (7, 3)
         assert fixed.why == "page cache (direct=False), 7 threads, 0 KiB requests"
+
+
+def _load_direct(rank: int, world: int, path: str) -> dict:
+    from fsdp_fp8 import gather_state_dict
+
+    loaded = load_model(uneven_model_fn, path, read_options=ReadOptions(direct=True, request_bytes=24))
+    gathered = gather_state_dict(loaded.model)
+    return {
+        "reads": loaded.report.reads,
+        "read": (loaded.report.bytes_read, loaded.plan.load_bytes(world, rank)),
+        "gathered": gathered if rank == 0 else None,
+    }
+
+
+def test_o_direct_sharded_over_3_ranks_gathers_the_files_bytes(tmp_path):
+    """Uneven rows over 3 ranks (a 1-row linear: ranks with none), tiny requests so that rows
+    and requests start at every alignment: the gathered model is the files, byte for byte."""
+    d = write_uneven_checkpoint(tmp_path / "ckpt")
+    if direct_io.open_direct(list(open_checkpoint(d).handles.values())):
+        pytest.skip("O_DIRECT refused here")
+    results = run_ranks(_load_direct, 3, str(d), timeout=120)
+    files = load_files(d)
+    assert all(r["reads"].startswith("O_DIRECT (direct=True), ") for r in results), results[0]["reads"]
+    gathered = results[0]["gathered"]  # (rank 0's: the whole model)
+    assert sorted(gathered) == sorted(files)
+    for key, value in files.items():
+        assert torch.equal(gathered[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+    assert all(r["read"][0] == r["read"][1] for r in results), [r["read"] for r in results]  # its rows, no margin
