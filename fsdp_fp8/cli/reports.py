@@ -49,6 +49,7 @@ class RankRow:
     read_gb_per_s: float
     peak_rss_bytes: int | None
     peak_device_bytes: int | None
+    reads: str = ""  # how the rows were read (``LoadReport.reads``): O_DIRECT or the page cache, why
 
     @classmethod
     def from_load(cls, r) -> RankRow:
@@ -61,6 +62,7 @@ class RankRow:
             read_gb_per_s=round(r.gb_per_s, 3),
             peak_rss_bytes=r.peak_rss_bytes,
             peak_device_bytes=r.peak_device_bytes,
+            reads=getattr(r, "reads", ""),
         )
 
     def cells(self) -> str:
@@ -157,6 +159,7 @@ class Report:
             f"FP8 linears     {self.fp8_linears}",
             *(self.quantize.lines() if self.quantize else []),
             *_line("load", f"{self.load_seconds:.2f} s for the job: open, build, shard, read, set up the model"),
+            *(_line("reads", f"{self.ranks[0].reads} (rank 0)") if self.ranks and self.ranks[0].reads else []),
             *self.body_lines(),
             # What the digests above depend on besides checkpoint and options (docs/usage.md); one
             # line, whatever its length: scripts compare it whole.

@@ -108,9 +108,9 @@ class OpenFile:
         file systems take the flag at open and refuse the reads)."""
         if self._direct is not None:
             return None
-        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0)
         if not getattr(os, "O_DIRECT", 0):
             return "this platform has no O_DIRECT"
+        flags = os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(f"/proc/self/fd/{self.fileno()}", flags)
         except OSError as exc:

@@ -61,6 +61,8 @@ def _read_int(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class ReadChoice:
+    """What ``choose_reads`` decided for one rank's load."""
+
     options: ReadOptions  # resolved: direct, threads and request_bytes set
     why: str  # one line: what runs, and why
 

@@ -32,7 +32,8 @@ class ReadOptions:
     - ``prefetch_bytes``: bytes of this rank's rows hinted to the page cache
       (``POSIX_FADV_WILLNEED``) while the model is set up; ``0`` turns it off, ``ALL_ROWS`` (the
       default) hints every row the rank reads. Capped at the rank's share of half the available
-      memory (``fsdp_fp8.load.prefetch.prefetch_budget``).
+      memory (``fsdp_fp8.load.prefetch.prefetch_budget``). Reads through the page cache only: an
+      O_DIRECT load hints nothing (it would not use what the hints fetch).
     """
 
     direct: bool | None = None

@@ -1,7 +1,8 @@
 """Read exactly the bytes a rank needs: a row range of one tensor, or one scale.
 
-Every data read in the package goes through ``_pread_into`` (one range) or ``preadv_into``
-(several file-adjacent ranges in one call: ``fsdp_fp8.format.read_schedule``), so
+Every data read in the package goes through ``_pread_into`` (one range), ``preadv_into``
+(several file-adjacent ranges in one call: ``fsdp_fp8.format.read_schedule``) or
+``direct_io.read_direct`` (the same, O_DIRECT), each adding what it delivered to ``count_bytes``, so
 ``bytes_read()`` is an honest count of tensor bytes this process pulled from disk; tests use it to prove that planning
 reads only scales and that each rank reads only its own rows. Reads use the descriptor the
 header was validated through (``TensorEntry.handle``), never the path: a file replaced after

@@ -5,7 +5,9 @@ While the swap, ``fully_shard`` and ``to_empty`` run, a thread hints this rank's
 kernel with ``posix_fadvise(POSIX_FADV_WILLNEED)``, ``PREFETCH_CALL_BYTES`` per call, up to
 ``ReadOptions.prefetch_bytes`` capped at the rank's share of half of ``MemAvailable`` (the
 node's ranks, ``LOCAL_WORLD_SIZE``, share one page cache). Page cache, not this process's
-memory; a hint for rows another rank reads would cost page cache, never a wrong byte.
+memory; a hint for rows another rank reads would cost page cache, never a wrong byte. Only for
+reads through the page cache: a load that reads with O_DIRECT starts none
+(``fsdp_fp8.format.read_choice.ReadChoice.prefetch_bytes``).
 """
 
 from __future__ import annotations
