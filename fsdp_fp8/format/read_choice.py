@@ -2,9 +2,9 @@
 
     direct   O_DIRECT where every file takes it (an aligned probe read through a second
              descriptor on the validated file) and the rank's rows are not in the page cache
-             already (``RWF_NOWAIT`` reads of a few of its pages: a warm cache is served faster
-             from memory than by the device again); ``direct=True`` where a file refuses it is a
-             problem, raised before any read
+             already (``mincore`` of the pages where a few of its ranges start: a warm cache is
+             served faster from memory than by the device again); ``direct=True`` where a file
+             refuses it is a problem, raised before any read
     threads  4; 2 where the block device (``/sys/dev/block/MAJ:MIN/queue``) says it is rotational
              and is not virtual (virtio disks say rotational whatever backs them). Measured on
              a virtio disk at W=2 (docs/benchmarks.md): 4 beat 2 for O_DIRECT, 8 did not beat 4
