@@ -23,12 +23,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.format import direct_io
+from fsdp_fp8.format import direct_io, read_schedule
 from fsdp_fp8.format.handles import OpenFile
 from fsdp_fp8.format.read_options import ReadOptions
 
 MIN_REQUEST, MAX_REQUEST = 1 << 20, 16 << 20
-DEFAULT_THREADS, DEFAULT_REQUEST = 4, 8 << 20
+DEFAULT_THREADS, DEFAULT_REQUEST = read_schedule.THREADS, read_schedule.REQUEST_BYTES
 CACHE_SAMPLES = 4  # pages of the rank's rows looked up in the page cache
 
 

@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp_fp8.format import direct_io, slice_reader
+from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
 
-# What ``schedule`` and ``run`` use when called without a load's resolved ``ReadOptions``.
+# What ``schedule`` and ``run`` use when called without a load's resolved ``ReadOptions``
+# (``fsdp_fp8.format.read_choice`` starts from them too).
 REQUEST_BYTES = 8 << 20
 THREADS = 4
-IN_FLIGHT = 8
+IN_FLIGHT = DEFAULT_READ_OPTIONS.in_flight
 MAX_BUFFERS = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 
 
