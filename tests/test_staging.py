@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_fp8.format import read_schedule, staging
+from fsdp_fp8.format import direct_io, read_schedule, staging
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.safetensors_header import TensorEntry
@@ -50,9 +50,9 @@ def _spy_requests(monkeypatch) -> list[read_schedule.Request]:
     calls = []
     real = read_schedule.read_request
 
-    def spy(request, buffers):
+    def spy(request, buffers, **kw):  # (kw: an O_DIRECT read's bounce buffer)
         calls.append(request)
-        return real(request, buffers)
+        return real(request, buffers, **kw)
 
     monkeypatch.setattr(read_schedule, "read_request", spy)
     return calls
@@ -100,13 +100,18 @@ def test_accelerator_destination_is_staged_through_one_ring_within_the_budget(ch
     assert 1 < ring.most_bound <= len(ring.buffers)  # several reads in flight, never more than the slots
 
 
-def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeypatch):
-    """The ring's whole path (bind, read, copy out, reuse) with real destinations."""
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "O_DIRECT"])
+def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeypatch, direct):
+    """The ring's whole path (bind, read, copy out, reuse) with real destinations; with O_DIRECT
+    each slot is filled from the worker's bounce buffer (the path reads into an accelerator take)."""
     # 4 slots of 37 bytes: below every row (96-byte FP8, 192-byte BF16), so rows go in parts, and
     # not dividing them, so a slot also holds the end of one tensor and the start of the next.
     rings, calls = _spy_rings(monkeypatch), _spy_requests(monkeypatch)
     model, plan = _swapped_model(checkpoint_dir, "cpu")
-    reader._load_local(model, plan, options=ReadOptions(staging_bytes=150), stage_cpu=True)
+    if direct and (refused := direct_io.open_direct(list(plan.checkpoint.handles.values()))):
+        pytest.skip(f"O_DIRECT refused here: {refused[0]}")
+    options = ReadOptions(staging_bytes=150, direct=direct)
+    reader._load_local(model, plan, options=options, stage_cpu=True)
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
     files = {}
