@@ -85,6 +85,25 @@ def test_o_direct_and_the_page_cache_load_the_same_bytes_and_the_report_says_whi
         assert torch.equal(direct_bytes[key], value), key
 
 
+def _local_or_skip(ckpt) -> None:
+    if not read_choice.BlockQueue.of(next(iter(ckpt.handles.values()))).local:
+        pytest.skip("the test files are not on a local block device")
+
+
+def test_off_a_local_block_device_the_page_cache_is_chosen_unless_o_direct_is_asked_for(tmp_path, monkeypatch):
+    """NFS, FUSE and overlay files have no block queue: past the page cache they lose readahead."""
+    d = write_uneven_checkpoint(tmp_path / "ckpt")
+    with open_checkpoint(d) as ckpt:
+        _evicted(d)
+        monkeypatch.setattr(read_choice.BlockQueue, "of", classmethod(lambda cls, h: cls(None, None, local=False)))
+        assert _choose(ckpt).why.startswith("page cache (the files are not on a local block device), ")
+        try:
+            forced = _choose(ckpt, direct=True)
+        except AssertionError:
+            pytest.skip("O_DIRECT refused here")
+        assert forced.options.direct and forced.why.startswith("O_DIRECT (direct=True), ")
+
+
 def _choose(ckpt, **options):
     """``choose_reads`` over every file of ``ckpt``, sampling the middle of each."""
     handles = list(ckpt.handles.values())
@@ -102,6 +121,7 @@ def test_the_choice_follows_the_page_cache(tmp_path):
         assert warm.prefetch_bytes == warm.options.prefetch_bytes > 0
         if not _evicted(d):
             pytest.skip("the kernel kept the files cached")
+        _local_or_skip(ckpt)
         cold = _choose(ckpt)
         if "refused" in cold.why:
             pytest.skip(cold.why)
@@ -129,6 +149,7 @@ def test_without_o_direct_the_reads_fall_back_to_the_page_cache_and_say_why(tmp_
     with open_checkpoint(d) as ckpt:
         if not _evicted(d):
             pytest.skip("the kernel kept the files cached")
+        _local_or_skip(ckpt)
         _refuse_o_direct(monkeypatch)
         choice = _choose(ckpt)
         assert choice.why.startswith("page cache (O_DIRECT refused: model-0000"), choice.why

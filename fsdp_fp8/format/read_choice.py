@@ -1,6 +1,8 @@
 """How this rank will read, chosen before the first read: ``ReadOptions`` with nothing left open.
 
-    direct   O_DIRECT where every file takes it (an aligned probe read through a second
+    direct   O_DIRECT where the files are on a local block device (a network or FUSE file system
+             reads past the page cache without readahead, one round trip per request), every
+             file takes it (an aligned probe read through a second
              descriptor on the validated file) and the rank's rows are not in the page cache
              already (``mincore`` of the pages where a few of its ranges start: a warm cache is
              served faster from memory than by the device again); ``direct=True`` where a file
@@ -38,6 +40,7 @@ class BlockQueue:
 
     rotational: bool | None  # None too where the device is virtual: virtio disks say 1 whatever backs them
     max_transfer: int | None  # bytes
+    local: bool = True  # a block device with a queue; False: NFS, FUSE, tmpfs, overlay (major 0) ...
 
     @classmethod
     def of(cls, handle: OpenFile, sys_root: Path = Path("/sys/dev/block")) -> BlockQueue:
@@ -49,7 +52,7 @@ class BlockQueue:
             if rotational is not None or sectors_kb is not None:
                 spinning = None if rotational is None or virtual else rotational == 1
                 return cls(spinning, sectors_kb and sectors_kb << 10)
-        return cls(None, None)
+        return cls(None, None, local=False)
 
 
 def _read_int(path: Path) -> int | None:
@@ -83,10 +86,12 @@ def _sample(ranges: list[tuple[OpenFile, int, int]]) -> list[tuple[OpenFile, int
     return out
 
 
-def _direct(options: ReadOptions, handles: list[OpenFile], ranges) -> tuple[bool, str, list[str]]:
+def _direct(options: ReadOptions, handles: list[OpenFile], ranges, queue: BlockQueue) -> tuple[bool, str, list[str]]:
     """(read with O_DIRECT, why, problems)."""
     if options.direct is False:
         return False, "page cache (direct=False)", []
+    if options.direct is None and not queue.local:  # a network or FUSE file system: no readahead
+        return False, "page cache (the files are not on a local block device)", []  # past it is slower
     sample = _sample(ranges)
     if options.direct is None and sample and all(direct_io.in_page_cache(*page) for page in sample):
         return False, "page cache (the rank's rows are cached already)", []
@@ -103,8 +108,8 @@ def choose_reads(
 ) -> tuple[ReadChoice, list[str]]:
     """This rank's reads of ``handles`` (the files it reads; ``ranges``: its (handle, offset,
     bytes)), resolved from ``options``; and the problems (a forced O_DIRECT refused), one line each."""
-    direct, why, problems = _direct(options, handles, ranges)
     queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
+    direct, why, problems = _direct(options, handles, ranges, queue)
     threads, request = options.threads, options.request_bytes
     said = []
     if threads is None:
