@@ -1,7 +1,8 @@
 """How this rank will read, chosen before the first read: ``ReadOptions`` with nothing left open.
 
     direct   O_DIRECT where the files are on a local block device (a network or FUSE file system
-             reads past the page cache without readahead, one round trip per request), every
+             reads past the page cache without readahead, one round trip per request; btrfs and
+             ZFS name an anonymous device too, so they get the page cache unless asked), every
              file takes it (an aligned probe read through a second
              descriptor on the validated file) and the rank's rows are not in the page cache
              already (``mincore`` of the pages where a few of its ranges start: a warm cache is
