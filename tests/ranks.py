@@ -327,6 +327,11 @@ def _child(rank, world_size, init_method, fn_ref, args, kwargs, conn, pg_timeout
         fn = _resolve(*fn_ref)
         extra = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **extra)
+        # gloo's connectFullMesh can finish on one rank while a peer, slowed by a busy machine, still
+        # reads its side of a connection: a rank whose function returns at once and exits would then
+        # close that connection under the peer ("Connection closed by peer", seen beside busy
+        # processes). Every rank leaves the start-up together, before the test's function runs.
+        dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
         # Bytes from torch.save, not multiprocessing's pickling: its tensor reduction shares
         # storage through file descriptors that vanish when this process exits before the

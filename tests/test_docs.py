@@ -236,13 +236,18 @@ def test_the_step_by_step_snippets_run_as_written(tmp_path):
 
 # --- every README and usage.md python block, as written, under torchrun at 2 ranks -------------
 #
-# One torchrun job per block (a program of its own: a block failing on one rank cannot leave
-# the next waiting in a collective), in a namespace holding only what its placeholders stand
-# for (below). Each rank reports whether the block ran, the world size it saw and, for every
-# parameter of the model the block loaded, the rows it holds of the rows the model has.
+# One torchrun job runs every block in turn (one job, not one per block: a job's start imports
+# torch and diffusers on every rank, the larger part of a block's time). Each block is still a
+# program of its own: it gets a namespace holding only what its placeholders stand for (below),
+# and a store of its own (a fresh port that rank 0 picks and shares through torchrun's store), so
+# the process group it makes never meets the previous block's keys. A block that fails on one rank
+# ends that rank at once: torchrun then stops the other, which may be waiting in a collective for
+# it, and the blocks not yet run report that they did not run. Each rank reports whether the block
+# ran, the world size it saw and, for every parameter of the model the block loaded, the rows it
+# holds of the rows the model has.
 
 _RUNNER = r"""
-import json, os, sys, traceback
+import json, os, socket, sys, traceback
 import torch, torch.distributed as dist
 
 def _held(model):
@@ -257,29 +262,44 @@ def _held(model):
         rows.append([name, int(p.shape[0]) if p.dim() else 1, int(inner.shape[0]) if inner.dim() else 1])
     return rows
 
-blocks, out_dir, index = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
-rank = int(os.environ["RANK"])
-seen = {}
-for block in blocks[index : index + 1]:
+def _own_store(agent, index, rank):
+    # The block's process group gets a store of its own on a port rank 0 finds free.
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind((os.environ["MASTER_ADDR"], 0))
+            agent.set(f"snippet-port-{index}", str(probe.getsockname()[1]))
+    os.environ["MASTER_PORT"] = agent.get(f"snippet-port-{index}").decode()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+def _run(block):
     namespace = {}
+    exec(block["prologue"], namespace)
+    exec(block["code"], namespace)
+    loaded = namespace.get("loaded")
+    model = getattr(loaded, "model", None) or namespace.get("model")
+    pipe = namespace.get("pipe")
+    model = pipe.transformer if pipe is not None else model
+    return {
+        "ok": True,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "held": _held(model) if block["shards"] else None,
+    }
+
+blocks, out_dir = json.load(open(sys.argv[1])), sys.argv[2]
+rank = int(os.environ["RANK"])
+agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+for index, block in enumerate(blocks):
+    _own_store(agent, index, rank)
     try:
-        exec(block["prologue"], namespace)
-        exec(block["code"], namespace)
-        loaded = namespace.get("loaded")
-        model = getattr(loaded, "model", None) or namespace.get("model")
-        pipe = namespace.get("pipe")
-        model = pipe.transformer if pipe is not None else model
-        seen[block["id"]] = {
-            "ok": True,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "held": _held(model) if block["shards"] else None,
-        }
+        seen = _run(block)
     except BaseException:
-        seen[block["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
+        seen = {"ok": False, "error": traceback.format_exc()[-4000:]}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-json.dump(seen, open(os.path.join(out_dir, f"rank{rank}-block{index}.json"), "w"))
+    json.dump({block["id"]: seen}, open(os.path.join(out_dir, f"rank{rank}-block{index}.json"), "w"))
+    if not seen["ok"]:
+        os._exit(1)
 """
 
 _GROUP = """
@@ -367,18 +387,21 @@ def snippets_under_torchrun(tmp_path_factory, demo_cache):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FSDP_FP8_CACHE": str(demo_cache)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp / "runner.py"), str(tmp / "blocks.json"), str(tmp)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=bound(150 * len(blocks)))
+        tail = proc.stderr[-4000:]
+    except subprocess.TimeoutExpired as exc:  # a rank left waiting in a collective
+        tail = f"torchrun killed after {exc.timeout:.0f} s"
     seen: list[dict] = [{}, {}]
     for index, block in enumerate(blocks):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(tmp / "runner.py"), str(tmp / "blocks.json"), str(tmp), str(index)]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=bound(300))
-            tail = proc.stderr[-4000:]
-        except subprocess.TimeoutExpired as exc:  # a rank left waiting in a collective
-            tail = f"torchrun killed after {exc.timeout:.0f} s"
         for rank in range(2):
             report = tmp / f"rank{rank}-block{index}.json"
-            fallback = {"ok": False, "error": f"rank {rank} wrote no report:\n{tail}"}
+            fallback = {
+                "ok": False,
+                "error": f"rank {rank} wrote no report for this block (it failed, or one before it did):\n{tail}",
+            }
             seen[rank][block["id"]] = json.loads(report.read_text())[block["id"]] if report.exists() else fallback
     return {b["id"]: b for b in blocks}, seen
 
