@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from fsdp_fp8.errors import ArgumentError
+
 ALL_ROWS = 1 << 62  # a prefetch budget meaning "every row this rank reads"
 # Host memory one copy between an accelerator and the files goes through: the load's staging ring
 # (``ReadOptions.staging_bytes``) and a save's copies out of accelerator memory alike.
@@ -44,7 +46,7 @@ class ReadOptions:
             or getattr(self, f.name) < (0 if f.name == "prefetch_bytes" else 1)
         ]
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ArgumentError(problems, "ReadOptions")
 
 
 DEFAULT_READ_OPTIONS = ReadOptions()

@@ -222,14 +222,14 @@ def diffusers_problems(module=None) -> list[str]:
     attention, processor = module.Cosmos3PackedMoTAttention, module.Cosmos3AttnProcessor
     call = tuple(inspect.signature(processor.__call__).parameters)
     if call != PROCESSOR_CALL:
-        problems.append(f"{processor.__qualname__}.__call__ takes {call}, not {PROCESSOR_CALL}")
+        problems.append(f"{processor.__name__}.__call__ takes {call}, not {PROCESSOR_CALL}")
     if attention._default_processor_cls is not processor:
         problems.append(
-            f"{attention.__qualname__}'s default processor is {attention._default_processor_cls.__qualname__}, "
-            f"not {processor.__qualname__}"
+            f"{attention.__name__}'s default processor is {attention._default_processor_cls.__name__}, "
+            f"not {processor.__name__}"
         )
     transformer = module.Cosmos3OmniTransformer
-    problems += [f"{transformer.__qualname__} has no seam `{seam}`" for seam in SEAMS if not hasattr(transformer, seam)]
+    problems += [f"{transformer.__name__} has no seam `{seam}`" for seam in SEAMS if not hasattr(transformer, seam)]
     return problems
 
 
