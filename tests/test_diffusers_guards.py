@@ -73,6 +73,14 @@ def test_attention_layers_are_found_by_type_and_a_foreign_processor_is_refused()
     layers[1].set_processor(Cosmos3AttnProcessor())
     with pytest.raises(ArgumentError, match="processor Cosmos3AttnProcessor, not diffusers' Cosmos3AttnProcessor"):
         ulysses.install_ulysses(layers, ulysses.Ulysses(None, 0, 1))
+
+    class Renamed(transformer_cosmos3.Cosmos3AttnProcessor):  # a processor diffusers renamed, found all the same
+        pass
+
+    layers = _attention_layers()
+    layers[0].set_processor(Renamed())
+    with pytest.raises(ArgumentError, match="processor Renamed, not diffusers' Cosmos3AttnProcessor"):
+        ulysses.install_ulysses(layers, ulysses.Ulysses(None, 0, 1))
     with pytest.raises(ArgumentError, match="no Cosmos3PackedMoTAttention"):
         ulysses.install_ulysses(nn.Linear(2, 2), ulysses.Ulysses(None, 0, 1))
 

@@ -38,6 +38,10 @@ class ParallelMesh:
             return self.weights[name]
         if name == "shard":  # FSDP: one shard group, every rank
             return self.world
+        if name == "replicate":
+            raise KeyError(
+                "no mesh dim 'replicate': the layout has no HSDP replicas (the weights are sharded over every rank)"
+            )
         raise KeyError(f"no mesh dim {name!r}; the dims are {', '.join(WORK_DIMS + WEIGHT_DIMS)}")
 
 
