@@ -77,7 +77,7 @@ def parallel_mesh_of(args: argparse.Namespace) -> ParallelMesh | None:
     return build_mesh(layout, LoadOptions().device.type)
 
 
-def load_options_of(args: argparse.Namespace, mesh: ParallelMesh | None) -> LoadOptions:
+def load_options_of(args: argparse.Namespace, mesh: ParallelMesh | None = None) -> LoadOptions:
     """The launcher's one ``LoadOptions``, from its arguments: the mesh's weight dims and
     ``--timeout`` for every agreement."""
     return LoadOptions(mesh=mesh.weights if mesh is not None else None, timeout_s=args.timeout)
