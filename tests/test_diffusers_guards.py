@@ -136,3 +136,24 @@ def test_a_scheduler_that_keeps_its_timesteps_object_is_named():
 
     (problem,) = scheduler_problems(Keeps(**SCHEDULER_CONFIG))
     assert "Keeps.set_timesteps keeps its `timesteps` object" in problem
+
+
+def test_two_one_step_requests_are_two_steps_by_the_schedulers_new_timesteps(demo_root):
+    """Both requests run step (0, 1): only the scheduler's new timesteps tell the second from the
+    first, so the trace records two steps, the step policy's precision for each."""
+    from fsdp_fp8 import load_pipeline, routing_of
+
+    pipe = load_pipeline(demo_root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    for seed in (0, 1):
+        generator = torch.Generator().manual_seed(seed)
+        pipe(
+            "a red fox",
+            num_frames=1,
+            height=32,
+            width=32,
+            num_inference_steps=1,
+            generator=generator,
+            output_type="latent",
+        )
+    assert len(routing_of(pipe.transformer).trace) == 2
