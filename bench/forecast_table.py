@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from fsdp_fp8.runtime.forecast import DEFAULT_TEXT_TOKENS, GiB, TransformerShape, VideoSize, config_tensors, forecast
-from fsdp_fp8.runtime.step_time import H200, LINK_EFFICIENCY, MFU, ParallelPlan, step_seconds
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+from fsdp_fp8.runtime.step_time import H200, LINK_EFFICIENCY, MFU, step_seconds
 
 # Nano: diffusers 0.42's Cosmos3OmniTransformer defaults (36 layers, 15.2B parameters: the
 # published count). Super: the 64-layer Qwen3-VL-32B text shape per tower (64B parameters); not
@@ -55,14 +56,14 @@ def main() -> None:
                 )
 
 
-def plans(gpus: int) -> list[ParallelPlan]:
-    """FSDP alone, CFG-parallel, and the sequence-parallel layouts ``gpus`` allows."""
-    out = [ParallelPlan(gpus)]
+def plans(gpus: int) -> list[ParallelLayout]:
+    """FSDP alone, CFG-parallel, and the Ulysses layouts ``gpus`` allows."""
+    out = [ParallelLayout(gpus)]
     if gpus >= 2:
-        out.append(ParallelPlan(gpus, cfg_parallel=True))
-        out.append(ParallelPlan(gpus, sequence_parallel=gpus))
+        out.append(ParallelLayout(gpus, cfg_parallel=True))
+        out.append(ParallelLayout(gpus, ulysses=gpus))
     if gpus >= 4:
-        out.append(ParallelPlan(gpus, cfg_parallel=True, sequence_parallel=gpus // 2))
+        out.append(ParallelLayout(gpus, cfg_parallel=True, ulysses=gpus // 2))
     return out
 
 
@@ -80,7 +81,7 @@ def step_time_table() -> None:
         config = {**_defaults(), **overrides}
         tensors, shape = config_tensors(config), TransformerShape.from_config(config)
         vision = size.vision_tokens(shape.patch)
-        one = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, ParallelPlan(1), H200)
+        one = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, ParallelLayout(1), H200)
         for gpus in (1, 2, 4, 8):
             for plan in plans(gpus):
                 fc = forecast(
@@ -90,14 +91,14 @@ def step_time_table() -> None:
                     gpus,
                     components_bytes=VAE_BYTES,
                     cfg_parallel=plan.cfg_parallel,
-                    sequence_parallel=plan.sequence_parallel,
+                    ulysses=plan.ulysses,
                 )
                 peak = fc.device_bytes / GiB
                 fp8 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200)
                 bf16 = step_seconds(shape, DEFAULT_TEXT_TOKENS, vision, plan, H200, w8a8=False)
                 fits = "yes" if peak + 1 <= 74.5 else "no"  # 80 GB = 74.5 GiB, 1 GiB for CUDA and NCCL
                 print(
-                    f"| {name} | {gpus} | {plan.label} | {peak:.1f} GiB | {fits} | {fp8:.2f} | {bf16:.2f} | "
+                    f"| {name} | {gpus} | {plan.describe().replace('none', 'FSDP only')} | {peak:.1f} GiB | {fits} | {fp8:.2f} | {bf16:.2f} | "
                     f"{one / fp8:.1f}x |"
                 )
 

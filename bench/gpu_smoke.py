@@ -35,7 +35,7 @@ Sections:
              (2 forwards) per precision and kernel option
   allgather  the uint8 all-gather of uneven shards (zero-row ranks included) under torchrun at
              the largest world the box allows (one GPU per rank), ms and GB/s per weight shape
-  alltoall   sequence parallelism's all-to-alls (q/k/v to heads, the output back) under torchrun at
+  alltoall   Ulysses attention's all-to-alls (q/k/v to heads, the output back) under torchrun at
              the largest world the box allows, the 64B model's 720p video among the shapes: the
              rows and heads every rank gets back, ms and GB/s (needs 2 GPUs; --dry: gloo, 3 ranks)
   demo       ``torchrun launch/infer.py`` at min(8, GPU count) ranks under NCCL: seconds, load,
@@ -861,7 +861,7 @@ def section_alltoall(ctx: Context) -> None:
         return
     world = torch.cuda.device_count() if ctx.device.type == "cuda" else 3
     if world < 2:
-        ctx.skip("torchrun", f"{world} GPU: a sequence group needs two (NCCL refuses two ranks on one GPU)")
+        ctx.skip("torchrun", f"{world} GPU: a Ulysses group needs two (NCCL refuses two ranks on one GPU)")
         return
     with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp, ctx.variant(f"world {world}") as r:
         report = Path(tmp) / "alltoall.json"

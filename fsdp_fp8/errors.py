@@ -34,8 +34,8 @@ class ProblemsError(Exception):
 
     default_context = "problems"
 
-    def __init__(self, problems: Iterable[str], context: str | None = None):
-        self.problems: list[str] = sorted(set(problems))
+    def __init__(self, problems: Iterable[str] | str, context: str | None = None):
+        self.problems: list[str] = sorted({problems} if isinstance(problems, str) else set(problems))
         self.context = context or self.default_context
         super().__init__(format_problems(self.context, self.problems))
 
@@ -68,6 +68,27 @@ class QuantizeError(ProblemsError, ValueError):
     """Runtime quantization (``quantize_model``) refused the model or the options."""
 
     default_context = "cannot quantize the model"
+
+
+class ArgumentError(ProblemsError, ValueError):
+    """A value handed to fsdp_fp8 cannot work: an option, a keyword, a parallel layout, a
+    tensor's construction arguments. Raised before anything changes, alike on every rank that was
+    handed the same value (so the launcher prints it once)."""
+
+    default_context = "invalid argument"
+
+
+class ArgumentTypeError(ProblemsError, TypeError):
+    """A value handed to fsdp_fp8 has the wrong type or name (an unknown keyword)."""
+
+    default_context = "invalid argument"
+
+
+class LayoutError(ArgumentError):
+    """The ranks cannot be cut into the parallel layout asked for (``runtime.parallel_layout``):
+    the degrees, the world size or the transformer's attention heads."""
+
+    default_context = "parallel layout"
 
 
 class LoadFailedError(ProblemsError, RuntimeError):

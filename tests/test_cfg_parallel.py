@@ -54,28 +54,29 @@ def _digest(t: torch.Tensor) -> str:
 
 def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
     from fsdp_fp8 import load_pipeline, routing_of
-    from fsdp_fp8.interop.forward_state import cfg_pair_of
+    from fsdp_fp8.interop.cfg_parallel import CfgPair
+    from fsdp_fp8.testing.collective_counts import counted
 
     pipe = load_pipeline(root, device=torch.device("cpu"), cfg_parallel=cfg_parallel)
     pipe.set_progress_bar_config(disable=True)
     forwards = []  # the forwards this rank really ran (FSDP's pre-forward hook runs with each)
     pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
-    out = pipe(
-        prompt,
-        **PIPE_SIZE,
-        num_inference_steps=STEPS,
-        guidance_scale=3.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-    )
+    with counted(CfgPair, "_exchange") as exchanges:
+        out = pipe(
+            prompt,
+            **PIPE_SIZE,
+            num_inference_steps=STEPS,
+            guidance_scale=3.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        )
     routing = routing_of(pipe.transformer)
-    cfg = cfg_pair_of(pipe.transformer)
     return {
         "digest": _digest(out.video),
         "ours": [c.__name__ for c in type(pipe.transformer).__mro__ if c.__module__.startswith("fsdp_fp8")],
         "forwards": len(forwards),
         "trace": routing.summary(),
-        "exchanges": cfg.exchanges if cfg is not None else 0,
+        "exchanges": exchanges.calls,
     }
 
 
@@ -166,19 +167,19 @@ def test_launcher_cfg_parallel_on_hsdp_replicas(observed):
 
 def test_an_odd_world_size_is_refused_before_loading(roots, tmp_path):
     from fsdp_fp8 import load_pipeline
-    from fsdp_fp8.cli.runner import parse_args
+    from fsdp_fp8.cli.arguments import parse_run_args
 
     with pytest.raises(ValueError, match="needs an even world size, got 1"):
         load_pipeline(roots[0], device=torch.device("cpu"), cfg_parallel=True)
     with mock.patch.dict(os.environ, {"WORLD_SIZE": "3"}), pytest.raises(SystemExit) as info:
-        parse_args(["--cfg-parallel"])
+        parse_run_args(["--cfg-parallel"])
     assert info.value.code == 2
 
 
 def test_inputs_that_are_not_the_recorded_ones_are_refused_before_any_exchange():
     from fsdp_fp8.interop.cfg_parallel import CfgPair
 
-    pair = CfgPair(group=None, role=1)  # no group: an exchange would fail loudly, none must run
+    pair = CfgPair(group=None, rank=1)  # no group: an exchange would fail loudly, none must run
     ids, positions, latent, timesteps = torch.arange(3), torch.zeros(3, 3), torch.ones(4), torch.full((4,), 500.0)
     uncond_ids = ids[:2]
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism's local work on fake CUDA (tests/fake_cuda.py): the rows a rank keeps,
+"""Ulysses attention's local work on fake CUDA (tests/fake_cuda.py): the rows a rank keeps,
 the packing around the all-to-alls, the head slices and the attention, with CUDA's rules (one
 device per op, ``_scaled_mm``'s layouts on the FP8 projections, contiguous collective buffers).
 
@@ -14,19 +14,20 @@ from fake_cuda import fake_cuda
 from torch import nn
 
 from fsdp_fp8.fp8.linear import Float8StaticLinear
-from fsdp_fp8.interop.sequence_parallel import SequenceParallel, UlyssesCosmos3AttnProcessor
+from fsdp_fp8.interop.ulysses import Ulysses, UlyssesCosmos3AttnProcessor
 
 pytest.importorskip("diffusers")
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16  # multiples of 16: W8A8 runs on CUDA
 
 
-class Loopback(SequenceParallel):
+class Loopback(Ulysses):
     """One rank of a group of ``size`` whose collectives return its own buffer: the real call's shapes."""
 
     def __init__(self, size: int):
-        super().__init__(group=None, position=size - 1, size=size)
+        super().__init__(group=None, rank=size - 1, size=size)
         self.buffers: list[torch.Tensor] = []
+        self.all_to_alls = 0
 
     def _all_to_all(self, out, send):
         assert out.is_contiguous() and send.is_contiguous() and out.shape == send.shape and out.device == send.device

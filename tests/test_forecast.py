@@ -1,6 +1,6 @@
 """The memory forecast against what a run really holds: the demo Cosmos 3 pipeline (a real
 ``Cosmos3OmniPipeline`` around a ModelOpt-layout FP8 transformer) at two sizes, on 1 process and
-on 2 FSDP ranks, alone and as a sequence group (``sequence_parallel=2``). The measured peak is the live tensor storage on the CPU during the denoising
+on 2 FSDP ranks, alone and as a Ulysses group (``sequence_parallel=2``, the older name of ``ulysses``). The measured peak is the live tensor storage on the CPU during the denoising
 loop (``fsdp_fp8.testing.live_bytes``), from the first transformer forward to the last step's
 end; the VAE's encode before the loop is a separate phase the forecast leaves out."""
 
@@ -73,7 +73,7 @@ def _measure(rank: int, world: int, root: str, sequence_parallel: int = 1) -> li
             width=width,
             frames=frames,
             text_tokens=loop["text"],
-            sequence_parallel=sequence_parallel,
+            ulysses=sequence_parallel,
         )
         out.append(
             {
@@ -92,11 +92,11 @@ def measured(demo_root):
     return {
         1: [_measure(0, 1, root)],
         2: run_ranks(_measure, 2, root, timeout=600),
-        "SP 2": run_ranks(_measure, 2, root, 2, timeout=600),
+        "Ulysses 2": run_ranks(_measure, 2, root, 2, timeout=600),
     }
 
 
-@pytest.mark.parametrize("run", [1, 2, "SP 2"])
+@pytest.mark.parametrize("run", [1, 2, "Ulysses 2"])
 def test_forecast_is_within_15_percent_of_the_measured_peak_at_two_sizes(measured, run):
     rows = [r for rank in measured[run] for r in rank]
     assert len(rows) == len(SIZES) * len(measured[run])
@@ -111,7 +111,7 @@ def test_forecast_is_within_15_percent_of_the_measured_peak_at_two_sizes(measure
 def test_a_sequence_groups_decoder_stack_holds_less_than_one_ranks(measured):
     """The stack on half the generation rows (the demo's peak is its time embedding, whole on
     every rank: the forecast says so, and the stack's own peak is what sequence parallelism cuts)."""
-    for alone, split in zip(measured[2][0], measured["SP 2"][0]):
+    for alone, split in zip(measured[2][0], measured["Ulysses 2"][0]):
         assert split["stack"] < alone["stack"], (split["stack"], alone["stack"])
 
 

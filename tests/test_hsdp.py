@@ -51,7 +51,7 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
 
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from fsdp_fp8 import device_mesh, gather_state_dict, load_model, save_checkpoint
+    from fsdp_fp8 import ParallelLayout, build_mesh, gather_state_dict, load_model, save_checkpoint
     from fsdp_fp8.load import reader
     from fsdp_fp8.runtime.collectives import AllGatherMeter
     from fsdp_fp8.runtime.residency import apply_residency
@@ -68,7 +68,11 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
         "no dim names": _refusal(lambda: load_uneven(init_device_mesh("cpu", (2, 2)))),
         "two of four ranks": _refusal(lambda: load_uneven(DeviceMesh("cpu", [0, 1]))),
     }
-    hsdp_mesh, flat_mesh = device_mesh("cpu", REPLICAS), device_mesh("cpu")  # on every rank: collective
+
+    def device_mesh(replicas: int = 1):  # the weight dims of the layout's one mesh
+        return build_mesh(ParallelLayout(world, replicas=replicas), "cpu").weights
+
+    hsdp_mesh, flat_mesh = device_mesh(REPLICAS), device_mesh()  # on every rank: collective
     obs["refused"]["2-D on ranks 0, 1; 1-D on 2, 3"] = _refusal(
         lambda: load_uneven(hsdp_mesh if rank < 2 else flat_mesh)
     )
@@ -76,12 +80,12 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
         lambda: load_model(uneven_model_fn, uneven, hsdp_mesh, device=torch.device("meta"))
     )
     try:
-        device_mesh("cpu", 3)
+        device_mesh(3)
         obs["replicas 3"] = None
     except ValueError as exc:
         obs["replicas 3"] = str(exc)
 
-    mesh = device_mesh("cpu", REPLICAS)
+    mesh = device_mesh(REPLICAS)
     obs["coordinate"] = mesh.get_coordinate()
     totals: list[int] = []
 

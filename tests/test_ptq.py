@@ -355,7 +355,7 @@ def test_infer_refuses_quantize_on_two_ranks(tmp_path, checkpoints, capsys, monk
 
 
 def test_infer_include_without_quantize_is_a_usage_error(checkpoints, capsys):
-    from fsdp_fp8.cli.runner import parse_args
+    from fsdp_fp8.cli.arguments import parse_run_args as parse_args
 
     bf16, _ = checkpoints
     with pytest.raises(SystemExit) as exit_:

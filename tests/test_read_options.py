@@ -9,15 +9,16 @@ import pytest
 import torch
 from small_models import uneven_model_fn, write_uneven_checkpoint
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.read_options import ReadOptions
 
 
 def test_bad_options_are_refused_naming_each_field():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ArgumentError) as err:
         ReadOptions(threads=0, request_bytes=-1, prefetch_bytes=-5, in_flight=True, direct="yes")
     text = str(err.value)
-    assert "\n" not in text  # one line, every field in it
+    assert len(err.value.problems) == 5  # raised once, every field in it
     assert "ReadOptions.threads must be an int >= 1 or None, got 0" in text
     assert "ReadOptions.request_bytes must be an int >= 1 or None, got -1" in text
     assert "ReadOptions.prefetch_bytes must be an int >= 0, got -5" in text

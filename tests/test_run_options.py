@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_fp8.cli.arguments import parse_run_args as parse_args
 from fsdp_fp8.cli.options import file_problems, unused_options
-from fsdp_fp8.cli.runner import parse_args
 
 
 def _usage_error(argv, capsys) -> str:
@@ -416,19 +416,19 @@ def _careless(tmp_path: Path, case: str) -> tuple[list[str], str]:
         report = tmp_path / "same-001.png"
         argv = ["--prompts", str(tmp_path / "prompts.txt"), "--output", str(same), "--report", str(report)]
         return argv, f"--report {report} is --output {same}'s file for prompt 1; name two files"
-    if case == "sequence group over the world":
-        return ["--sequence-parallel", "2"], (
-            "--sequence-parallel 2: a world of 1 rank cannot be cut into sequence groups of 2: 2 must divide 1"
+    if case == "Ulysses group over the world":
+        return ["--sequence-parallel", "2"], (  # the option's older name: the problem says its name
+            "--ulysses 2: a world of 1 rank cannot be cut into Ulysses groups of 2: 2 must divide 1"
         )
-    if case == "sequence group over the heads":  # the demo's transformer: 4 query heads, 2 key/value heads
-        return ["--nproc-per-node", "3", "--sequence-parallel", "3"], (
-            "--sequence-parallel 3 cannot split this transformer's attention: it has 4 query heads and 2 "
-            "key/value heads (the demo's transformer config)"
+    if case == "Ulysses group over the heads":  # the demo's transformer: 4 query heads, 2 key/value heads
+        return ["--nproc-per-node", "3", "--ulysses", "3"], (
+            "--ulysses 3: a Ulysses degree of 3 cannot split this transformer's attention: it has 4 query heads "
+            "and 2 key/value heads (the demo's transformer config)"
         )
-    if case == "sequence group on no pipeline":
+    if case == "Ulysses group on no pipeline":
         fixture = Path(__file__).parent / "fixtures" / "modelopt-0.47-cosmos3-transformer"
-        return ["--nproc-per-node", "2", "--sequence-parallel", "2", "--checkpoint", str(fixture)], (
-            f"--sequence-parallel 2 splits a diffusers pipeline's transformer; {fixture} has no model_index.json"
+        return ["--nproc-per-node", "2", "--ulysses", "2", "--checkpoint", str(fixture)], (
+            f"--ulysses 2 splits a diffusers pipeline's transformer; {fixture} has no model_index.json"
         )
     assert case == "timeout"
     return ["--timeout", "inf"], "--timeout must be <= 86,400 seconds (a day), got inf"
@@ -442,9 +442,9 @@ CARELESS = [
     "linked file",
     "a prompt's file",
     "timeout",
-    "sequence group over the world",
-    "sequence group over the heads",
-    "sequence group on no pipeline",
+    "Ulysses group over the world",
+    "Ulysses group over the heads",
+    "Ulysses group on no pipeline",
 ]
 
 

@@ -1,5 +1,5 @@
-"""Sequence (Ulysses) parallelism for Cosmos 3: the generation tokens of one pass split over a
-sequence group, composed with FSDP2's FP8 sharding and CFG-parallel, latents bit-identical to the
+"""Ulysses attention for Cosmos 3: the generation tokens of one pass split over a Ulysses group,
+composed with FSDP2's FP8 sharding and CFG-parallel, latents bit-identical to the
 one-rank sequential run.
 
 The pipelines are test_cfg_parallel's: the embedded demo's (4 query heads, 2 key/value heads)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(900)
 from ranks import run_ranks  # noqa: E402
 from test_cfg_parallel import roots  # noqa: E402, F401 - the two pipeline roots (a module fixture)
 
-from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems, layout_problems  # noqa: E402
+from fsdp_fp8.runtime.parallel_layout import AttentionHeads, ParallelLayout, head_problems, layout_problems  # noqa: E402
 
 STEPS = 4
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # latent 8 x 8, patch 2: 16 generation tokens
@@ -42,7 +42,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _pipeline(root: str, cfg_parallel: bool = False, sequence_parallel: int = 1, policy: str = "auto"):
+def _pipeline(root: str, cfg_parallel: bool = False, ulysses: int = 1, policy: str = "auto"):
     """One loaded pipeline, run at every size and prompt of a layout (a user's pipeline serves
     many calls; each call is judged on its own counts)."""
     from fsdp_fp8 import load_pipeline
@@ -51,7 +51,7 @@ def _pipeline(root: str, cfg_parallel: bool = False, sequence_parallel: int = 1,
         root,
         device=torch.device("cpu"),
         cfg_parallel=cfg_parallel,
-        sequence_parallel=sequence_parallel,
+        ulysses=ulysses,
         step_policy=policy,
     )
     pipe.set_progress_bar_config(disable=True)
@@ -62,25 +62,25 @@ def _pipeline(root: str, cfg_parallel: bool = False, sequence_parallel: int = 1,
 
 def _generate(pipe, prompt: str, size: dict) -> dict:
     from fsdp_fp8.fp8.linear import Float8StaticLinear
-    from fsdp_fp8.interop.forward_state import pipeline_state_of
+    from fsdp_fp8.interop.ulysses import Ulysses
+    from fsdp_fp8.testing.collective_counts import counted
 
     groups = {id(m.shared): m.shared for m in pipe.transformer.modules() if isinstance(m, Float8StaticLinear)}
     groups.pop(id(None), None)
-    state = pipeline_state_of(pipe.transformer)
 
-    def counts() -> tuple[int, list[int], int]:
-        sent = state.sequence.all_to_alls if state.sequence is not None else 0
-        return len(pipe.forwards), [g.quantizations for g in groups.values()], sent
+    def counts() -> tuple[int, list[int]]:
+        return len(pipe.forwards), [g.quantizations for g in groups.values()]
 
     before = counts()
-    out = pipe(
-        prompt,
-        **size,
-        num_inference_steps=STEPS,
-        guidance_scale=3.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-    )
+    with counted(Ulysses, "_all_to_all") as all_to_alls:
+        out = pipe(
+            prompt,
+            **size,
+            num_inference_steps=STEPS,
+            guidance_scale=3.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        )
     after = counts()
     forwards = after[0] - before[0]
     return {
@@ -88,7 +88,7 @@ def _generate(pipe, prompt: str, size: dict) -> dict:
         "forwards": forwards,
         # each sibling group quantized its one input once per forward: SP changes no count
         "quantizations": sorted((a - b) // forwards for a, b in zip(after[1], before[1])),
-        "all_to_alls": after[2] - before[2],
+        "all_to_alls": all_to_alls.calls,
         "ours": [c.__name__ for c in type(pipe.transformer).__mro__ if c.__module__.startswith("fsdp_fp8")],
     }
 
@@ -116,18 +116,19 @@ def _observe(rank: int, world: int, demo: str, fixture: str, prompts_file: str, 
         return obs
     layouts = {2: [("sp", False, 2)], 4: [("cfg sp", True, 2), ("sp", False, 4)]}[world]
     for key, cfg, sp in layouts:
-        slot = ParallelLayout(rank, world, cfg_parallel=cfg, sequence_parallel=sp).slot
+        request = ParallelLayout(world, cfg_parallel=cfg, ulysses=sp).coordinates(rank).request
         for name, root in pipelines.items():
             if sp > 2 and name == "fixture":
                 continue  # its 2 query heads split 2 ways at most
             pipe = _pipeline(root, cfg, sp, policies[name])
             for label, size in SIZES.items():
                 if label in SIZES_AT[world]:
-                    obs[f"{key} {name} {label}"] = _generate(pipe, PROMPTS[slot], size)
+                    obs[f"{key} {name} {label}"] = _generate(pipe, PROMPTS[request], size)
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     with mock.patch.dict(os.environ, env):
-        sp_args = ("--sequence-parallel", "2")
+        sp_args = ("--ulysses", "2")
         if world == 2:
+            sp_args = ("--sequence-parallel", "2")  # the option's older name, still taken
             obs["launch"] = _launch(demo, Path(reports, "2.json"), *sp_args, rank=rank)
         else:
             prompts = ("--prompts", prompts_file)
@@ -158,7 +159,7 @@ CASES = [
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("pipeline", ["demo", "fixture"])
 @pytest.mark.parametrize(("world", "key", "degree", "cfg"), CASES)
-def test_sequence_parallel_latents_equal_the_sequential_run(observed, world, key, degree, cfg, pipeline, size):
+def test_ulysses_latents_equal_the_sequential_run(observed, world, key, degree, cfg, pipeline, size):
     if degree > 2 and pipeline == "fixture":
         pytest.skip("the fixture's 2 query heads split 2 ways at most")
     if size not in SIZES_AT[world]:
@@ -167,9 +168,9 @@ def test_sequence_parallel_latents_equal_the_sequential_run(observed, world, key
     if size == "image":
         assert sequential[0]["digest"] != sequential[1]["digest"]  # the two prompts differ
     for rank, obs in enumerate(observed[world]):
-        layout = ParallelLayout(rank, world, cfg_parallel=cfg, sequence_parallel=degree)
+        layout = ParallelLayout(world, cfg_parallel=cfg, ulysses=degree)
         got = obs[f"{key} {pipeline} {size}"]
-        want = sequential[layout.slot]
+        want = sequential[layout.coordinates(rank).request]
         assert got["digest"] == want["digest"], (rank, layout)
         # W8A8 (the fixture): each sibling group quantized its input once per forward, as on one rank
         assert got["quantizations"] == want["quantizations"] == [int(pipeline == "fixture")] * len(got["quantizations"])
@@ -178,70 +179,79 @@ def test_sequence_parallel_latents_equal_the_sequential_run(observed, world, key
         assert got["ours"] == ["PipelinedFSDPCosmos3OmniTransformer"]
 
 
-def test_the_launcher_with_sequence_parallel_equals_the_one_rank_run(observed):
+def test_the_launcher_with_ulysses_equals_the_one_rank_run(observed):
     one = observed[1][0]["launch"]
     report = observed[2][0]["launch"]  # at 4 ranks: with --prompts and with CFG pairs, below
-    assert report["parallelism"] == "SP 2"
+    assert report["parallelism"] == "Ulysses 2"
     assert report["latent_sha256"] == one["latent_sha256"]
     assert report["precision_trace"] == one["precision_trace"]
 
 
-def test_the_launcher_spreads_prompts_over_the_sequence_groups(observed):
+def test_the_launcher_spreads_prompts_over_the_request_groups(observed):
     one = observed[1][0]["launch_prompts"]
     report = observed[4][0]["launch_prompts"]
-    assert report["parallelism"] == "SP 2"
+    assert report["parallelism"] == "Ulysses 2"
     want = [(r["index"], r["latent_sha256"]) for r in one["outputs"]]
     assert [(r["index"], r["latent_sha256"]) for r in report["outputs"]] == want
     assert {r["rank"] for r in report["outputs"]} == {0, 2}  # the first rank of each group writes
 
 
-def test_the_launcher_composes_cfg_pairs_sequence_groups_and_hsdp_replicas(observed):
+def test_the_launcher_composes_cfg_pairs_ulysses_groups_and_hsdp_replicas(observed):
     report = observed[4][0]["launch_hsdp"]
-    assert report["mesh"] == [2, 2] and report["parallelism"] == "CFG 2 x SP 2"
+    assert report["mesh"] == [2, 2] and report["parallelism"] == "CFG 2 x Ulysses 2"
     assert report["latent_sha256"] == observed[1][0]["launch"]["latent_sha256"]
 
 
-def test_the_layout_puts_sequence_groups_innermost_then_cfg_pairs_then_slots():
-    layout = ParallelLayout(5, 8, cfg_parallel=True, sequence_parallel=4)
-    assert (layout.slot, layout.slots, layout.role, layout.position, layout.writes) == (0, 1, 1, 1, False)
-    assert layout.sequence_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert layout.cfg_pairs() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.describe() == "CFG 2 x SP 4"
-    pairs = ParallelLayout(0, 4, cfg_parallel=True)
-    assert pairs.cfg_pairs() == [[0, 1], [2, 3]] and pairs.sequence_groups() == [[0], [1], [2], [3]]
-    assert [ParallelLayout(r, 8, sequence_parallel=2).slot for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+def test_the_layout_puts_ulysses_innermost_then_cfg_then_requests():
+    layout = ParallelLayout(8, cfg_parallel=True, ulysses=4)
+    assert layout.coordinates(5) == (0, 1, 1) and layout.requests == 1 and not layout.writes(5)
+    assert [r for r in range(8) if layout.coordinates(r).cfg == 0] == [0, 1, 2, 3]  # one Ulysses group
+    assert [layout.coordinates(r).ulysses for r in range(8)] == [0, 1, 2, 3] * 2  # pairs (0, 4) ... (3, 7)
+    assert layout.describe() == "CFG 2 x Ulysses 4" and layout.work_sizes() == (1, 2, 4)
+    pairs = ParallelLayout(4, cfg_parallel=True)
+    assert [pairs.coordinates(r) for r in range(4)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert [ParallelLayout(8, ulysses=2).coordinates(r).request for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert ParallelLayout(8, replicas=2).weight_sizes() == (2, 4)
 
 
 @pytest.mark.parametrize(
-    ("world", "cfg", "degree", "needle"),
+    ("world", "cfg", "degree", "replicas", "needle"),
     [
-        (6, False, 4, "a world of 6 ranks cannot be cut into sequence groups of 4: 4 must divide 6"),
-        (4, True, 4, "CFG pairs of sequence groups of 4 (8 ranks per request): 8 must divide 4"),
-        (3, True, 1, "CFG-parallel runs ranks in pairs: it needs an even world size, got 3"),
-        (4, False, 0, "the sequence-parallel degree must be an integer >= 1, got 0"),
+        (6, False, 4, 1, "a world of 6 ranks cannot be cut into Ulysses groups of 4: 4 must divide 6"),
+        (4, True, 4, 1, "CFG pairs of Ulysses groups of 4 (8 ranks per request): 8 must divide 4"),
+        (3, True, 1, 1, "CFG-parallel runs ranks in pairs: it needs an even world size, got 3"),
+        (4, False, 0, 1, "the Ulysses degree must be >= 1, got 0"),
+        (4, False, 1, 3, "replicas 3 does not divide the world size 4"),
     ],
 )
-def test_a_world_the_layout_cannot_cut_is_named(world, cfg, degree, needle):
-    assert any(needle in p for p in layout_problems(world, cfg, degree))
-    with pytest.raises(ValueError, match="cannot be cut|even world size|integer >= 1"):
-        ParallelLayout(0, world, cfg_parallel=cfg, sequence_parallel=degree)
+def test_a_world_the_layout_cannot_cut_is_named(world, cfg, degree, replicas, needle):
+    from fsdp_fp8 import LayoutError
+
+    assert any(needle in p for p in layout_problems(world, cfg, degree, replicas))
+    with pytest.raises(LayoutError, match="cannot be cut|even world size|>= 1|does not divide"):
+        ParallelLayout(world, cfg_parallel=cfg, ulysses=degree, replicas=replicas)
 
 
 def test_a_degree_the_heads_cannot_take_names_both_counts():
     config = {"num_attention_heads": 64, "num_key_value_heads": 8}
-    assert head_problems(config, 4) == head_problems(config, 8) == []
-    assert head_problems({"num_attention_heads": 2, "num_key_value_heads": 1}, 2) == []  # ranks share the kv head
-    (problem,) = head_problems(config, 3, "T/config.json")
-    assert "64 query heads and 8 key/value heads (T/config.json)" in problem and "--sequence-parallel 3" in problem
-    (problem,) = head_problems({"num_attention_heads": 24, "num_key_value_heads": 8}, 16)
+    assert head_problems(AttentionHeads.of(config), 4) == head_problems(AttentionHeads.of(config), 8) == []
+    shared = AttentionHeads.of({"num_attention_heads": 2, "num_key_value_heads": 1})
+    assert head_problems(shared, 2) == []  # ranks share the kv head
+    (problem,) = head_problems(AttentionHeads.of(config, "T/config.json"), 3)
+    assert "64 query heads and 8 key/value heads (T/config.json)" in problem and "Ulysses degree of 3" in problem
+    (problem,) = head_problems(AttentionHeads.of({"num_attention_heads": 24, "num_key_value_heads": 8}), 16)
     assert "24 query heads and 8 key/value heads" in problem  # 16 divides neither the heads nor 24
+    with pytest.raises(ValueError, match="Ulysses degree of 3 cannot split"):  # the layout checks them once
+        ParallelLayout(6, ulysses=3, heads=AttentionHeads.of(config))
 
 
 def test_load_pipeline_refuses_a_degree_before_loading(roots):  # noqa: F811
     from fsdp_fp8 import load_pipeline
 
-    with pytest.raises(ValueError, match="sequence groups of 2: 2 must divide 1"):
+    with pytest.raises(ValueError, match="Ulysses groups of 2: 2 must divide 1"):
         load_pipeline(roots[0], device=torch.device("cpu"), sequence_parallel=2)
+    with pytest.raises(ValueError, match="name one degree"):
+        load_pipeline(roots[0], device=torch.device("cpu"), sequence_parallel=2, ulysses=4)
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -250,7 +260,7 @@ def test_every_ranks_rows_through_an_fp8_linear_give_the_one_rank_bits(size):
     one (``torch._scaled_mm``), so a rank's slice is at least 16 rows, or the whole pass."""
     from small_models import random_fp8_linear
 
-    from fsdp_fp8.interop.sequence_parallel import SequenceParallel
+    from fsdp_fp8.interop.ulysses import Ulysses
 
     lin, g = random_fp8_linear(32, 96, "cpu")
     for length in (6, 12, 20, 30, 37, 64):
@@ -258,7 +268,7 @@ def test_every_ranks_rows_through_an_fp8_linear_give_the_one_rank_bits(size):
         rotary = (torch.empty(0), torch.empty(0), torch.zeros(length, 4), torch.zeros(length, 4))
         parts = []
         for position in range(size):
-            _, rows, _ = SequenceParallel(None, position, size).shard(torch.empty(0), x, rotary)
+            _, rows, _ = Ulysses(None, position, size).shard(torch.empty(0), x, rotary)
             parts.append(lin(rows))
         assert torch.equal(torch.cat(parts)[:length], lin(x)), length
 
@@ -274,22 +284,23 @@ MODELS = {  # the demo's transformer with other heads, and with use_und_k_norm_f
 
 def _transformer_outputs(rank: int, world: int, paths: dict, degree: int) -> dict:
     """Each model's vision prediction per latent and mode, the transformer run through its one
-    subclass of ours with a sequence group of ``degree`` (1: none)."""
+    subclass of ours with a Ulysses group of ``degree`` (1: none)."""
     from fsdp_fp8 import Float8StaticLinear, install_step_policy, load_model, share_quantized_inputs
     from fsdp_fp8.interop.cosmos import latent_shape, pack_inputs
     from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
-    from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
+    from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
     from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+    from fsdp_fp8.runtime.parallel_mesh import build_mesh
 
     out = {}
     for name, path in paths.items():
         model = load_model(None, path, device=torch.device("cpu")).model
         share_quantized_inputs(model)
-        sequence = None
+        ulysses = None
         if degree > 1:
-            sequence = sequence_group(ParallelLayout(rank, world, sequence_parallel=degree).sequence_groups(), rank)
-            install_sequence_parallel(model, sequence)
-        attach_pipeline_state(model, PipelineState(install_step_policy(model, None), sequence=sequence))
+            ulysses = Ulysses.of(build_mesh(ParallelLayout(world, ulysses=degree), "cpu"))
+            install_ulysses(model, ulysses)
+        attach_pipeline_state(model, PipelineState(install_step_policy(model, None), ulysses=ulysses))
         for mode in ("native", "a16"):
             for m in model.modules():
                 if isinstance(m, Float8StaticLinear):
@@ -320,7 +331,7 @@ def transformers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_transformer_split_over_a_sequence_group_gives_the_one_rank_bits(transformers, world):
+def test_the_transformer_split_over_a_ulysses_group_gives_the_one_rank_bits(transformers, world):
     """Both modes, three sizes (uneven rows, fewer than 16 per rank), 8 query / 4 key-value heads
     and a text key normalised apart for the generation pathway (``k_norm_und_for_gen``)."""
     one = transformers[1]

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("diffusers")
 
 from fsdp_fp8.runtime.forecast import TransformerShape  # noqa: E402
-from fsdp_fp8.runtime.step_time import H200, ParallelPlan, layer_weights, pass_work, step_seconds  # noqa: E402
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout  # noqa: E402
+from fsdp_fp8.runtime.step_time import H200, layer_weights, pass_work, step_seconds  # noqa: E402
 
 TINY = dict(
     hidden_size=64,
@@ -56,20 +57,17 @@ def test_the_forecast_flops_are_the_ones_torch_counts(text, frames):
     assert work.attention_flops + 2 * text * text * width * shape.layers == counted["aten.bmm"]
 
 
-def test_a_sequence_group_splits_the_vision_work_and_keeps_the_text_whole():
-    one, four = pass_work(SUPER, 512, 44160), pass_work(SUPER, 512, 44160, sequence_parallel=4)
+def test_a_ulysses_group_splits_the_vision_work_and_keeps_the_text_whole():
+    one, four = pass_work(SUPER, 512, 44160), pass_work(SUPER, 512, 44160, ulysses=4)
     text_linear = 2 * 512 * layer_weights(SUPER) * SUPER.layers
     assert four.linear_flops - text_linear == pytest.approx((one.linear_flops - text_linear) / 4)
     assert one.all_to_all_bytes == 0 < four.all_to_all_bytes
     assert four.attention_flops < one.attention_flops / 3.9  # the causal text part stays on every rank
 
 
-def test_cfg_pairs_and_sequence_groups_shorten_a_step_and_refuse_what_does_not_divide():
-    one = step_seconds(SUPER, 512, 44160, ParallelPlan(1), H200)
-    fsdp = step_seconds(SUPER, 512, 44160, ParallelPlan(8), H200)
-    both = step_seconds(SUPER, 512, 44160, ParallelPlan(8, cfg_parallel=True, sequence_parallel=4), H200)
+def test_cfg_pairs_and_ulysses_groups_shorten_a_step_on_the_layouts_own_value():
+    one = step_seconds(SUPER, 512, 44160, ParallelLayout(1), H200)
+    fsdp = step_seconds(SUPER, 512, 44160, ParallelLayout(8), H200)
+    both = step_seconds(SUPER, 512, 44160, ParallelLayout(8, cfg_parallel=True, ulysses=4), H200)
     assert fsdp == pytest.approx(one)  # FSDP alone: every rank computes the whole step
     assert one / both > 6  # the compute splits 8 ways; the all-to-alls cost the rest
-    assert ParallelPlan(8, cfg_parallel=True, sequence_parallel=4).label == "CFG 2 x SP 4"
-    with pytest.raises(ValueError, match="8 GPUs do not split into 2 CFG ranks x 3 sequence ranks"):
-        ParallelPlan(8, cfg_parallel=True, sequence_parallel=3)

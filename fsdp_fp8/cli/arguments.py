@@ -14,7 +14,7 @@ import os
 import sys
 
 from fsdp_fp8.cli import interrupts
-from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems, sequence_parallel_problems
+from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems, ulysses_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -87,8 +87,9 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                     "tokens (default 64)")),
     ],
     "diffusers pipelines": [
-        (("--prompts",), dict(metavar="FILE", help="one prompt per line (UTF-8, blank lines skipped); rank r "
-                              "generates prompts r, r + N, r + 2N, ...")),
+        (("--prompts",), dict(metavar="FILE", help="one prompt per line (UTF-8, blank lines skipped); request "
+                              "group g of G (G = WORLD_SIZE without --cfg-parallel / --ulysses, else WORLD_SIZE "
+                              "over the ranks of one request) generates prompts g, g + G, g + 2G, ...")),
         (("--negative-prompt",), dict(default=None, help="the unconditional prompt (default empty)")),
         (("--output",), dict(metavar="FILE", help="save the decoded result as .png (an image, or an animated "
                              "PNG of the frames) or .mp4; with --prompts: FILE-000.png, FILE-001.png, ...")),
@@ -114,9 +115,12 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                       "the gathered blocks may take per rank (e.g. 60e9, 48GiB)")),
         (("--timeout",), dict(type=float, default=600.0, help="seconds before a stuck collective fails "
                               "(default 600)")),
-        (("--sequence-parallel",), dict(type=int, default=1, metavar="N", help="pipeline (Cosmos 3): groups of "
-                                        "N ranks split the generation tokens of each pass (Ulysses); the "
-                                        "key/value heads and the world size must divide into them (default 1)")),
+        (("--ulysses", "--sequence-parallel"), dict(type=int, default=1, metavar="N", help="pipeline (Cosmos "
+                                                    "3): Ulysses groups of N ranks split the generation tokens of "
+                                                    "each pass (--sequence-parallel: its older name); N must divide "
+                                                    "the query heads and divide the key/value heads or be a "
+                                                    "multiple of them, and the ranks of a request (N, 2N with "
+                                                    "--cfg-parallel) must divide the world size (default 1)")),
         (("--cfg-parallel",), dict(action="store_true", help="pipeline: ranks in pairs run the conditional "
                                    "and the unconditional pass of each step at once (needs an even world)")),
     ],
@@ -201,7 +205,7 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
         problems += found
     if args.checkpoint is None or root is not None:
         problems += pipeline_size_problems(args, root)
-        problems += sequence_parallel_problems(args, root)
+        problems += ulysses_problems(args, root)
     prompts = None
     if args.prompts is not None and os.path.isfile(args.prompts):
         try:

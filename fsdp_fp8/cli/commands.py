@@ -87,7 +87,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 resident=args.resident,
                 offload=args.offload,
                 cfg_parallel=args.cfg_parallel,
-                sequence_parallel=args.sequence_parallel,
+                ulysses=args.ulysses,
             )
         except (ValueError, OSError) as exc:  # a config it cannot divide by, another class, no config
             print(f"error: {exc}", file=sys.stderr)
@@ -294,11 +294,13 @@ def _add_inspect(inspect: argparse.ArgumentParser) -> None:
     inspect.add_argument("--offload", choices=("cpu",), help="forecast: FP8 shards in host memory")
     inspect.add_argument("--cfg-parallel", action="store_true", help="forecast: guidance passes on rank pairs")
     inspect.add_argument(
+        "--ulysses",
         "--sequence-parallel",
         type=_positive,
         default=1,
         metavar="N",
-        help="forecast: each pass's generation tokens split over groups of N ranks (default 1)",
+        help="forecast: each pass's generation tokens split over Ulysses groups of N ranks "
+        "(--sequence-parallel: its older name; default 1)",
     )
 
 

@@ -1,12 +1,14 @@
 """The launcher's pipeline run: a diffusers pipeline root, its transformer sharded over the ranks.
 
-FSDP is data-parallel: every rank holds a slice of the transformer and runs whole requests.
-With ``--prompts FILE`` each rank takes every ``world``-th prompt (rank ``r``: prompts ``r``,
-``r + world``, ...). Every forward all-gathers each layer's parameters from every rank, so
-all ranks must run the same number of forwards: a rank whose share is short runs padding
-requests (the first prompt, latents only, discarded) until every rank has run as many as
-the busiest. Outputs are written by the rank that generated them, named per prompt
-(``out.png`` -> ``out-000.png``, ``out-001.png``, ... with ``--prompts``).
+FSDP is data-parallel: every rank holds a slice of the transformer and runs whole requests; the
+ranks of one request are one group of the layout's ``request`` dim (one rank, or a CFG pair and
+Ulysses groups: ``runtime.parallel_layout``). With ``--prompts FILE`` request group ``g`` of ``G``
+takes prompts ``g``, ``g + G``, ... (``G`` is the world size without CFG-parallel or Ulysses).
+Every forward all-gathers each layer's parameters from every rank, so all ranks must run the
+same number of forwards: a group whose share is short runs padding requests (the first prompt,
+latents only, discarded) until every group has run as many as the busiest. Outputs are written
+by the first rank of the group that generated them, named per prompt (``out.png`` ->
+``out-000.png``, ``out-001.png``, ... with ``--prompts``).
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def _size_kwargs(args) -> dict:
     }
 
 
-def run_pipeline(args, path, options) -> tuple[dict, object]:
-    """Load the pipeline at ``path`` with ``options`` (a ``LoadOptions``) and generate every
-    prompt; returns (the ``PipelineReport`` fields of this run, the ``LoadedModel``). The same
-    fields on every rank."""
+def run_pipeline(args, path, options, mesh=None) -> tuple[dict, object]:
+    """Load the pipeline at ``path`` with ``options`` (a ``LoadOptions``) over ``mesh`` (the
+    launcher's ``ParallelMesh``; None: one process) and generate every prompt; returns (the
+    ``PipelineReport`` fields of this run, the ``LoadedModel``). The same fields on every rank."""
     prompts = read_prompts(args)
     check_output(args.output)
     rank, world = rank_and_world()
@@ -78,17 +80,15 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
     cfg_parallel = getattr(args, "cfg_parallel", False)
-    sequence_parallel = getattr(args, "sequence_parallel", 1)
-    # The ranks of one request: a CFG pair, a sequence group, or both (runtime.parallel_layout)
-    layout = ParallelLayout(rank, world, cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
-    slot, slots, writes = layout.slot, layout.slots, layout.writes
-    pipe = load_pipeline(
-        path,
-        step_policy=args.step_policy,
-        cfg_parallel=cfg_parallel,
-        sequence_parallel=sequence_parallel,
-        options=options,
-    )
+    # The ranks of one request: a CFG pair, a Ulysses group, or both (runtime.parallel_layout)
+    layout = mesh.layout if mesh is not None else ParallelLayout(world, cfg_parallel, getattr(args, "ulysses", 1))
+    request, requests, writes = layout.coordinates(rank).request, layout.requests, layout.writes(rank)
+    if mesh is not None:
+        pipe = load_pipeline(path, mesh, step_policy=args.step_policy, options=options)
+    else:
+        pipe = load_pipeline(
+            path, step_policy=args.step_policy, cfg_parallel=cfg_parallel, ulysses=layout.ulysses, options=options
+        )
     load_s = time.perf_counter() - t0
     residency = apply_residency(
         pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
@@ -106,7 +106,10 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
             plural(args.steps, "step"),
         )
     t1 = time.perf_counter()
-    mine = [_generate(pipe, routing, args, prompts, index, rank, writes) for index in _share(len(prompts), slot, slots)]
+    mine = [
+        _generate(pipe, routing, args, prompts, index, rank, writes)
+        for index in _share(len(prompts), request, requests)
+    ]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
     if dist.is_initialized():
@@ -130,15 +133,15 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
     return fields, loaded
 
 
-def _share(count: int, slot: int, slots: int) -> list[int]:
-    """The prompt indices this rank's slot runs, one per round; an index past ``count`` is padding."""
-    return [slot + round_ * slots for round_ in range(math.ceil(count / slots))]
+def _share(count: int, request: int, requests: int) -> list[int]:
+    """The prompt indices this rank's request group runs, one per round; an index past ``count`` is padding."""
+    return [request + round_ * requests for round_ in range(math.ceil(count / requests))]
 
 
 def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, writes: bool) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
-    in step with the others' all-gathers (None). ``writes`` is False on a CFG pair's uncond rank:
-    it holds the same latents as its partner, which reports and saves them (None)."""
+    in step with the others' all-gathers (None). ``writes`` is False on every rank of a request
+    group but its first: they hold the same latents as it, which reports and saves them (None)."""
     real = index < len(prompts)
     final = {}
 

@@ -22,7 +22,7 @@ from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX  # imports no torch
-from fsdp_fp8.runtime.parallel_layout import head_problems  # nor this
+from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
 
 
 def checkpoint_problems(option: str, path: str) -> tuple[Path | None, list[str]]:
@@ -93,25 +93,27 @@ def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
     return value if value is not None and low <= value <= high else None
 
 
-def sequence_parallel_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """``--sequence-parallel N`` on a checkpoint that cannot take it: one that is no diffusers
+def ulysses_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
+    """``--ulysses N`` on a checkpoint that cannot take it: one that is no diffusers
     pipeline (only a pipeline's transformer is split), or a transformer whose attention heads N
     does not divide (``runtime.parallel_layout.head_problems``). ``root`` None: the demo."""
-    degree = getattr(args, "sequence_parallel", 1)
+    degree = getattr(args, "ulysses", 1)
     if degree == 1:
         return []
     if root is None:
         from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG
 
-        return head_problems(TRANSFORMER_CONFIG, degree, "the demo's transformer config")
+        heads = AttentionHeads.of(TRANSFORMER_CONFIG, "the demo's transformer config")
+        return [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]
     if not (root / MODEL_INDEX).is_file():
         return [
-            f"--sequence-parallel {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
-            "(run it without --sequence-parallel)"
+            f"--ulysses {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
+            "(run it without --ulysses)"
         ]
     config = root / "transformer" / "config.json"
     try:
         loaded = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
-        return [f"--checkpoint: {config} cannot be read for --sequence-parallel {degree}: {exc}"]
-    return head_problems(loaded if isinstance(loaded, dict) else {}, degree, str(config))
+        return [f"--checkpoint: {config} cannot be read for --ulysses {degree}: {exc}"]
+    heads = AttentionHeads.of(loaded if isinstance(loaded, dict) else {}, str(config))
+    return [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]

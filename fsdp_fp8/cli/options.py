@@ -17,7 +17,7 @@ USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
     "pipeline": DIFFUSION
-    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "sequence_parallel"},
+    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "ulysses"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),
@@ -48,8 +48,6 @@ BOUNDS = {
     "nproc_per_node": (1, 1024),
 }
 MAX_FPS = 1000.0
-# A collective stuck for a day is never waited for on purpose; the process group's timeout is
-# a C int of milliseconds in the backends (past 24.8 days, or inf, it fails after start-up).
 
 
 def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
@@ -76,15 +74,7 @@ def value_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--fps must be > 0, got {fps}")
     if fps is not None and fps > MAX_FPS:
         problems.append(f"--fps must be <= {MAX_FPS:g}, got {fps:g}")
-    replicas = getattr(args, "replicas", 1)
-    if replicas is not None and replicas != 1:
-        world = getattr(args, "nproc_per_node", None) or _world_size()
-        problems += [f"--{p}" for p in _replica_problems(replicas, world)]
-    cfg, sp = getattr(args, "cfg_parallel", False), getattr(args, "sequence_parallel", 1)
-    if cfg or sp != 1:  # the ranks of one request: runtime.parallel_layout (imports no torch)
-        world = getattr(args, "nproc_per_node", None) or _world_size()
-        given = " ".join((["--cfg-parallel"] if cfg else []) + ([f"--sequence-parallel {sp}"] if sp != 1 else []))
-        problems += [f"{given}: {p}" for p in layout_problems(world, cfg, sp)]
+    problems += _layout_problems(args)
     for name in ("prompt", "negative_prompt"):
         text = getattr(args, name, None)
         if text is not None and (problem := prompt_problem(text)):
@@ -109,20 +99,27 @@ def file_problems(args: argparse.Namespace) -> list[str]:
     return sorted(problems)
 
 
+def _layout_problems(args: argparse.Namespace) -> list[str]:
+    """The layout's one check (``runtime.parallel_layout``, no torch), its weight dims and its
+    work dims each named by the options that asked for them."""
+    world = getattr(args, "nproc_per_node", None) or _world_size()
+    replicas = getattr(args, "replicas", 1)
+    cfg, ulysses = getattr(args, "cfg_parallel", False), getattr(args, "ulysses", 1)
+    problems = []
+    if replicas is not None and replicas != 1:
+        problems += [f"--{p}" for p in layout_problems(world, False, 1, replicas)]
+    if cfg or ulysses != 1:
+        given = " ".join((["--cfg-parallel"] if cfg else []) + ([f"--ulysses {ulysses}"] if ulysses != 1 else []))
+        problems += [f"{given}: {p}" for p in layout_problems(world, cfg, ulysses)]
+    return problems
+
+
 def _world_size() -> int:
     """The world size torchrun announces (1 without it): known before any process group."""
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
-
-
-def _replica_problems(replicas: int, world_size: int) -> list[str]:
-    """``fsdp_fp8.load.fsdp_wrap.replica_problems``, imported only when --replicas is given:
-    that module imports torch, which an argument check must not wait for otherwise."""
-    from fsdp_fp8.load.fsdp_wrap import replica_problems
-
-    return replica_problems(replicas, world_size)
 
 
 def unused_options(given: set[str], kind: str) -> list[str]:

@@ -288,7 +288,7 @@ class PipelineReport(Report):
     latent_sha256: str
     outputs: list[PromptOutput]
     cfg_parallel: bool = False  # the guidance passes ran on rank pairs (--cfg-parallel)
-    parallelism: str = "none"  # the ranks of one request: "CFG 2 x SP 4", "SP 2", "CFG 2" or "none"
+    parallelism: str = "none"  # the ranks of one request: "CFG 2 x Ulysses 4", "Ulysses 2", "CFG 2" or "none"
 
     def set_no_fp8(self) -> None:
         super().set_no_fp8()

@@ -36,24 +36,23 @@ from fsdp_fp8.cli.reports import (
 )
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.model import load_model
-from fsdp_fp8.errors import ProblemsError
+from fsdp_fp8.errors import ArgumentError, ProblemsError
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
-from fsdp_fp8.load.fsdp_wrap import device_mesh
 from fsdp_fp8.load.options import LoadOptions
 from fsdp_fp8.load.preflight import start_process_group
 from fsdp_fp8.runtime.collectives import AllGatherMeter
 from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
 from fsdp_fp8.runtime.inference import prepare_for_inference
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+from fsdp_fp8.runtime.parallel_mesh import ParallelMesh, build_mesh
 from fsdp_fp8.runtime.precision import denoising_step
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
 from fsdp_fp8.runtime.residency import apply_residency
 from fsdp_fp8.runtime.sampler import sample
 
 log = logging.getLogger("fsdp_fp8")
-
-parse_args = parse_run_args  # the launcher's parse step, under its historical name
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -63,13 +62,25 @@ def init_distributed(timeout_s: float) -> None:
         start_process_group(timeout_s)
 
 
-def load_options_of(args: argparse.Namespace) -> LoadOptions:
-    """The launcher's one ``LoadOptions``, from its arguments: the HSDP mesh (``--replicas``) and
+def parallel_mesh_of(args: argparse.Namespace) -> ParallelMesh | None:
+    """The launcher's one mesh (``runtime.parallel_mesh``): ``--replicas`` for the weights,
+    ``--cfg-parallel`` / ``--ulysses`` for the work (the layout was checked with the arguments).
+    None without a process group."""
+    if not dist.is_initialized():
+        return None
+    layout = ParallelLayout(
+        rank_and_world()[1],
+        cfg_parallel=getattr(args, "cfg_parallel", False),
+        ulysses=getattr(args, "ulysses", 1),
+        replicas=args.replicas,
+    )
+    return build_mesh(layout, LoadOptions().device.type)
+
+
+def load_options_of(args: argparse.Namespace, mesh: ParallelMesh | None = None) -> LoadOptions:
+    """The launcher's one ``LoadOptions``, from its arguments: the mesh's weight dims and
     ``--timeout`` for every agreement."""
-    mesh = None
-    if args.replicas > 1 and dist.is_initialized():
-        mesh = device_mesh(LoadOptions().device.type, args.replicas)
-    return LoadOptions(mesh=mesh, timeout_s=args.timeout)
+    return LoadOptions(mesh=mesh.weights if mesh is not None else None, timeout_s=args.timeout)
 
 
 def _all_rank_rows(load_report) -> list[RankRow]:
@@ -117,16 +128,17 @@ def run(args: argparse.Namespace) -> Report:
     path = checkpoint_path(args)
     if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
-    options = load_options_of(args)
+    mesh = parallel_mesh_of(args)
+    options = load_options_of(args, mesh)
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(args, "pipeline", "a diffusers pipeline")
         with watch_peers(stall_s=stall_s_for(args.timeout), what="during the pipeline's load or generation"):
-            fields, loaded = run_pipeline(args, path, options)
+            fields, loaded = run_pipeline(args, path, options, mesh)
         job = _job(args, path, options.device, loaded, fields.pop("load_seconds"))
         return _warn_no_fp8(PipelineReport(**job, **fields), path)
     if args.prompts or args.output:
-        raise ValueError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
+        raise ArgumentError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     with watch_peers(stall_s=stall_s_for(args.timeout), what="during the model's load or run"):
         return _run_model(args, path, options, t0)
 
@@ -250,10 +262,6 @@ def _warn_no_fp8(report: Report, path) -> Report:
         )
     report.set_no_fp8()
     return report
-
-
-def format_report(report: Report) -> str:
-    return report.text()
 
 
 def main(argv: list[str] | None = None, prog: str = "launch/infer.py") -> int:

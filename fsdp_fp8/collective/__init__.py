@@ -3,7 +3,7 @@ before anything changes (``agreement``: ``agreement_before_changes``, ``agree_or
 collective phase whose exit is the single agreement on its outcome (``phase``), and what a
 failed phase leaves behind (``unusable``); the weak map every record about another library's
 object is (``attached``). Takes plain values (problems, facts as dicts of strings, byte counts);
-imports only ``errors`` (and ``format``).
+imports only ``errors``.
 """
 
 from fsdp_fp8.collective.agreement import (

@@ -1,10 +1,13 @@
 """``load_pipeline``: a diffusers pipeline whose transformer fsdp_fp8 loaded, sharded, with its step policy.
 
-    check model_index.json and the pipeline class (interop) and the parallel layout, before any collective
-    -> load_model(transformer/)          the load (compose.model)
+    check model_index.json, the pipeline class and the parallel layout (world, degrees, the
+      transformer's heads, the diffusers facts CFG-parallel and Ulysses rely on), before any collective
+    -> build_mesh(layout)                one mesh: weights (replicate, shard), work (request, cfg, ulysses)
+    -> load_model(transformer/)          the load over the mesh's weight dims (compose.model)
     -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
     -> the pipeline's from_pretrained    every other component, by diffusers, from local files only
     -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
+       (mesh["cfg"]), Ulysses group (mesh["ulysses"]), the scheduler that marks each request
 
 Every component but the transformer is loaded by diffusers itself, from local files only
 (``local_files_only=True``, ``trust_remote_code=False``): nothing is downloaded and no code from
@@ -19,23 +22,28 @@ import json
 import os
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.compose.model import load_model
+from fsdp_fp8.errors import ArgumentError, LayoutError
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
-from fsdp_fp8.interop.cfg_parallel import cfg_pair
+from fsdp_fp8.interop import cfg_parallel as cfg_facts
+from fsdp_fp8.interop import ulysses as ulysses_facts
+from fsdp_fp8.interop.cfg_parallel import CfgPair
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
-from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
-from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
+from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state, scheduler_problems
+from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
 from fsdp_fp8.load.spec import TowerSpec
 from fsdp_fp8.runtime.inference import prepare_for_inference
-from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems
+from fsdp_fp8.runtime.parallel_layout import AttentionHeads, ParallelLayout
+from fsdp_fp8.runtime.parallel_mesh import ParallelMesh, build_mesh
 from fsdp_fp8.third_party import quiet_imports
 
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
@@ -45,18 +53,20 @@ LOADED: Attachment[LoadedModel] = Attachment("the LoadedModel of a pipeline's tr
 
 def load_pipeline(
     path: str | os.PathLike,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | ParallelMesh | None = None,
     *,
     step_policy: str | dict = "auto",
     towers: TowerSpec | None = None,
     cfg_parallel: bool = False,
-    sequence_parallel: int = 1,
+    ulysses: int | None = None,
+    sequence_parallel: int | None = None,
     options: LoadOptions | None = None,
     **kwargs,
 ):
     """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
     resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
-    ``mesh`` (default: every rank).
+    ``mesh`` (a ``DeviceMesh`` for the weights; default: every rank), or over the weight dims of a
+    ``ParallelMesh`` (``fsdp_fp8.build_mesh``), whose layout then gives the work dims too.
 
     ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy dict.
     ``towers`` overrides the tower map. ``options`` (``LoadOptions``) and keyword arguments named
@@ -70,21 +80,28 @@ def load_pipeline(
     lets the transformer go at once (its storage freed; the other components are diffusers').
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
-    (``fsdp_fp8.interop.cfg_parallel``). ``sequence_parallel``: groups of that many ranks split
-    the generation tokens of each pass (``fsdp_fp8.interop.sequence_parallel``; Cosmos 3). The
-    ranks of one request (``runtime.parallel_layout``) must then be given the same request; the
-    world size must divide into them, and the degree into the attention heads (both checked
-    before anything loads).
+    (``fsdp_fp8.interop.cfg_parallel``). ``ulysses`` (``sequence_parallel``: the same, its older
+    name): groups of that many ranks split the generation tokens of each pass by Ulysses attention
+    (``fsdp_fp8.interop.ulysses``; Cosmos 3). The ranks of one request (``runtime.parallel_layout``)
+    must then be given the same request; the world size must divide into them, and the degree into
+    the attention heads (all checked, with what diffusers must still provide, before anything loads:
+    one ``LayoutError`` / ``ArgumentError``).
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
-    options = load_options(options, mesh=mesh, **settings)
+    given = mesh.layout if isinstance(mesh, ParallelMesh) else None
+    layout_args = _work_degrees(given, cfg_parallel, ulysses, sequence_parallel)
+    weights = mesh.weights if isinstance(mesh, ParallelMesh) else mesh
+    options = load_options(options, mesh=weights, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
     with quiet_imports():
         cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
     if TRANSFORMER in kwargs:
-        raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
+        raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
-    layout = _layout(root, cfg_parallel, sequence_parallel)  # before the first collective: alike on every rank
+    layout = _layout(root, cls, given, *layout_args)  # before the first collective: alike on every rank
+    if not isinstance(mesh, ParallelMesh) and dist.is_initialized():
+        mesh = build_mesh(layout, options.device.type)
+        options = options if options.mesh is not None else options.replace(mesh=mesh.weights)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False):  # diffusers' notices that never concern a user (third_party)
@@ -92,24 +109,60 @@ def load_pipeline(
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
             component.to(options.device)
-    sequence = sequence_group(layout.sequence_groups(), layout.rank) if sequence_parallel > 1 else None
-    if sequence is not None:
-        install_sequence_parallel(loaded.model, sequence)
-    cfg = cfg_pair(layout) if cfg_parallel else None
-    attach_pipeline_state(loaded.model, PipelineState(routing, cfg=cfg, sequence=sequence))
+    state = PipelineState(routing, scheduler=getattr(pipe, "scheduler", None))
+    if state.scheduler is not None and (problems := scheduler_problems(state.scheduler)):
+        raise ArgumentError(problems, "the pipeline's scheduler")
+    if layout.ulysses > 1:
+        state.ulysses = Ulysses.of(mesh)
+        install_ulysses(loaded.model, state.ulysses)
+    if layout.cfg_parallel:
+        state.cfg = CfgPair.of(mesh)
+    attach_pipeline_state(loaded.model, state)
     LOADED.set(pipe, loaded)
     return pipe
 
 
-def _layout(root: Path, cfg_parallel: bool, sequence_parallel: int) -> ParallelLayout:
-    """This rank's place in the CFG pairs and sequence groups; ``ValueError`` when the world or
-    the transformer's heads cannot be cut so (from the files and the world size alone)."""
-    layout = ParallelLayout(*rank_and_world(), cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
+def _work_degrees(given: ParallelLayout | None, cfg_parallel, ulysses, sequence_parallel) -> tuple[bool, int]:
+    """(cfg_parallel, the Ulysses degree) from the keywords, ``sequence_parallel`` the older name of
+    ``ulysses``; a ``ParallelMesh``'s layout when one was given (the keywords may only repeat it)."""
+    problems = []
+    if ulysses is not None and sequence_parallel is not None and ulysses != sequence_parallel:
+        problems.append(f"ulysses={ulysses!r} and sequence_parallel={sequence_parallel!r} name one degree; give one")
+    degree = ulysses if ulysses is not None else sequence_parallel
+    if given is not None:
+        if degree not in (None, given.ulysses) or cfg_parallel not in (False, given.cfg_parallel):
+            problems.append(
+                f"the ParallelMesh given is {given.describe()}; cfg_parallel={cfg_parallel!r} / "
+                f"ulysses={degree!r} differ from it (leave them out)"
+            )
+        cfg_parallel, degree = given.cfg_parallel, given.ulysses
+    if problems:
+        raise ArgumentError(problems, "load_pipeline")
+    return cfg_parallel, 1 if degree is None else degree
+
+
+def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int) -> ParallelLayout:
+    """The layout, checked once with the transformer's heads and what diffusers must provide for
+    CFG-parallel and Ulysses (from the files, the classes and the world size alone)."""
     source = root / TRANSFORMER / "config.json"
-    if sequence_parallel > 1:
-        problems = head_problems(json.loads(source.read_text()), sequence_parallel, str(source))
-        if problems:
-            raise ValueError("; ".join(problems))
+    heads = AttentionHeads.of(json.loads(source.read_text()), str(source)) if ulysses > 1 else None
+    world = given.world if given is not None else rank_and_world()[1]
+    replicas = given.replicas if given is not None else 1
+    layout = ParallelLayout(world, cfg_parallel=cfg_parallel, ulysses=ulysses, replicas=replicas, heads=heads)
+    problems = []
+    if cfg_parallel:
+        import diffusers
+
+        name = read_model_index(root)[TRANSFORMER][1]
+        transformer_cls = getattr(diffusers, name, None)
+        if not isinstance(transformer_cls, type):
+            problems.append(f"{root / MODEL_INDEX}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
+        else:
+            problems += cfg_facts.diffusers_problems(cls, transformer_cls)
+    if ulysses > 1:
+        problems += ulysses_facts.diffusers_problems()
+    if problems:
+        raise LayoutError(problems, "diffusers changed what fsdp_fp8's parallel layout relies on")
     return layout
 
 
@@ -118,5 +171,5 @@ def loaded_of(pipe) -> LoadedModel:
     checkpoint, the load plan and report, the FP8 linears, the tower map."""
     loaded = LOADED.get(pipe)
     if loaded is None:
-        raise ValueError(f"this {type(pipe).__name__} was not loaded by fsdp_fp8.load_pipeline")
+        raise ArgumentError(f"this {type(pipe).__name__} was not loaded by fsdp_fp8.load_pipeline")
     return loaded

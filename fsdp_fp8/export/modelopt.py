@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_fp8.errors import ExportError, raise_if_problems
+from fsdp_fp8.errors import ArgumentError, ExportError, raise_if_problems
 from fsdp_fp8.format.quant_config import matches_ignore
 from fsdp_fp8.format.step_policy import check_step_policy
 from fsdp_fp8.format.writer import TensorSpec, plan_checkpoint, quantization_configs, write_checkpoint
@@ -136,11 +136,11 @@ def export_fp8(
     """
     ignore = list(ignore)
     if (calibrate is None) == (input_scales is None):
-        raise ValueError("pass exactly one of `calibrate` and `input_scales`")
+        raise ArgumentError("pass exactly one of `calibrate` and `input_scales`")
     if calibrate is not None and not isinstance(model, nn.Module):
-        raise ValueError("`calibrate` needs an nn.Module, not a state_dict")
+        raise ArgumentError("`calibrate` needs an nn.Module, not a state_dict")
     if "quantization_config" in config:
-        raise ValueError("`config` has a `quantization_config` already; pass the model's own")
+        raise ArgumentError("`config` has a `quantization_config` already; pass the model's own")
     problems: list[str] = []
     if step_policy is not None:
         found: list[str] = []
@@ -165,6 +165,6 @@ def export_bf16(
 ) -> Path:
     """The same model unquantized, in its own dtype: same file layout, no quantization config."""
     if "quantization_config" in config:
-        raise ValueError("`config` has a `quantization_config`; an unquantized export must not")
+        raise ArgumentError("`config` has a `quantization_config`; an unquantized export must not")
     full_config = {k: config[k] for k in sorted(config)}
     return _write(directory, _state_dict(model), full_config, None, max_shard_size, False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_fp8.errors import ArgumentError
+
 ALL_ROWS = 1 << 62  # a prefetch budget meaning "every row this rank reads"
 # Host memory one copy between an accelerator and the files goes through: the load's staging ring
 # (``ReadOptions.staging_bytes``) and a save's copies out of accelerator memory alike.
@@ -57,8 +59,8 @@ class ReadOptions:
                 problems.append(
                     f"ReadOptions.{name} must be an int >= {least}{' or None' if optional else ''}, got {value!r}"
                 )
-        if problems:  # one line: a launcher prints it as is
-            raise ValueError("; ".join(problems))
+        if problems:
+            raise ArgumentError(problems, "ReadOptions")
 
     @property
     def resolved(self) -> bool:

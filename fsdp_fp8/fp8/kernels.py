@@ -38,6 +38,7 @@ import torch
 from torchao.float8.inference import addmm_float8_unwrapped_inference
 from torchao.quantization.quant_primitives import _quantize_affine_float8
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.fp8.tensor import E4M3, StaticFloat8Tensor
 
 
@@ -53,7 +54,7 @@ class KernelOptions:
     def __post_init__(self) -> None:
         wrong = [f"`{n}` is {v!r}" for n, v in vars(self).items() if not isinstance(v, bool)]
         if wrong:
-            raise ValueError(f"KernelOptions: {', '.join(wrong)}; each must be True or False")
+            raise ArgumentError(f"KernelOptions: {', '.join(wrong)}; each must be True or False")
 
 
 DEFAULT_KERNELS = KernelOptions()

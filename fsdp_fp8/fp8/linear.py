@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions, dequantize, fp8_gemm, quantize_activation
 from fsdp_fp8.fp8.tensor import empty_static_fp8_weight, is_static_fp8
 
@@ -109,7 +110,7 @@ class Float8StaticLinear(nn.Module):
                 "tensor: run it inside its FSDP module, or load the model first"
             )
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features but the linear expects {self.in_features}")
+            raise ArgumentError(f"input has {x.shape[-1]} features but the linear expects {self.in_features}")
         out_shape = (*x.shape[:-1], self.out_features)
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:

@@ -26,6 +26,7 @@ from torchao.prototype.quantization.float8_static_quant.prototype_float8_tensor 
     PrototypeFloat8Tensor,
 )
 
+from fsdp_fp8.errors import ArgumentTypeError
 from fsdp_fp8.fp8.tensor import E4M3, StaticFloat8Tensor, rebuild
 
 aten = torch.ops.aten
@@ -125,7 +126,7 @@ def _to_copy(func, types, args, kwargs):
     device = kwargs.get("device") or self.qdata.device
     dtype = kwargs.get("dtype") or self.dtype
     if not dtype.is_floating_point or dtype.itemsize == 1:
-        raise TypeError(f"cannot cast a static FP8 weight to {dtype}; its codes stay E4M3")
+        raise ArgumentTypeError(f"cannot cast a static FP8 weight to {dtype}; its codes stay E4M3")
     # non_blocking passes through: FSDP2's CPU offload copies each pinned shard to the device
     # with non_blocking=True before every all-gather (FSDPParam.all_gather_inputs).
     non_blocking = bool(kwargs.get("non_blocking", False))

@@ -32,6 +32,7 @@ from torchao.quantization.granularity import PerTensor
 from torchao.quantization.quantize_.common import KernelPreference
 from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
 
+from fsdp_fp8.errors import ArgumentError, ArgumentTypeError
 from fsdp_fp8.format.checkpoint import E4M3, E4M3_MAX  # noqa: F401 - the one home of both names
 from fsdp_fp8.shard_rows import padded_rows
 
@@ -124,7 +125,7 @@ class StaticFloat8Tensor(PrototypeFloat8Tensor):
         if output_act_quant_scale is not None or output_act_quant_kwargs is not None:
             problems.append("output_act_quant_scale/output_act_quant_kwargs are set (no output quantization)")
         if problems:
-            raise ValueError("not a static per-tensor FP8 weight: " + "; ".join(problems))
+            raise ArgumentError(problems, "not a static per-tensor FP8 weight")
         # The fields TorchAO's __init__ sets, set here directly: its __init__ also logs API
         # usage per instance (internal copies skip this constructor: ``rebuild``).
         _set_fields(
@@ -194,7 +195,7 @@ torch.serialization.add_safe_globals([StaticFloat8Tensor])
 
 def _require_static(t: Any, hook: str) -> None:
     if not is_static_fp8(t):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"StaticFloat8Tensor.{hook} was given a {type(t).__name__} that is not per-tensor static "
             "FP8 (its scales or output quantization were changed after construction)"
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.fp8.tensor import E4M3, E4M3_MAX
 
 
@@ -43,7 +44,7 @@ def fuse_fp8_projections(
     if any(not torch.equal(scales[0], s) for s in scales[1:]):
         changed, total = rerounded_count(parts)
         listed = ", ".join(f"{n}={s.item():.6g}" for n, s in zip(names, scales))
-        raise ValueError(
+        raise ArgumentError(
             f"refusing to fuse {names}: their weight scales differ ({listed}); one shared scale "
             f"would re-round {changed} of {total} weights ({100 * changed / total:.1f}%). "
             "Under static FP8 these projections stay separate."

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.interop import hf_build as hf
 from fsdp_fp8.load.spec import ModelSpec, TowerSpec, custom_spec
 from fsdp_fp8.models import MoTConfig, build_model, linear_towers
@@ -61,7 +62,7 @@ def resolve_model_spec(config: dict, source: str = "config.json", checkpoint=Non
         name, fn, dtype = hf.transformers_model_fn(config, source, stored)
         kind = "causal_lm" if hf.is_causal_lm(name) else "transformers"
         return ModelSpec(name, kind, fn, KNOWN_TOWERS.get(name), dtype)
-    raise ValueError(
+    raise ArgumentError(
         f"{source}: names no model class (no `_class_name`, no `architectures`); pass your own "
         f"model_fn to fsdp_fp8.load_model (this launcher runs {MOT_CLASS_NAME!r}, transformers "
         "and diffusers checkpoints)"

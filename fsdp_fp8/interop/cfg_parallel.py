@@ -2,10 +2,10 @@
 
 Under FSDP every rank runs whole requests, so one prompt on two GPUs runs its conditional and
 its unconditional pass on both. With CFG-parallel, two ranks form a pair that serves one
-request (``(2k, 2k + 1)``; with sequence groups, the ranks at one position of a request's two
-groups: ``runtime.parallel_layout``): at each denoising step the pair's role-0 rank runs the
-conditional pass, its role-1 rank the unconditional pass, at the same time, and the two predictions are exchanged in one
-all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
+request (the layout's ``cfg`` mesh dim: ``(2k, 2k + 1)``; with Ulysses groups, the ranks at one
+Ulysses rank of a request's two groups: ``runtime.parallel_layout``): at each denoising step the
+pair's cfg rank 0 runs the conditional pass, its cfg rank 1 the unconditional pass, at the same
+time, and the two predictions are exchanged in one all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
 stay FSDP's). Each rank computes one pass per step instead of two. FSDP's collectives stay in
 lockstep: both passes run the same blocks in the same order, only the sequence lengths differ.
 
@@ -21,7 +21,7 @@ first handed over at step 0's uncond call, so:
 
 - step 0 runs both passes on every rank, as the sequential loop does, and records the uncond
   call's step-invariant keyword arguments;
-- from step 1 the pair's rank 1 runs, inside the "cond" call, the uncond pass on the recorded
+- from step 1 the pair's cfg rank 1 runs, inside the "cond" call, the uncond pass on the recorded
   inputs with this step's latent and timesteps (:data:`PER_STEP`); both ranks exchange; the
   "uncond" call returns the exchanged prediction without running the model.
 
@@ -31,21 +31,41 @@ its ``cache_context`` tells the pair which pass of which step runs. Before it su
 anything the pair checks that
 the call's step-invariant inputs are the very objects recorded at step 0 and that both calls
 of a step receive the same latent and timesteps, and refuses (``RuntimeError``) otherwise: a
-pipeline that changed how it packs its passes is not guessed at.
+pipeline that changed how it packs its passes is not guessed at. Which keywords change per step
+is a fact about diffusers' transformer and pipeline: ``diffusers_problems`` checks it against
+their signatures before the load (every keyword of the transformer's ``forward`` is classified as
+per step or step-invariant, and the pipeline's per-step latents are the modalities of
+:data:`PER_STEP`), so an upgrade that adds a per-step input is refused, not computed wrong.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_fp8.runtime.parallel_layout import ParallelLayout
-
 COND, UNCOND = "cond", "uncond"
-# The keyword arguments that change from step to step; the pipeline passes the same objects to
-# both passes of a step (its comment on the shared per-step timestep tensors).
-PER_STEP = ("vision_tokens", "vision_timesteps", "sound_tokens", "sound_timesteps", "action_tokens", "action_timesteps")
+# The pipeline's per-step latents of each modality (``Cosmos3OmniPipeline.__call__``'s keywords)
+# and the transformer's keywords that carry them and their timesteps, from step to step; the
+# pipeline passes the same objects to both passes of a step (its comment on the shared per-step
+# timestep tensors).
+MODALITIES = {"vision": "latents", "sound": "sound_latents", "action": "action_latents"}
+PER_STEP = tuple(f"{m}_{part}" for m in MODALITIES for part in ("tokens", "timesteps"))
+# The transformer's keywords packed once per request (``*_packed_static``): recorded at step 0.
+STEP_INVARIANT = (
+    "input_ids",
+    "text_indexes",
+    "position_ids",
+    "und_len",
+    "sequence_length",
+    "action_domain_ids",
+) + tuple(
+    f"{m}_{part}"
+    for m in MODALITIES
+    for part in ("token_shapes", "sequence_indexes", "mse_loss_indexes", "noisy_frame_indexes")
+)
 
 
 def _same_object(a, b) -> bool:
@@ -67,14 +87,19 @@ def _signature(result) -> tuple:
 class CfgPair:
     """One rank's side of a CFG pair: what each transformer call of a step does."""
 
-    def __init__(self, group, role: int):
-        self.group, self.role = group, role
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank  # rank: 0 runs the cond pass, 1 the uncond
         self.current: tuple[str, int] | None = None  # (pass name, step index) of the open cache_context
         self.uncond_static: dict | None = None  # step 0's uncond call, minus PER_STEP
         self.cond_static: dict | None = None
         self.signature: tuple | None = None
         self.pending = None  # (uncond prediction, the cond call's PER_STEP values) between the two calls
-        self.exchanges = 0  # how many predictions this rank exchanged (one per step from step 1)
+
+    @classmethod
+    def of(cls, mesh) -> CfgPair:
+        """This rank's side of its pair: the ``cfg`` dim of a ``ParallelMesh``."""
+        dim = mesh["cfg"]
+        return cls(dim.get_group(), dim.get_local_rank())
 
     def call(self, run, args: tuple, kwargs: dict):
         if self.current is None or args:  # outside the pipeline's loop: an ordinary call
@@ -99,9 +124,9 @@ class CfgPair:
         per_step = {k: kwargs[k] for k in PER_STEP if k in kwargs}
         if name == COND:
             self._check(static, self.cond_static, name, step)
-            mine = run(**kwargs) if self.role == 0 else run(**self.uncond_static, **per_step)
+            mine = run(**kwargs) if self.rank == 0 else run(**self.uncond_static, **per_step)
             other = self._exchange(mine)
-            cond, uncond = (mine, other) if self.role == 0 else (other, mine)
+            cond, uncond = (mine, other) if self.rank == 0 else (other, mine)
             self.pending = (uncond, per_step)
             return cond
         if name == UNCOND:
@@ -131,7 +156,7 @@ class CfgPair:
         buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in leaves if t is not None])
         both = [torch.empty_like(buf) for _ in range(2)]
         dist.all_gather(both, buf, group=self.group)
-        other, out, offset = both[1 - self.role], [], 0
+        other, out, offset = both[1 - self.rank], [], 0
         for t in leaves:
             if t is None:
                 out.append(None)
@@ -139,19 +164,29 @@ class CfgPair:
             n = t.numel() * t.element_size()
             out.append(other[offset : offset + n].view(t.dtype).reshape(t.shape))
             offset += n
-        self.exchanges += 1
         return tree_unflatten(out, spec)
 
 
-def cfg_pair(layout: ParallelLayout) -> CfgPair:
-    """This rank's side of its CFG pair (``layout.cfg_pairs()``), every pair's group made
-    (collective: every rank calls it with the same layout)."""
-    mine = None
-    for ranks in layout.cfg_pairs():
-        group = dist.new_group(ranks=ranks)
-        if layout.rank in ranks:
-            mine = group
-    return CfgPair(mine, layout.role)
+def diffusers_problems(pipeline_cls: type, transformer_cls: type) -> list[str]:
+    """What in ``pipeline_cls.__call__`` and ``transformer_cls.forward`` (diffusers' classes) differs
+    from what ``CfgPair`` relies on: every transformer keyword is per step (:data:`PER_STEP`) or
+    step-invariant (:data:`STEP_INVARIANT`), and the pipeline takes the per-step latents of each
+    modality (:data:`MODALITIES`). Empty when nothing does."""
+    forward = set(inspect.signature(transformer_cls.forward).parameters) - {"self", "return_dict"}
+    known = set(PER_STEP) | set(STEP_INVARIANT)
+    problems = [
+        f"{transformer_cls.__name__}.forward takes `{name}`, which fsdp_fp8 does not know as per step "
+        "or step-invariant (CFG-parallel would run the uncond pass on a stale value)"
+        for name in sorted(forward - known)
+    ]
+    problems += [f"{transformer_cls.__name__}.forward no longer takes `{name}`" for name in sorted(known - forward)]
+    call = set(inspect.signature(pipeline_cls.__call__).parameters)
+    problems += [
+        f"{pipeline_cls.__name__}.__call__ takes no `{latents}`: the {modality} tokens may not change per step"
+        for modality, latents in MODALITIES.items()
+        if latents not in call
+    ]
+    return problems
 
 
-__all__ = ["CfgPair", "cfg_pair"]
+__all__ = ["CfgPair", "diffusers_problems"]

@@ -17,6 +17,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
+
 StepContext = Callable[[int, int], AbstractContextManager]
 
 
@@ -89,7 +91,7 @@ def denoise(
     Returns the float32 latent.
     """
     if steps < 1:
-        raise ValueError(f"`steps` must be >= 1, got {steps}")
+        raise ArgumentError(f"`steps` must be >= 1, got {steps}")
     param = next(p for p in model.parameters() if p.is_floating_point())
     device = param.device
     dtype = next(p.dtype for n, p in model.named_parameters() if n.startswith("layers."))

@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+from fsdp_fp8.errors import ArgumentError, CheckpointError
 from fsdp_fp8.format.remote_code import remote_code_references
 
 MODEL_INDEX = "model_index.json"
@@ -29,7 +30,7 @@ def read_model_index(root: Path) -> dict:
     try:
         index = json.loads(index_path.read_text())
     except ValueError as exc:
-        raise ValueError(f"{index_path}: not valid JSON ({exc})") from None
+        raise ArgumentError(f"{index_path}: not valid JSON ({exc})") from None
     problems = []
     if not isinstance(index.get("_class_name"), str):
         problems.append(f"`_class_name` is {index.get('_class_name')!r}, not a pipeline class name")
@@ -46,7 +47,7 @@ def read_model_index(root: Path) -> dict:
         else:  # an `auto_map` transformers ignores under trust_remote_code=False
             log.warning("%s: %s; ignored (fsdp_fp8 never runs code from a checkpoint)", root, ref)
     if problems:
-        raise ValueError(f"{index_path}:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise CheckpointError(problems, str(index_path))
     return index
 
 
@@ -55,5 +56,5 @@ def pipeline_class(name: str, source: Path):
 
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise ValueError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers {diffusers.__version__}")
+        raise ArgumentError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers {diffusers.__version__}")
     return cls

@@ -14,18 +14,20 @@ transformer's ``PipelineState`` (kept in ``PIPELINE_STATE``, weakly, by the tran
   FSDP's own pre-forward hook gathers anything); under CFG-parallel the pair decides whether to
   run the model or hand back the partner's prediction.
 - ``_cp_shard_fn`` / ``_cp_gather_fn`` (the seams ``Cosmos3OmniTransformer.forward`` offers
-  around its decoder stack): under sequence parallelism the state's sequence group splits and
-  re-joins the generation tokens; otherwise they return their inputs.
+  around its decoder stack): under Ulysses the state's Ulysses group splits and re-joins the
+  generation tokens (``interop.ulysses``); otherwise they return their inputs.
 
 The precision is a pure function of ``(i, n)``, so both guidance passes of one step, and every
-rank, agree. Nothing is set on the instance: the class is swapped once, at load, and the state
+rank, agree. A step begins at a new ``(i, n)`` or when the pipeline's scheduler was set to new
+timesteps (``set_timesteps``, once per request: the next request at the same ``(i, n)``, as two
+one-step requests are); ``scheduler_problems`` states what that relies on. Nothing is set on the instance: the class is swapped once, at load, and the state
 is the one value every per-forward behaviour reads.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -36,14 +38,16 @@ from fsdp_fp8.runtime.precision import PrecisionRouting, set_step_precision
 
 @dataclass
 class PipelineState:
-    """What a pipeline transformer's forwards read: the step routing, the optional CFG pair and
-    the optional sequence-parallel group (an object with ``shard`` and ``gather``)."""
+    """What a pipeline transformer's forwards read: the step routing, the optional CFG pair, the
+    optional Ulysses group (an object with ``shard`` and ``gather``) and the pipeline's scheduler
+    (its ``timesteps``, new per request, tell the next request from the step running)."""
 
     routing: PrecisionRouting
     cfg: CfgPair | None = None
-    sequence: object | None = None
+    ulysses: object | None = None
+    scheduler: object | None = None
     step: tuple[int, int] | None = None  # (i, n) of the step running
-    passes: set[str] = field(default_factory=set)  # the pass names seen in that step
+    timesteps: object | None = None  # the scheduler's timesteps of the request running (held: never reused)
 
     @contextlib.contextmanager
     def pass_context(self, inner, name: str, kwargs: dict):
@@ -59,11 +63,10 @@ class PipelineState:
             with inner(name, **kwargs), self._naming(name, step):
                 yield
             return
-        # A new step begins at a new (i, n), or when a pass name repeats (the next request).
-        new_step = (step, steps) != self.step or name in self.passes
+        timesteps = getattr(self.scheduler, "timesteps", None)
+        new_step = (step, steps) != self.step or timesteps is not self.timesteps
         if new_step:
-            self.step, self.passes = (step, steps), set()
-        self.passes.add(name)
+            self.step, self.timesteps = (step, steps), timesteps
         with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
             with self._naming(name, step):
                 yield
@@ -126,14 +129,14 @@ def pipelined_class(cls: type) -> type:
                 return state_of(self).call(super().__call__, args, kwargs)
 
             def _cp_shard_fn(self, und_seq, gen_seq, rotary_emb):
-                sequence = state_of(self).sequence
+                ulysses = state_of(self).ulysses
                 return (
-                    (und_seq, gen_seq, rotary_emb) if sequence is None else sequence.shard(und_seq, gen_seq, rotary_emb)
+                    (und_seq, gen_seq, rotary_emb) if ulysses is None else ulysses.shard(und_seq, gen_seq, rotary_emb)
                 )
 
             def _cp_gather_fn(self, und_out, gen_out):
-                sequence = state_of(self).sequence
-                return (und_out, gen_out) if sequence is None else sequence.gather(und_out, gen_out)
+                ulysses = state_of(self).ulysses
+                return (und_out, gen_out) if ulysses is None else ulysses.gather(und_out, gen_out)
 
         Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{cls.__name__}"
         _PIPELINED[cls] = Pipelined
@@ -146,12 +149,21 @@ def attach_pipeline_state(model: nn.Module, state: PipelineState) -> None:
     model.__class__ = pipelined_class(type(model))
 
 
-def pipeline_state_of(model: nn.Module) -> PipelineState | None:
-    """``model``'s pipeline state, or ``None`` (not a transformer ``load_pipeline`` returned)."""
-    return PIPELINE_STATE.get(model)
+def scheduler_problems(scheduler) -> list[str]:
+    """What in ``scheduler`` (a copy is set twice; the pipeline's own is not touched) differs from
+    what the step boundary relies on: ``set_timesteps`` gives a new ``timesteps`` object each time."""
+    import copy
 
-
-def cfg_pair_of(model: nn.Module) -> CfgPair | None:
-    """``model``'s side of its CFG pair (``load_pipeline(..., cfg_parallel=True)``), or ``None``."""
-    state = PIPELINE_STATE.get(model)
-    return state.cfg if state is not None else None
+    trial = copy.deepcopy(scheduler)
+    try:
+        trial.set_timesteps(2)
+        first = trial.timesteps
+        trial.set_timesteps(2)
+    except Exception as exc:  # a scheduler whose set_timesteps wants more: name it
+        return [f"{type(scheduler).__name__}.set_timesteps(2) failed ({exc})"]
+    if trial.timesteps is first:
+        return [
+            f"{type(scheduler).__name__}.set_timesteps keeps its `timesteps` object: fsdp_fp8 could not tell "
+            "a new request from the step running"
+        ]
+    return []

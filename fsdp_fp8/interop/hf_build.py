@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.handles import short_repr
 from fsdp_fp8.third_party import quiet_imports
 
@@ -41,12 +42,12 @@ def _import(package: str, class_name: str, source: str):
             module = importlib.import_module(package)
             cls = getattr(module, class_name, None)
     except ImportError as exc:
-        raise ValueError(
+        raise ArgumentError(
             f"{source}: model class {class_name!r} comes from {package}, which is not installed "
             f"({exc}); install the extra: {EXTRA}"
         ) from exc
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise ValueError(
+        raise ArgumentError(
             f"{source}: {package} {getattr(module, '__version__', '?')} has no model class {class_name!r}; "
             f"a newer {package} may (the tested versions are in {EXTRA})"
         )
@@ -56,7 +57,7 @@ def _import(package: str, class_name: str, source: str):
 def _dtype(value: object, source: str, field: str) -> torch.dtype:
     dtype = getattr(torch, value, None) if isinstance(value, str) else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{source}: field `{field}` is {value!r}, not a floating-point torch dtype")
+        raise ArgumentError(f"{source}: field `{field}` is {value!r}, not a floating-point torch dtype")
     return dtype
 
 
@@ -86,10 +87,10 @@ def transformers_model_fn(
     ``stored`` (the checkpoint's dtype) serves when the config records none."""
     names = config.get("architectures")
     if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
-        raise ValueError(f"{source}: field `architectures` must name exactly one model class, got {names!r}")
+        raise ArgumentError(f"{source}: field `architectures` must name exactly one model class, got {names!r}")
     class_name = names[0]
     if not isinstance(config.get("model_type"), str):
-        raise ValueError(f"{source}: field `model_type` is missing; cannot build {class_name!r} from this config")
+        raise ArgumentError(f"{source}: field `model_type` is missing; cannot build {class_name!r} from this config")
     field = "dtype" if "dtype" in config else "torch_dtype"
     if config.get(field) is not None:
         dtype = _dtype(config[field], source, field)

@@ -1,5 +1,6 @@
-"""Compose ``fully_shard``: each transformer block, then the root (torchtitan's pattern); and
-the device meshes it shards over.
+"""Compose ``fully_shard``: each transformer block, then the root (torchtitan's pattern), over the
+mesh's weight dims (``runtime.parallel_mesh`` builds the one mesh of a layout; ``default_mesh``:
+every rank, when a ``load_model`` caller gives none).
 
 A 1-D mesh is FSDP: every parameter is ``Shard(0)`` over all ranks. A 2-D mesh
 ``(replicate, shard)`` is HSDP: FSDP2 places each parameter as ``(Replicate(), Shard(0))``,
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.shard_rows import chunk_rows
 
 HSDP_DIM_NAMES = ("replicate", "shard")
@@ -28,38 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group."""
+    """A 1-D mesh over every rank of the default process group (``load_model`` without a mesh)."""
     return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def replica_problems(replicas: int, world_size: int) -> list[str]:
-    """Why ``replicas`` replica groups cannot be cut from ``world_size`` ranks (empty: they can)."""
-    if replicas < 1:
-        return [f"replicas must be >= 1, got {replicas}"]
-    if world_size % replicas:
-        return [
-            f"replicas {replicas} does not divide the world size {world_size}: HSDP needs every "
-            "replica group to have the same number of ranks"
-        ]
-    return []
-
-
-def device_mesh(device_type: str, replicas: int = 1) -> DeviceMesh:
-    """The mesh ``load_model`` shards over: 1-D over every rank (``replicas=1``), else HSDP,
-    ``(replicas, world // replicas)`` named ``("replicate", "shard")``.
-
-    Ranks ``[r * S, (r + 1) * S)`` form replica ``r`` (``S = world // replicas``): with torchrun's
-    node-major rank order, a replica group is one node (or a run of nodes) when ``S`` is the
-    ranks per node, so the all-gathers stay inside it. A ``ValueError`` (on every rank alike,
-    before any collective) when ``replicas`` does not divide the world size.
-    """
-    world = dist.get_world_size()
-    problems = replica_problems(replicas, world)
-    if problems:
-        raise ValueError(problems[0])
-    if replicas == 1:
-        return default_mesh(device_type)
-    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=HSDP_DIM_NAMES)
 
 
 def mesh_problems(mesh: DeviceMesh, device_type: str, world_size: int) -> list[str]:
@@ -122,7 +94,7 @@ def primary_replica(mesh: DeviceMesh) -> list[int]:
     grid = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])  # 1-D: one line; 2-D: one per replica
     lines = [row.tolist() for row in grid if 0 in row.tolist()]
     if len(lines) != 1:
-        raise ValueError(f"rank 0 is not in the mesh {mesh.mesh.tolist()} exactly once")
+        raise ArgumentError(f"rank 0 is not in the mesh {mesh.mesh.tolist()} exactly once")
     return lines[0]
 
 

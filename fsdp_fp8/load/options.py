@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S
+from fsdp_fp8.errors import ArgumentError, ArgumentTypeError
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
 from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions
@@ -83,7 +84,7 @@ class LoadOptions:
         problems += _type_problems(self)
         problems += timeout_problems(self.timeout_s, "`timeout_s`")
         if problems:
-            raise ValueError("LoadOptions: " + "; ".join(problems))
+            raise ArgumentError(problems, "LoadOptions")
         object.__setattr__(self, "device", device)
 
     def replace(self, **changes) -> LoadOptions:
@@ -141,7 +142,7 @@ def load_options(options: LoadOptions | None = None, **settings) -> LoadOptions:
     naming the known ones; settings given with ``None`` keep the value."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise TypeError(f"unknown load setting(s) {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
+        raise ArgumentTypeError(f"unknown load setting(s) {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
     given = {name: value for name, value in settings.items() if value is not None}
     if options is None:
         return LoadOptions(**given)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
+
 # linear name -> "reasoner" | "generation" | "other" (fsdp_fp8.runtime.towers), or a function of
 # the built model returning that map
 TowerSpec = Mapping[str, str] | Callable[[nn.Module], Mapping[str, str]]
@@ -31,7 +33,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"ModelSpec.kind is {self.kind!r}, not one of {list(KINDS)}")
+            raise ArgumentError(f"ModelSpec.kind is {self.kind!r}, not one of {list(KINDS)}")
 
 
 def custom_spec(model_fn: Callable[[dict], nn.Module], towers: TowerSpec | None = None) -> ModelSpec:

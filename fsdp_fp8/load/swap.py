@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentTypeError
 from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 
@@ -22,7 +23,7 @@ def swap_fp8_linears(model: nn.Module, plan, kernels: KernelOptions = DEFAULT_KE
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child_name)
         if not isinstance(old, nn.Linear):  # the plan validated this; a changed model is a bug
-            raise TypeError(f"`{target.module}` is {type(old).__name__}, no longer the planned nn.Linear")
+            raise ArgumentTypeError(f"`{target.module}` is {type(old).__name__}, no longer the planned nn.Linear")
         new = Float8StaticLinear(
             target.in_features,
             target.out_features,

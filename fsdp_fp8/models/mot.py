@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.models.mot_config import MoTConfig
 from fsdp_fp8.models.ops import (
     TIME_FREQ_DIM,
@@ -113,7 +114,7 @@ class MoTLayer(nn.Module):
             h = h + attn
             return h + self.mlp(self.post_attention_layernorm(h)), new_kv
         if phase != "generate":
-            raise ValueError(f"unknown phase {phase!r}; expected 'reason' or 'generate'")
+            raise ArgumentError(f"unknown phase {phase!r}; expected 'reason' or 'generate'")
         h = h + self.self_attn(self.input_layernorm_moe_gen(h), rope, kv, phase="generate")
         return h + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(h))
 
@@ -157,7 +158,7 @@ class ReferenceMoTTransformer(nn.Module):
             return self._denoise(*args)
         if phase == "logits":
             return self.lm_head(args[0].hidden)
-        raise ValueError(f"unknown phase {phase!r}; expected 'reason', 'denoise' or 'logits'")
+        raise ArgumentError(f"unknown phase {phase!r}; expected 'reason', 'denoise' or 'logits'")
 
     def _rope(self, start: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(torch.arange(start, start + length, device=device))
@@ -209,7 +210,7 @@ def linear_towers(model: nn.Module) -> dict[str, str]:
         elif isinstance(module, nn.Linear):
             strays.append(name)
     if strays:
-        raise ValueError(f"linears with no known tower: {sorted(strays)}")
+        raise ArgumentError(f"linears with no known tower: {sorted(strays)}")
     return towers
 
 

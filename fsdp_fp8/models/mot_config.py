@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fsdp_fp8.errors import ArgumentError
+
 CLASS_NAME = "ReferenceMoTTransformer"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -42,7 +44,7 @@ class MoTConfig:
         if self.dtype not in _DTYPES:
             problems.append(f"`dtype` must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if problems:
-            raise ValueError("invalid MoTConfig: " + "; ".join(sorted(problems)))
+            raise ArgumentError(problems, "invalid MoTConfig")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -57,7 +59,7 @@ class MoTConfig:
     def from_config_dict(cls, d: dict[str, Any]) -> MoTConfig:
         class_name = d.get("_class_name")
         if class_name != CLASS_NAME:
-            raise ValueError(
+            raise ArgumentError(
                 f"config.json `_class_name` is {class_name!r}; this reference model reads only {CLASS_NAME!r}"
             )
         # `_`-prefixed bookkeeping and the quantization block belong to other readers.
@@ -67,7 +69,7 @@ class MoTConfig:
         problems = [f"unknown field `{k}`" for k in body if k not in known]
         problems += [f"missing field `{k}`" for k in required if k not in body]
         if problems:
-            raise ValueError("config.json: " + "; ".join(sorted(problems)))
+            raise ArgumentError(problems, "config.json")
         return cls(**body)
 
 

@@ -37,9 +37,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.errors import CheckpointError, raise_if_problems
+from fsdp_fp8.errors import ArgumentError, CheckpointError, raise_if_problems
 from fsdp_fp8.format.pipeline_config import positive_int_problem, read_pipeline_factors
-from fsdp_fp8.runtime.parallel_layout import layout_problems, sequence_rows
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout, ulysses_rows
 from fsdp_fp8.shard_rows import padded_rows
 
 GiB = 1 << 30
@@ -187,20 +187,20 @@ def activation_terms(
     vision: int,
     cfg_parallel: bool,
     fp8_time_embedder: bool = False,
-    sequence_parallel: int = 1,
+    ulysses: int = 1,
 ) -> list[Term]:
     """The transformer's working set at its widest moment, phase by phase (no autograd: a
     temporary dies when its expression is done). A W8A8 linear quantizes its input through two
     float32 temporaries (``clamp(x.float() / s)``, ``fsdp_fp8.fp8.kernels``): 8 bytes per input
     element while it runs, then 1 byte of FP8 codes.
 
-    With a sequence group of ``sequence_parallel`` ranks the decoder stack runs on this rank's
-    generation rows (``rows``: ``parallel_layout.sequence_rows``) beside the whole text; the packed
+    With a Ulysses group of ``ulysses`` ranks the decoder stack runs on this rank's
+    generation rows (``rows``: ``parallel_layout.ulysses_rows``) beside the whole text; the packed
     sequence, its rotary tables and the time embedding stay whole (built before the split), and
-    the attention adds the all-to-alls' buffers (``sequence_terms``)."""
+    the attention adds the all-to-alls' buffers (``ulysses_terms``)."""
     tokens = text + vision
-    sp = sequence_parallel
-    rows = vision if sp == 1 else sequence_rows(vision, sp)
+    sp = ulysses
+    rows = vision if sp == 1 else ulysses_rows(vision, sp)
     phases = _activation_phases(shape, text, vision, rows, fp8_time_embedder, sp)
     e = shape.dtype_bytes
     rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
@@ -263,15 +263,15 @@ def _activation_phases(
     phases = {"time embedding": time, "attention": attention, "MLP": mlp}
     if sp > 1:
         held = tokens * h * e  # the packed sequence the forward holds while its stack runs on slices
-        phases["attention"] += held + sequence_terms(shape, text, vision, rows, sp)
+        phases["attention"] += held + ulysses_terms(shape, text, vision, rows, sp)
         phases["MLP"] += held
         # after the stack: every rank's rows gathered, then the whole sequence concatenated
         phases["gather"] = held + sp * rows * h * e + tokens * h * e
     return phases
 
 
-def sequence_terms(shape: TransformerShape, text: int, vision: int, rows: int, sp: int) -> int:
-    """What a rank's attention adds under sequence parallelism: the q/k/v all-to-all's send and
+def ulysses_terms(shape: TransformerShape, text: int, vision: int, rows: int, sp: int) -> int:
+    """What a rank's attention adds under Ulysses: the q/k/v all-to-all's send and
     receive buffers (its rows, every head), every row of its share of the heads (q, k, v; the text
     keys and values of those heads beside them), the output's share and its inverse all-to-all.
     Key/value heads fewer than the degree are repeated to one per rank."""
@@ -294,25 +294,22 @@ def forecast(
     resident: str | int = "none",
     offload: str | None = None,
     cfg_parallel: bool = False,
-    sequence_parallel: int = 1,
+    ulysses: int = 1,
     prefetch: bool = True,
 ) -> MemoryForecast:
     """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks;
-    ``cfg_parallel`` / ``sequence_parallel``: the ranks of one request (``runtime.parallel_layout``)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    problems = layout_problems(world_size, cfg_parallel, sequence_parallel)
-    if problems:
-        raise ValueError("; ".join(problems))
+    ``cfg_parallel`` / ``ulysses``: the ranks of one request (``runtime.parallel_layout``, checked
+    there: a ``LayoutError``)."""
+    ParallelLayout(world_size, cfg_parallel=cfg_parallel, ulysses=ulysses)
     if offload not in (None, "cpu"):
-        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        raise ArgumentError(f"offload must be None or 'cpu', got {offload!r}")
     groups = units(tensors)
     layers = sorted((k for k in groups if k.startswith("layers.")), key=lambda k: int(k.split(".")[1]))
     full = {k: sum(_nbytes(t) for t in v) for k, v in groups.items()}
     shard = {k: sum(_shard_bytes(t, world_size) for t in v) for k, v in groups.items()}
     n_resident = len(layers) if resident == "all" else 0 if resident == "none" else int(resident)
     if not 0 <= n_resident <= len(layers):
-        raise ValueError(f"resident must be 'none', 'all' or 0..{len(layers)} layers, got {resident!r}")
+        raise ArgumentError(f"resident must be 'none', 'all' or 0..{len(layers)} layers, got {resident!r}")
     streamed = layers[n_resident:]
     biggest = max((full[k] for k in streamed), default=0)
     in_flight = (2 if prefetch else 1) * biggest if world_size > 1 else 0
@@ -343,7 +340,7 @@ def forecast(
     terms.append(Term("non-FP8 components", components_bytes, detail="VAE and other component weights"))
     text = text_tokens
     fp8_time = any(t.key.startswith("time_embedder.") and t.itemsize == 1 for t in tensors)
-    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time, sequence_parallel)
+    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time, ulysses)
     return MemoryForecast(world_size, text, size.vision_tokens(shape.patch), tuple(terms))
 
 
@@ -380,7 +377,7 @@ def forecast_checkpoint(
     where = str(transformer / "config.json")
     config = json.loads((transformer / "config.json").read_text())
     if config.get("_class_name") != "Cosmos3OmniTransformer":
-        raise ValueError(
+        raise ArgumentError(
             f"{where}: `_class_name` is {config.get('_class_name')!r}; the activation forecast knows "
             "Cosmos3OmniTransformer only"
         )

@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from fsdp_fp8.errors import PeerLostError, ProblemsError
+from fsdp_fp8.errors import ArgumentError, PeerLostError, ProblemsError
 
 DEFAULT_STALL_S = 30.0  # no beat for this long: the peer is named
 DEFAULT_INTERVAL_S = 1.0  # how often each rank beats and looks at the others
@@ -288,7 +288,7 @@ def watch_peers(
     Collective in spirit: every rank enters it around the same work. A single process, or a
     group without a store, runs the block unwatched."""
     if stall_s <= 0 or interval_s <= 0:
-        raise ValueError(f"watch_peers needs stall_s and interval_s > 0, got {stall_s} and {interval_s}")
+        raise ArgumentError(f"watch_peers needs stall_s and interval_s > 0, got {stall_s} and {interval_s}")
     store = _store() if dist.is_available() and dist.is_initialized() else None
     if store is None or dist.get_world_size() == 1:
         yield

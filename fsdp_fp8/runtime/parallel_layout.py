@@ -1,144 +1,188 @@
-"""Which ranks work together on one request: sequence groups, CFG pairs and prompt slots.
+"""The parallel layout: how many ranks, how they hold the weights and how they share the work,
+validated once (torchtitan's ``ParallelDims``). ``runtime.parallel_mesh`` builds its one mesh.
 
-Imports nothing (no torch): the launcher checks a layout before torch loads.
+Imports nothing but the error types (no torch): the launcher checks a layout before torch loads.
 
-A world of ``W`` ranks runs ``W / (cfg x sp)`` requests at once (prompt *slots*); the ranks of
-one slot split one request: ``cfg`` is 2 under CFG-parallel (the two guidance passes of a step
-at once) and 1 otherwise; ``sp`` is the sequence-parallel degree (the generation tokens of one
-pass split over a *sequence group*). Ranks are laid out with the sequence group innermost, so
-its all-to-alls, the busiest collectives, stay among neighbouring ranks (one node under torchrun's
-node-major rank order), then the CFG role, then the slot::
+A world of ``W`` ranks is cut two ways, both row-major over the same ranks (one world mesh,
+two views of it)::
 
-    rank = (slot x cfg + role) x sp + position
+    weights:  (replicate, shard)          FSDP2 shards every parameter over `shard` (HSDP: each
+                                          of `replicate` groups holds a full copy)
+    work:     (request, cfg, ulysses)     `request` groups run different requests; the ranks of
+                                          one request split its guidance passes (`cfg`: 2 under
+                                          CFG-parallel) and its generation tokens (`ulysses`)
 
-    world 8, CFG-parallel, sp 4:   slot 0: role 0 (cond)   ranks 0 1 2 3   <- one sequence group
-                                           role 1 (uncond) ranks 4 5 6 7   <- another
-                                   CFG pairs: (0, 4) (1, 5) (2, 6) (3, 7)
+    rank = (request x cfg + cfg_rank) x ulysses + ulysses_rank = replicate_rank x shard + shard_rank
 
-    world 8, sp 2, no CFG:         slots 0..3, sequence groups (0, 1) (2, 3) (4, 5) (6, 7)
+    world 8, CFG-parallel, ulysses 4:  request 0: cfg 0 (cond)   ranks 0 1 2 3   <- one Ulysses group
+                                                  cfg 1 (uncond) ranks 4 5 6 7   <- another
+                                       CFG pairs: (0, 4) (1, 5) (2, 6) (3, 7)
 
-Without either, every rank is its own slot (today's prompt spreading); with CFG-parallel alone the
-pairs are ``(2k, 2k + 1)``. FSDP2 keeps sharding the weights over every rank (or each HSDP
-replica group): the layout decides who computes what, not who holds which rows.
+    world 8, ulysses 2, no CFG:        requests 0..3, Ulysses groups (0, 1) (2, 3) (4, 5) (6, 7)
+
+The Ulysses dim is innermost, so its all-to-alls, the busiest collectives, stay among
+neighbouring ranks (one node under torchrun's node-major rank order); an HSDP replica is a run of
+``W / replicas`` neighbouring ranks (one node when that is the ranks per node), so its
+all-gathers stay inside it. Without CFG or Ulysses every rank is its own request group (prompts
+spread over the ranks); with CFG-parallel alone the pairs are ``(2k, 2k + 1)``. The weight dims
+decide who holds which rows, the work dims who computes what: the two are independent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from fsdp_fp8.errors import LayoutError
+
+WEIGHT_DIMS = ("replicate", "shard")
+WORK_DIMS = ("request", "cfg", "ulysses")
 
 # A rank's generation rows at the least: on the CPU build torch._scaled_mm's bits hold for row
-# slices of 12 rows and more, not always below (interop.sequence_parallel; the forecast counts them).
+# slices of 12 rows and more, not always below (interop.ulysses; the forecast counts them).
 MIN_ROWS = 16
 
 
-def sequence_rows(length: int, size: int) -> int:
-    """Each rank's generation rows for a pass of ``length`` rows over a sequence group of ``size``:
+def ulysses_rows(length: int, size: int) -> int:
+    """Each rank's generation rows for a pass of ``length`` rows over a Ulysses group of ``size``:
     an equal share, at least ``MIN_ROWS``; a pass shorter than that stays whole on the group's first
     rank (the others hold padding), so its GEMMs are the one-rank run's own."""
     return max(-(-length // size), min(length, MIN_ROWS))
 
 
 @dataclass(frozen=True)
+class AttentionHeads:
+    """A transformer's attention heads, as the Ulysses degree must split them, and where they were read."""
+
+    query: object
+    key_value: object
+    source: str = "transformer/config.json"
+
+    @classmethod
+    def of(cls, config: dict, source: str = "transformer/config.json") -> AttentionHeads:
+        return cls(config.get("num_attention_heads"), config.get("num_key_value_heads"), source)
+
+
+class Coordinates(NamedTuple):
+    """One rank's place on the work dims."""
+
+    request: int
+    cfg: int
+    ulysses: int
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
-    rank: int
+    """``world`` ranks: ``replicas`` HSDP replica groups for the weights; CFG pairs and Ulysses
+    groups of ``ulysses`` for the work; ``heads`` (optional) the transformer's attention heads the
+    Ulysses degree must split. Every problem is one ``LayoutError``, raised on construction."""
+
     world: int
     cfg_parallel: bool = False
-    sequence_parallel: int = 1
+    ulysses: int = 1
+    replicas: int = 1
+    heads: AttentionHeads | None = None
 
     def __post_init__(self) -> None:
-        problems = layout_problems(self.world, self.cfg_parallel, self.sequence_parallel)
+        problems = layout_problems(self.world, self.cfg_parallel, self.ulysses, self.replicas, self.heads)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise LayoutError(problems)
 
     @property
     def cfg(self) -> int:
         return 2 if self.cfg_parallel else 1
 
     @property
-    def team(self) -> int:
-        """Ranks serving one request."""
-        return self.cfg * self.sequence_parallel
+    def requests(self) -> int:
+        """Requests run at once: the size of the ``request`` dim."""
+        return self.world // (self.cfg * self.ulysses)
 
     @property
-    def slot(self) -> int:
-        return self.rank // self.team
+    def shard(self) -> int:
+        """Ranks one parameter's rows are split over: the size of the ``shard`` dim."""
+        return self.world // self.replicas
 
-    @property
-    def slots(self) -> int:
-        return self.world // self.team
+    def work_sizes(self) -> tuple[int, int, int]:
+        """The sizes of ``WORK_DIMS``, in order."""
+        return self.requests, self.cfg, self.ulysses
 
-    @property
-    def role(self) -> int:
-        """0: the conditional pass (or both passes without CFG-parallel); 1: the unconditional one."""
-        return self.rank // self.sequence_parallel % self.cfg
+    def weight_sizes(self) -> tuple[int, int]:
+        """The sizes of ``WEIGHT_DIMS``, in order."""
+        return self.replicas, self.shard
 
-    @property
-    def position(self) -> int:
-        """This rank's place in its sequence group: its share of the generation tokens."""
-        return self.rank % self.sequence_parallel
+    def coordinates(self, rank: int) -> Coordinates:
+        """``rank``'s place on the work dims (row-major, ``ulysses`` innermost)."""
+        return Coordinates(rank // (self.cfg * self.ulysses), rank // self.ulysses % self.cfg, rank % self.ulysses)
 
-    @property
-    def writes(self) -> bool:
-        """Whether this rank reports and saves its requests (every rank of a slot holds the same
-        latents: the first one writes)."""
-        return self.role == 0 and self.position == 0
-
-    def sequence_groups(self) -> list[list[int]]:
-        """Every sequence group of the world, in the order every rank creates them."""
-        sp = self.sequence_parallel
-        return [list(range(start, start + sp)) for start in range(0, self.world, sp)]
-
-    def cfg_pairs(self) -> list[list[int]]:
-        """Every CFG pair of the world (the ranks at one position of a slot's two roles), in order."""
-        sp = self.sequence_parallel
-        return [
-            [(slot * 2) * sp + position, (slot * 2 + 1) * sp + position]
-            for slot in range(self.slots)
-            for position in range(sp)
-        ]
+    def writes(self, rank: int) -> bool:
+        """Whether ``rank`` reports and saves its requests (every rank of a request holds the same
+        latents: the first one, cfg 0 and ulysses 0, writes)."""
+        place = self.coordinates(rank)
+        return place.cfg == 0 and place.ulysses == 0
 
     def describe(self) -> str:
-        """The mesh in words, as the report prints it: ``CFG 2 x SP 4``, ``SP 2``, ``CFG 2``."""
-        parts = (["CFG 2"] if self.cfg_parallel else []) + (
-            [f"SP {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
-        )
+        """The work dims in words, as the report prints them: ``CFG 2 x Ulysses 4``, ``Ulysses 2``,
+        ``CFG 2``, or ``none``."""
+        parts = (["CFG 2"] if self.cfg_parallel else []) + ([f"Ulysses {self.ulysses}"] if self.ulysses > 1 else [])
         return " x ".join(parts) or "none"
 
 
-def layout_problems(world: int, cfg_parallel: bool, sequence_parallel: int) -> list[str]:
-    """Why ``world`` ranks cannot be cut into CFG pairs and sequence groups of ``sequence_parallel``."""
-    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
-        return [f"the sequence-parallel degree must be an integer >= 1, got {sequence_parallel!r}"]
-    team = (2 if cfg_parallel else 1) * sequence_parallel
-    if world % team:
-        what = f"CFG pairs of sequence groups of {sequence_parallel} ({team} ranks per request)"
-        if not cfg_parallel:
-            what = f"sequence groups of {sequence_parallel}"
-        elif sequence_parallel == 1:
-            return [f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}"]
-        ranks = f"{world} rank{'' if world == 1 else 's'}"
-        return [f"a world of {ranks} cannot be cut into {what}: {team} must divide {world}"]
-    return []
+def _degree_problems(name: str, value) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return [f"{name} must be an integer >= 1, got {value!r}"]
+    return [f"{name} must be >= 1, got {value!r}"] if value < 1 else []
 
 
-def head_problems(config: dict, sequence_parallel: int, source: str = "transformer/config.json") -> list[str]:
-    """Why a Cosmos 3 transformer with ``config`` cannot split its attention heads over a sequence
-    group of ``sequence_parallel``. Each rank takes a contiguous slice of the query heads and the
-    key/value heads those use (GQA): the degree must divide the query heads, and either divide the
-    key/value heads (each rank its own) or be a multiple of them (ranks share one, repeated)."""
-    if sequence_parallel == 1:
+def layout_problems(
+    world: int, cfg_parallel: bool, ulysses: int, replicas: int = 1, heads: AttentionHeads | None = None
+) -> list[str]:
+    """Why ``world`` ranks cannot be cut into ``replicas`` replica groups, CFG pairs and Ulysses
+    groups of ``ulysses``, or ``heads`` split ``ulysses`` ways (empty: they can)."""
+    problems = _degree_problems("the world size", world) + _degree_problems("the Ulysses degree", ulysses)
+    problems += _degree_problems("replicas", replicas)
+    if not isinstance(cfg_parallel, bool):
+        problems.append(f"cfg_parallel must be a bool, got {cfg_parallel!r}")
+    if problems:
+        return problems
+    if world % replicas:
+        problems.append(
+            f"replicas {replicas} does not divide the world size {world}: HSDP needs every replica group "
+            "to have the same number of ranks"
+        )
+    return problems + _work_problems(world, cfg_parallel, ulysses) + head_problems(heads, ulysses)
+
+
+def _work_problems(world: int, cfg_parallel: bool, ulysses: int) -> list[str]:
+    team = (2 if cfg_parallel else 1) * ulysses
+    if not world % team:
         return []
-    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (heads, kv_heads)) or heads % kv_heads:
+    what = f"CFG pairs of Ulysses groups of {ulysses} ({team} ranks per request)"
+    if not cfg_parallel:
+        what = f"Ulysses groups of {ulysses}"
+    elif ulysses == 1:
+        return [f"CFG-parallel runs ranks in pairs: it needs an even world size, got {world}"]
+    ranks = f"{world} rank{'' if world == 1 else 's'}"
+    return [f"a world of {ranks} cannot be cut into {what}: {team} must divide {world}"]
+
+
+def head_problems(heads: AttentionHeads | None, ulysses: int) -> list[str]:
+    """Why a Cosmos 3 transformer with ``heads`` cannot split its attention over a Ulysses group of
+    ``ulysses``. Each rank takes a contiguous slice of the query heads and the key/value heads those
+    use (GQA): the degree must divide the query heads, and either divide the key/value heads (each
+    rank its own) or be a multiple of them (ranks share one, repeated)."""
+    if heads is None or ulysses == 1:
+        return []
+    q, kv, source = heads.query, heads.key_value, heads.source
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (q, kv)) or q % kv:
         return [
-            f"{source}: `num_attention_heads` {heads!r} / `num_key_value_heads` {kv_heads!r} are not positive "
+            f"{source}: `num_attention_heads` {q!r} / `num_key_value_heads` {kv!r} are not positive "
             "integers with the key/value heads dividing the query heads, so the heads cannot be split"
         ]
-    if heads % sequence_parallel or (kv_heads % sequence_parallel and sequence_parallel % kv_heads):
+    if q % ulysses or (kv % ulysses and ulysses % kv):
         return [
-            f"--sequence-parallel {sequence_parallel} cannot split this transformer's attention: it has "
-            f"{heads} query heads and {kv_heads} key/value heads ({source}); each rank of a sequence group "
+            f"a Ulysses degree of {ulysses} cannot split this transformer's attention: it has "
+            f"{q} query heads and {kv} key/value heads ({source}); each rank of a Ulysses group "
             f"takes an equal share of the query heads and of the key/value heads they use, so the degree "
-            f"must divide {heads} and divide {kv_heads} or be a multiple of it"
+            f"must divide {q} and divide {kv} or be a multiple of it"
         ]
     return []

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp_fp8.errors import QuantizeError, raise_if_problems
+from fsdp_fp8.errors import ArgumentError, QuantizeError, raise_if_problems
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _FP8_CAPABILITY = (8, 9)  # fp8 GEMMs: Ada / Hopper and newer
 def check_ptq_checkpoint(checkpoint) -> None:
     """Refuse runtime quantization of a checkpoint that is already ModelOpt static FP8."""
     if checkpoint.quant.is_modelopt_fp8:
-        raise ValueError(
+        raise ArgumentError(
             f"{checkpoint.directory} is a ModelOpt static-FP8 checkpoint; runtime quantization "
             "(--quantize) would throw away its calibrated scales and quantize its weights twice. "
             "Load it as it is (without --quantize), or quantize a BF16 checkpoint"
@@ -57,7 +57,7 @@ def check_ptq_checkpoint(checkpoint) -> None:
 def check_ptq_world_size(world_size: int) -> None:
     """Runtime quantization runs on one process: there is no sharded PTQ to run on N ranks."""
     if world_size > 1:
-        raise ValueError(
+        raise ArgumentError(
             f"--quantize runs on a single process, not on {world_size} ranks: the quantized model "
             "is replicated, not FSDP-sharded. Run `python launch/infer.py --quantize ...` "
             "(or torchrun --nproc-per-node 1)"

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.fp8.tensor import is_static_fp8
 from fsdp_fp8.load.fsdp_wrap import model_mesh, shard_size
 
@@ -158,9 +159,9 @@ def apply_residency(
     Call it on every rank after ``load_model`` and before the first forward.
     """
     if policy not in POLICIES:
-        raise ValueError(f"residency policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        raise ArgumentError(f"residency policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if budget_bytes is not None and budget_bytes < 0:
-        raise ValueError(f"residency budget must be >= 0 bytes, got {budget_bytes}")
+        raise ArgumentError(f"residency budget must be >= 0 bytes, got {budget_bytes}")
     # The all-gathers run over the shard dim (HSDP: within a replica), so what a rank sends
     # and what a block holds gathered follow the shard-dim size, not the world size.
     shards = shard_size(model_mesh(model))
@@ -178,7 +179,7 @@ def apply_residency(
         if budget_bytes is not None:
             local = budget_bytes if local is None else min(local, budget_bytes)
         if local is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"--resident auto needs a budget on {device} (nothing reports its free "
                 "memory): state one with --resident-budget"
             )

@@ -9,6 +9,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
+
 StepContext = Callable[[int, int], AbstractContextManager]
 
 
@@ -31,10 +33,10 @@ def sample(
     unconditional pass. The reasoner runs once, outside every step.
     """
     if steps < 1:
-        raise ValueError(f"`steps` must be >= 1, got {steps}")
+        raise ArgumentError(f"`steps` must be >= 1, got {steps}")
     if prompt_ids.dim() != 2:
         shape = tuple(prompt_ids.shape)
-        raise ValueError(f"`prompt_ids` must be [batch, tokens], got shape {shape}")
+        raise ArgumentError(f"`prompt_ids` must be [batch, tokens], got shape {shape}")
     device, dtype = model.device, model.dtype
     batch = prompt_ids.shape[0]
     # Noise from a CPU generator: the same seed gives the same latents on every device/rank.

@@ -10,8 +10,8 @@ free guidance). The work of a pass, from the transformer's shape (``forecast.Tra
   pathway: ``4 x queries x keys x heads x head_dim`` FLOPs (``Q K^T`` and ``P V``), half of it for
   the causal part.
 
-How the ranks split it (``ParallelPlan``): CFG-parallel gives each rank of a pair one pass;
-sequence parallelism (Ulysses, degree ``S``) gives each rank ``1/S`` of the vision tokens' linears
+How the ranks split it (the ``ParallelLayout``, ``runtime.parallel_layout``): CFG-parallel gives
+each rank of a pair one pass; Ulysses (degree ``S``) gives each rank ``1/S`` of the vision tokens' linears
 and ``1/S`` of the heads of their attention, while the short text pathway stays whole on every
 rank. FSDP2 all-gathers every layer's weights once per pass (FP8: one byte per weight), overlapped
 with the compute by its prefetch; Ulysses moves each rank's Q/K/V before attention and the output
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_fp8.runtime.forecast import TransformerShape
+from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -46,27 +47,6 @@ LINK_EFFICIENCY = 0.7  # of NVLink bandwidth an NCCL all-gather / all-to-all sus
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
-    gpus: int
-    cfg_parallel: bool = False
-    sequence_parallel: int = 1
-
-    def __post_init__(self) -> None:
-        pairs = 2 if self.cfg_parallel else 1
-        if self.gpus % (pairs * self.sequence_parallel):
-            raise ValueError(
-                f"{self.gpus} GPUs do not split into {pairs} CFG ranks x {self.sequence_parallel} sequence ranks"
-            )
-
-    @property
-    def label(self) -> str:
-        parts = (["CFG 2"] if self.cfg_parallel else []) + (
-            [f"SP {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
-        )
-        return " x ".join(parts) or "FSDP only"
-
-
-@dataclass(frozen=True)
 class PassWork:
     """One transformer forward over ``text`` + ``vision`` tokens, on one rank."""
 
@@ -82,10 +62,10 @@ def layer_weights(shape: TransformerShape) -> int:
     return attention + 3 * shape.hidden * shape.intermediate
 
 
-def pass_work(shape: TransformerShape, text: int, vision: int, sequence_parallel: int = 1, gpus: int = 1) -> PassWork:
-    """The FLOPs and bytes of one pass on one rank of a sequence group of ``sequence_parallel``,
-    the weights sharded over ``gpus``."""
-    s = sequence_parallel
+def pass_work(shape: TransformerShape, text: int, vision: int, ulysses: int = 1, gpus: int = 1) -> PassWork:
+    """The FLOPs and bytes of one pass on one rank of a Ulysses group of ``ulysses``, the weights
+    sharded over ``gpus``."""
+    s = ulysses
     per_layer = layer_weights(shape)
     linear = 2 * (vision / s + text) * per_layer * shape.layers
     width = shape.heads * shape.head_dim
@@ -98,12 +78,13 @@ def pass_work(shape: TransformerShape, text: int, vision: int, sequence_parallel
 
 
 def step_seconds(
-    shape: TransformerShape, text: int, vision: int, plan: ParallelPlan, gpu: Gpu, w8a8: bool = True
+    shape: TransformerShape, text: int, vision: int, layout: ParallelLayout, gpu: Gpu, w8a8: bool = True
 ) -> float:
-    """Forecast seconds of one denoising step (two guidance passes) on ``plan``'s GPUs."""
-    work = pass_work(shape, text, vision, plan.sequence_parallel, plan.gpus)
+    """Forecast seconds of one denoising step (two guidance passes) on ``layout``'s GPUs (its
+    ``world``; the weights sharded over its ``shard`` dim)."""
+    work = pass_work(shape, text, vision, layout.ulysses, layout.shard)
     linear_tflops = gpu.fp8_tflops if w8a8 else gpu.bf16_tflops
     compute = work.linear_flops / (linear_tflops * 1e12 * MFU) + work.attention_flops / (gpu.bf16_tflops * 1e12 * MFU)
     link = gpu.link_gb_s * 1e9 * LINK_EFFICIENCY
     one_pass = max(compute, work.all_gather_bytes / link) + work.all_to_all_bytes / link
-    return one_pass * (1 if plan.cfg_parallel else 2)
+    return one_pass * (1 if layout.cfg_parallel else 2)

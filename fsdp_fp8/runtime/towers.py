@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.load.spec import TowerSpec
 
@@ -63,7 +64,7 @@ def cosmos3_towers(model: nn.Module) -> dict[str, str]:
     strays: list[str] = []
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `layers` ModuleList: not a Cosmos3OmniTransformer")
+        raise ArgumentError(f"{type(model).__name__} has no `layers` ModuleList: not a Cosmos3OmniTransformer")
     for i, layer in enumerate(layers):
         prefix = f"layers.{i}"
         attn = getattr(layer, "self_attn", None)
@@ -86,7 +87,7 @@ def cosmos3_towers(model: nn.Module) -> dict[str, str]:
             if _is_linear(module) and id(module) not in placed
         ]
     if strays:
-        raise ValueError(f"linears inside Cosmos 3 decoder layers with no known tower: {sorted(strays)}")
+        raise ArgumentError(f"linears inside Cosmos 3 decoder layers with no known tower: {sorted(strays)}")
     for name, module in model.named_modules():
         if _is_linear(module) and id(module) not in placed:
             towers[name] = OTHER
@@ -114,7 +115,7 @@ def resolve_towers(spec: TowerSpec | None, model: nn.Module) -> dict[str, str] |
     if towers is None:
         return None
     if not isinstance(towers, Mapping):
-        raise ValueError(f"`towers` must map linear names to {list(TOWERS)}, got {type(towers).__name__}")
+        raise ArgumentError(f"`towers` must map linear names to {list(TOWERS)}, got {type(towers).__name__}")
     return dict(towers)
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.export.modelopt import DEFAULT_IGNORE
 from fsdp_fp8.format.checkpoint import SCALE_SUFFIXES
 from fsdp_fp8.format.quant_config import matches_ignore
@@ -70,7 +71,7 @@ def write_sparse_checkpoint(
 ) -> Path:
     """Write the checkpoint ``export_fp8`` would write for ``config`` into an empty ``directory``."""
     if fill not in ("holes", "random"):
-        raise ValueError(f"fill must be 'holes' or 'random', got {fill!r}")
+        raise ArgumentError(f"fill must be 'holes' or 'random', got {fill!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):

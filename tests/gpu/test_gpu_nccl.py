@@ -37,10 +37,10 @@ def test_uneven_allgather_at_the_largest_world_gives_back_the_codes(tmp_path):
         assert any(r["local_rows"] == 0 for r in records)
 
 
-def test_sequence_parallel_all_to_alls_at_the_largest_world_give_back_the_rows(tmp_path):
+def test_ulysses_all_to_alls_at_the_largest_world_give_back_the_rows(tmp_path):
     world = torch.cuda.device_count()
     if world < 2:
-        pytest.skip("a sequence group needs two GPUs (NCCL refuses two ranks on one)")
+        pytest.skip("a Ulysses group needs two GPUs (NCCL refuses two ranks on one)")
     report = tmp_path / "alltoall.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd += [str(ROOT / "tests" / "gpu" / "ulysses_all_to_all.py"), "--report", str(report), "--large"]

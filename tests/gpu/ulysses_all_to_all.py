@@ -1,5 +1,5 @@
-"""Sequence parallelism's all-to-alls through a real process group: each rank's generation rows
-of q/k/v (every head) to every row of its heads (``SequenceParallel.to_heads``) and an output
+"""Ulysses attention's all-to-alls through a real process group: each rank's generation rows
+of q/k/v (every head) to every row of its heads (``Ulysses.to_heads``) and an output
 back (``to_rows``), at an uneven row count (padding dropped and restored). Every rank checks that
 the round trip gives its rows back and that its heads hold every rank's rows in order
 (``round_trip_equal``, ``heads_equal``) and, with ``--reps``, times the pair.
@@ -32,10 +32,10 @@ def shapes(world: int, large: bool) -> list[tuple[int, int, int, int]]:
 
 
 def case(length: int, heads: int, kv_heads: int, dim: int, device: torch.device, reps: int = 0) -> dict:
-    from fsdp_fp8.interop.sequence_parallel import SequenceParallel
+    from fsdp_fp8.interop.ulysses import Ulysses
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    sequence = SequenceParallel(dist.group.WORLD, rank, world)
+    sequence = Ulysses(dist.group.WORLD, rank, world)
     sequence.length, sequence.chunk = length, sequence.rows(length)
     gen = torch.Generator().manual_seed(length)
     full = [

@@ -1,19 +1,21 @@
-"""Sequence (Ulysses) parallelism for diffusers' ``Cosmos3OmniTransformer``: the ranks of a
-sequence group split the generation tokens of one pass, bit for bit what one rank computes.
+"""Ulysses attention for diffusers' ``Cosmos3OmniTransformer``: the ranks of a Ulysses group (the
+layout's ``ulysses`` mesh dim) split the generation tokens of one pass, bit for bit what one rank
+computes (DeepSpeed-Ulysses: all-to-alls swap a rank's rows of every head for every row of its heads).
 
 Cosmos 3 packs one sequence per pass: a short causal text ("understanding") prefix and the long
 vision ("generation") part. The transformer offers two seams around its decoder stack
 (``_cp_shard_fn``, ``_cp_gather_fn``; the pipeline transformer's one subclass of ours calls
 ``shard`` / ``gather`` below through them, ``interop.forward_state``), and each attention layer
-takes a processor (``set_processor``): diffusers' own context-parallel path refuses causal and
-GQA attention, so the attention is this module's processor.
+(``Cosmos3PackedMoTAttention``) takes a processor (``set_processor``): diffusers' own
+context-parallel path refuses causal and GQA attention, so the attention is this module's
+processor, found by type and checked against diffusers' (``diffusers_problems``).
 
 ::
 
-    gen rows (L)  ──pad to sp x chunk──▶ rank p keeps rows [p x chunk, (p + 1) x chunk)   (shard)
+    gen rows (L)  ──pad to U x chunk──▶ rank u keeps rows [u x chunk, (u + 1) x chunk)    (shard)
     every decoder layer, on each rank:
       text rows: whole, every head (the causal pathway, as one rank runs it)
-      gen rows:  q/k/v of its rows, every head ──all-to-all──▶ every row, heads / sp
+      gen rows:  q/k/v of its rows, every head ──all-to-all──▶ every row, heads / U
                  (keys and values: the text keys for those heads + every real gen row;
                   the padded rows are dropped, never masked)
                  attention ──all-to-all──▶ its rows, every head ──▶ to_add_out, MLP
@@ -21,8 +23,8 @@ GQA attention, so the attention is this module's processor.
 
 Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 16 bits gives
 any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
-a rank's slice is therefore at least 16 rows (padded; ``runtime.parallel_layout.sequence_rows``), and a pass shorter than that
-stays whole on the group's first rank. Attention per head is the same
+a rank's slice is therefore at least 16 rows (padded; ``runtime.parallel_layout.ulysses_rows``),
+and a pass shorter than that stays whole on the group's first rank. Attention per head is the same
 computation on the same rows (SDPA's kernel splits work over batch and heads). Norms and rotary
 embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
 projections of one pathway receive the same tensor object, as in diffusers' processor, so the
@@ -34,12 +36,15 @@ takes the same calls) into contiguous buffers made for them.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.runtime.collectives import all_gather_into
-from fsdp_fp8.runtime.parallel_layout import sequence_rows
+from fsdp_fp8.runtime.parallel_layout import ulysses_rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,20 +59,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-class SequenceParallel:
-    """One rank's side of a sequence group: ``shard`` before the decoder stack, the attention's
-    all-to-alls, ``gather`` after it. Holds the sizes of the pass running (``length``: the real
-    generation rows; ``chunk``: each rank's rows)."""
+class Ulysses:
+    """One rank's side of a Ulysses group: ``shard`` before the decoder stack, the attention's
+    all-to-alls, ``gather`` after it. ``rank`` is this rank's coordinate on the group (its share of
+    the rows and of the heads), ``size`` the group's. Holds the sizes of the pass running
+    (``length``: the real generation rows; ``chunk``: each rank's rows)."""
 
-    def __init__(self, group, position: int, size: int):
-        self.group, self.position, self.size = group, position, size
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
         self.length: int | None = None
         self.chunk: int | None = None
-        self.all_to_alls = 0  # how many this rank ran (for the tests and the bench)
+
+    @classmethod
+    def of(cls, mesh) -> Ulysses:
+        """This rank's side of its group: the ``ulysses`` dim of a ``ParallelMesh``."""
+        dim = mesh["ulysses"]
+        return cls(dim.get_group(), dim.get_local_rank(), dim.size())
 
     def rows(self, length: int) -> int:
-        """Each rank's generation rows for a pass of ``length`` rows (``sequence_rows``)."""
-        return sequence_rows(length, self.size)
+        """Each rank's generation rows for a pass of ``length`` rows (``ulysses_rows``)."""
+        return ulysses_rows(length, self.size)
 
     def _padded(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` with zero rows appended up to every rank's chunk (``size * chunk`` rows)."""
@@ -77,7 +88,7 @@ class SequenceParallel:
         return torch.cat([t, t.new_zeros((padded - t.shape[0], *t.shape[1:]))])
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
-        return self._padded(t).narrow(0, self.position * self.chunk, self.chunk)
+        return self._padded(t).narrow(0, self.rank * self.chunk, self.chunk)
 
     def shard(self, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple):
         """``_cp_shard_fn``: this rank's generation rows and their rotary tables; the text whole."""
@@ -118,12 +129,11 @@ class SequenceParallel:
 
     def _all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> None:
         dist.all_to_all_single(_bytes(out), _bytes(send), group=self.group)
-        self.all_to_alls += 1
 
     def my_heads(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t``'s heads (dim 1)."""
         share = t.shape[1] // self.size
-        return t.narrow(1, self.position * share, share)
+        return t.narrow(1, self.rank * share, share)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -132,17 +142,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class UlyssesCosmos3AttnProcessor:
-    """``Cosmos3AttnProcessor``'s computation with the generation pathway split over a sequence
+    """``Cosmos3AttnProcessor``'s computation with the generation pathway split over a Ulysses
     group (module docstring); the text pathway exactly as diffusers' processor runs it."""
 
-    def __init__(self, sequence: SequenceParallel, backend=None):
-        self.sequence = sequence
+    def __init__(self, ulysses: Ulysses, backend=None):
+        self.ulysses = ulysses
         self._attention_backend = backend
 
     def __call__(self, attn, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        sp = self.sequence
+        sp = self.ulysses
         heads, kv_heads, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         q_und = attn.to_q(und_seq).view(-1, heads, dim)
         k_und = attn.to_k(und_seq).view(-1, kv_heads, dim)
@@ -192,35 +202,64 @@ class UlyssesCosmos3AttnProcessor:
         return attn.to_out(causal_out), attn.to_add_out(full_out)
 
 
+def _cosmos3():
+    from diffusers.models.transformers import transformer_cosmos3
+
+    return transformer_cosmos3
+
+
+# What this module relies on in diffusers' Cosmos 3 transformer (diffusers_problems states it):
+# the processor's call, whose computation UlyssesCosmos3AttnProcessor repeats, and the seams.
+PROCESSOR_CALL = ("self", "attn", "und_seq", "gen_seq", "rotary_emb")
+SEAMS = ("_cp_shard_fn", "_cp_gather_fn")
+
+
+def diffusers_problems(module=None) -> list[str]:
+    """What changed in diffusers' Cosmos 3 transformer (``module``, default the installed one) that
+    this module's processor and seams rely on: empty when nothing did."""
+    module = module or _cosmos3()
+    problems = []
+    attention, processor = module.Cosmos3PackedMoTAttention, module.Cosmos3AttnProcessor
+    call = tuple(inspect.signature(processor.__call__).parameters)
+    if call != PROCESSOR_CALL:
+        problems.append(f"{processor.__name__}.__call__ takes {call}, not {PROCESSOR_CALL}")
+    if attention._default_processor_cls is not processor:
+        problems.append(
+            f"{attention.__name__}'s default processor is {attention._default_processor_cls.__name__}, "
+            f"not {processor.__name__}"
+        )
+    transformer = module.Cosmos3OmniTransformer
+    problems += [f"{transformer.__name__} has no seam `{seam}`" for seam in SEAMS if not hasattr(transformer, seam)]
+    return problems
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``Cosmos3PackedMoTAttention`` modules of ``model`` (by their processor's class name)."""
-    return [m for m in model.modules() if type(getattr(m, "processor", None)).__name__ == "Cosmos3AttnProcessor"]
+    """The ``Cosmos3PackedMoTAttention`` modules of ``model`` (by type)."""
+    return [m for m in model.modules() if isinstance(m, _cosmos3().Cosmos3PackedMoTAttention)]
 
 
-def install_sequence_parallel(model: nn.Module, sequence: SequenceParallel) -> int:
+def install_ulysses(model: nn.Module, ulysses: Ulysses) -> int:
     """Give every attention layer of ``model`` (a Cosmos 3 transformer) the Ulysses processor of
-    ``sequence``; returns how many. The seams (``_cp_shard_fn`` / ``_cp_gather_fn``) are the
-    pipeline state's (``interop.forward_state``)."""
+    ``ulysses``; returns how many. The seams (``_cp_shard_fn`` / ``_cp_gather_fn``) are the
+    pipeline state's (``interop.forward_state``). Refused when diffusers' transformer changed
+    (``diffusers_problems``), or a layer's processor is not diffusers' own."""
+    module = _cosmos3()
     modules = attention_modules(model)
+    problems = diffusers_problems(module)
     if not modules:
-        raise ValueError(
-            f"{type(model).__name__} has no Cosmos3PackedMoTAttention with diffusers' Cosmos3AttnProcessor: "
-            "sequence parallelism splits Cosmos 3 transformers only"
+        problems.append(
+            f"{type(model).__name__} has no Cosmos3PackedMoTAttention: Ulysses splits Cosmos 3 transformers only"
         )
-    for module in modules:
-        module.set_processor(
-            UlyssesCosmos3AttnProcessor(sequence, getattr(module.processor, "_attention_backend", None))
-        )
+    problems += sorted(
+        {
+            f"an attention layer has processor {type(m.processor).__name__}, not diffusers' Cosmos3AttnProcessor "
+            "(whose computation the Ulysses processor repeats)"
+            for m in modules
+            if type(m.processor) is not module.Cosmos3AttnProcessor
+        }
+    )
+    if problems:
+        raise ArgumentError(problems, "Ulysses attention")
+    for m in modules:
+        m.set_processor(UlyssesCosmos3AttnProcessor(ulysses, getattr(m.processor, "_attention_backend", None)))
     return len(modules)
-
-
-def sequence_group(groups: list[list[int]], rank: int) -> SequenceParallel:
-    """This rank's ``SequenceParallel``, every group made (collective: every rank calls it with the
-    same ``groups``, from ``ParallelLayout.sequence_groups``)."""
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=ranks)
-        if rank in ranks:
-            mine = SequenceParallel(group, ranks.index(rank), len(ranks))
-    assert mine is not None, (rank, groups)
-    return mine

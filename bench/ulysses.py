@@ -1,4 +1,4 @@
-"""Sequence (Ulysses) parallelism against one rank: wall time of one transformer pass per rank.
+"""Ulysses attention against one rank: wall time of one transformer pass per rank.
 
 A random-weight Cosmos 3 transformer (``fsdp_fp8.testing.cosmos3_checkpoint``; 2 layers, hidden
 256, 8 query and 2 key/value heads of 64) exported to static FP8 and loaded by ``load_model``, one
@@ -6,19 +6,19 @@ pass (one forward: one CFG pass of one denoising step) over a long generation se
 attention is most of the work. Three ways, one thread per rank, gloo on CPU:
 
 - ``1 rank``: one process, no process group: the reference;
-- ``2 ranks, whole``: FSDP2 over 2 ranks, each computing the whole pass (today without SP);
-- ``2 ranks, SP 2``: FSDP2 over 2 ranks, the generation rows split (``interop/sequence_parallel``),
+- ``2 ranks, whole``: FSDP2 over 2 ranks, each computing the whole pass (without Ulysses);
+- ``2 ranks, Ulysses 2``: FSDP2 over 2 ranks, the generation rows split (``interop/ulysses``),
   through the transformer's one subclass of ours as ``load_pipeline`` sets it up.
 
 A denoising step is two such passes (classifier-free guidance) and the scheduler's update: the
-pass is what sequence parallelism splits.
+pass is what Ulysses splits.
 
 Each round starts fresh processes for the three ways in turn (interleaved, so a machine whose
 load changes affects all three alike); a round times ``--passes`` passes after a warm-up, with
 every rank starting each pass together. Printed: the median per way and rank over all rounds,
 the ratios to one rank, whether every way's output has the same bytes, and the load average.
 
-    python bench/sequence_parallel.py [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
+    python bench/ulysses.py [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ CONFIG = dict(
     vocab_size=1024,
 )
 TEXT_TOKENS = 64
-WAYS = {"1 rank": (1, 1), "2 ranks, whole": (2, 1), "2 ranks, SP 2": (2, 2)}  # way -> (world, SP degree)
+WAYS = {"1 rank": (1, 1), "2 ranks, whole": (2, 1), "2 ranks, Ulysses 2": (2, 2)}  # way -> (world, Ulysses degree)
 
 
 def checkpoint() -> Path:
@@ -85,19 +85,20 @@ def _rank(rank: int, world: int, sp_degree: int, store: str, args, queue) -> Non
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from fsdp_fp8 import Float8StaticLinear, install_step_policy, load_model, share_quantized_inputs
     from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
-    from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
+    from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
     from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+    from fsdp_fp8.runtime.parallel_mesh import build_mesh
 
     model = load_model(None, args.checkpoint, device=torch.device("cpu")).model
     share_quantized_inputs(model)
     for m in model.modules():
         if isinstance(m, Float8StaticLinear):
             m.mode = args.mode
-    sequence = None
+    ulysses = None
     if sp_degree > 1:
-        sequence = sequence_group(ParallelLayout(rank, world, sequence_parallel=sp_degree).sequence_groups(), rank)
-        install_sequence_parallel(model, sequence)
-    attach_pipeline_state(model, PipelineState(install_step_policy(model, None), sequence=sequence))
+        ulysses = Ulysses.of(build_mesh(ParallelLayout(world, ulysses=sp_degree), "cpu"))
+        install_ulysses(model, ulysses)
+    attach_pipeline_state(model, PipelineState(install_step_policy(model, None), ulysses=ulysses))
     inputs = _inputs(model.config, args)
     out = model(**inputs)[0][0]  # warm-up
     seconds = []

@@ -1,0 +1,159 @@
+"""What fsdp_fp8's parallel paths rely on in diffusers 0.42 (Cosmos 3), stated as tests on the real
+classes, and each guard shown to fail on a monkeypatched copy where the fact no longer holds (an
+upgrade that renames the processor, adds a per-step input or keeps the scheduler's timesteps is
+refused, never computed silently wrong)."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler  # noqa: E402
+from diffusers.models.transformers import transformer_cosmos3  # noqa: E402
+
+from fsdp_fp8.interop import cfg_parallel, ulysses  # noqa: E402
+from fsdp_fp8.interop.forward_state import scheduler_problems  # noqa: E402
+
+
+def _cosmos3_copy(**changes) -> types.SimpleNamespace:
+    """The three classes ``interop.ulysses`` reads from diffusers' module, some replaced."""
+    names = ("Cosmos3AttnProcessor", "Cosmos3PackedMoTAttention", "Cosmos3OmniTransformer")
+    return types.SimpleNamespace(**{n: getattr(transformer_cosmos3, n) for n in names} | changes)
+
+
+# --- Ulysses: the attention processor (by type) and the transformer's two seams
+
+
+def test_the_ulysses_processor_repeats_diffusers_own_call_and_the_seams_exist():
+    assert ulysses.diffusers_problems() == []
+
+
+def test_a_renamed_processor_argument_a_new_default_processor_or_a_lost_seam_is_named():
+    class Renamed(transformer_cosmos3.Cosmos3AttnProcessor):
+        def __call__(self, attn, und_seq, gen_seq, rotary_emb, attention_mask=None):
+            return super().__call__(attn, und_seq, gen_seq, rotary_emb)
+
+    call, default = ulysses.diffusers_problems(_cosmos3_copy(Cosmos3AttnProcessor=Renamed))
+    assert "Renamed.__call__ takes" in call and "attention_mask" in call
+    assert "default processor is Cosmos3AttnProcessor, not" in default  # the layers would not hold it
+
+    class Attention(transformer_cosmos3.Cosmos3PackedMoTAttention):
+        _default_processor_cls = object
+
+    (problem,) = ulysses.diffusers_problems(_cosmos3_copy(Cosmos3PackedMoTAttention=Attention))
+    assert "default processor is object" in problem
+
+    class NoSeams(nn.Module):
+        pass
+
+    problems = ulysses.diffusers_problems(_cosmos3_copy(Cosmos3OmniTransformer=NoSeams))
+    assert problems == ["NoSeams has no seam `_cp_shard_fn`", "NoSeams has no seam `_cp_gather_fn`"]
+
+
+def _attention_layers(n: int = 2) -> nn.Module:
+    return nn.ModuleList(transformer_cosmos3.Cosmos3PackedMoTAttention(32, 8, 4, 2, False, 1e-6) for _ in range(n))
+
+
+def test_attention_layers_are_found_by_type_and_a_foreign_processor_is_refused():
+    from fsdp_fp8 import ArgumentError
+
+    assert ulysses.install_ulysses(_attention_layers(), ulysses.Ulysses(None, 0, 1)) == 2
+
+    class Cosmos3AttnProcessor:  # the same name, another class: never taken for diffusers' own
+        def __call__(self, attn, und_seq, gen_seq, rotary_emb):
+            raise AssertionError("not run")
+
+    layers = _attention_layers()
+    layers[1].set_processor(Cosmos3AttnProcessor())
+    with pytest.raises(ArgumentError, match="processor Cosmos3AttnProcessor, not diffusers' Cosmos3AttnProcessor"):
+        ulysses.install_ulysses(layers, ulysses.Ulysses(None, 0, 1))
+
+    class Renamed(transformer_cosmos3.Cosmos3AttnProcessor):  # a processor diffusers renamed, found all the same
+        pass
+
+    layers = _attention_layers()
+    layers[0].set_processor(Renamed())
+    with pytest.raises(ArgumentError, match="processor Renamed, not diffusers' Cosmos3AttnProcessor"):
+        ulysses.install_ulysses(layers, ulysses.Ulysses(None, 0, 1))
+    with pytest.raises(ArgumentError, match="no Cosmos3PackedMoTAttention"):
+        ulysses.install_ulysses(nn.Linear(2, 2), ulysses.Ulysses(None, 0, 1))
+
+
+# --- CFG-parallel: which keywords change per step
+
+
+def test_every_transformer_keyword_is_per_step_or_step_invariant_and_the_pipeline_takes_each_latents():
+    assert cfg_parallel.diffusers_problems(Cosmos3OmniPipeline, Cosmos3OmniTransformer) == []
+    forward = set(inspect.signature(Cosmos3OmniTransformer.forward).parameters)
+    assert set(cfg_parallel.PER_STEP) <= forward and set(cfg_parallel.STEP_INVARIANT) <= forward
+
+
+def test_a_new_transformer_keyword_or_a_lost_pipeline_latents_is_named():
+    class NewInput(Cosmos3OmniTransformer):
+        def forward(self, *args, vision_mask=None, **kwargs):  # a per-step tensor fsdp_fp8 does not know
+            return super().forward(*args, **kwargs)
+
+    forward = inspect.signature(Cosmos3OmniTransformer.forward)
+    params = [*forward.parameters.values()][:-1]  # keep return_dict last
+    mask = inspect.Parameter("vision_mask", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+    NewInput.forward.__signature__ = forward.replace(parameters=[*params, mask, forward.parameters["return_dict"]])
+    (problem,) = cfg_parallel.diffusers_problems(Cosmos3OmniPipeline, NewInput)
+    assert "NewInput.forward takes `vision_mask`" in problem
+
+    class NoSound(Cosmos3OmniPipeline):
+        def __call__(self, prompt=None, latents=None, action_latents=None):
+            raise AssertionError("not run")
+
+    (problem,) = cfg_parallel.diffusers_problems(NoSound, Cosmos3OmniTransformer)
+    assert "NoSound.__call__ takes no `sound_latents`" in problem
+
+
+# --- the step boundary: the scheduler's timesteps, new per request
+
+
+def test_the_demo_scheduler_makes_new_timesteps_per_request():
+    from fsdp_fp8.cli.demo import SCHEDULER_CONFIG
+
+    scheduler = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+    assert scheduler_problems(scheduler) == []
+
+
+def test_a_scheduler_that_keeps_its_timesteps_object_is_named():
+    from fsdp_fp8.cli.demo import SCHEDULER_CONFIG
+
+    class Keeps(UniPCMultistepScheduler):
+        def set_timesteps(self, *args, **kwargs):
+            kept = getattr(self, "timesteps", None)
+            super().set_timesteps(*args, **kwargs)
+            if isinstance(kept, torch.Tensor) and kept.shape == self.timesteps.shape:
+                self.timesteps = kept.copy_(self.timesteps)
+
+    (problem,) = scheduler_problems(Keeps(**SCHEDULER_CONFIG))
+    assert "Keeps.set_timesteps keeps its `timesteps` object" in problem
+
+
+def test_two_one_step_requests_are_two_steps_by_the_schedulers_new_timesteps(demo_root):
+    """Both requests run step (0, 1): only the scheduler's new timesteps tell the second from the
+    first, so the trace records two steps, the step policy's precision for each."""
+    from fsdp_fp8 import load_pipeline, routing_of
+
+    pipe = load_pipeline(demo_root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    for seed in (0, 1):
+        generator = torch.Generator().manual_seed(seed)
+        pipe(
+            "a red fox",
+            num_frames=1,
+            height=32,
+            width=32,
+            num_inference_steps=1,
+            generator=generator,
+            output_type="latent",
+        )
+    assert len(routing_of(pipe.transformer).trace) == 2
