@@ -18,12 +18,6 @@ PENDING = {
     "cli/outputs.py",
     "cli/shutdown.py",
     "interop/hf_run.py",
-    "load/reader.py",
-    "format/handles.py",
-    "format/read_schedule.py",
-    "format/remote_code.py",
-    "format/slice_reader.py",
-    "format/step_policy.py",
 }
 
 

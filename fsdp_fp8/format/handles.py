@@ -23,6 +23,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_fp8.errors import ArgumentError
+
 # Configs and indexes of the largest public checkpoints are a few MB (an index lists every
 # tensor once); anything far larger is corrupt or hostile, and json.loads would hold it all.
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -93,7 +95,9 @@ class OpenFile:
     def fileno(self) -> int:
         fd = self._fd
         if fd is None:
-            raise ValueError(f"{self.name}: the checkpoint was closed; open it again to read from it")
+            raise ArgumentError(
+                f"{self.name}: the checkpoint was closed; open it again to read from it", "checkpoint file"
+            )
         return fd
 
     def direct_fileno(self) -> int | None:
@@ -221,18 +225,23 @@ def _too_deep(value: object, limit: int) -> bool:
     return False
 
 
+class _NotStrictJson(Exception):
+    """Raised from inside ``json.loads``'s hooks and caught by ``load_json_object`` at once, which
+    turns it into the caller's problem; never leaves this module."""
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     # json.loads keeps the last of two equal keys; a tensor named twice must be refused.
     seen: dict = {}
     for key, value in pairs:
         if key in seen:
-            raise ValueError(f"duplicate key `{short_repr(key)[1:-1]}`")
+            raise _NotStrictJson(f"duplicate key `{short_repr(key)[1:-1]}`")
         seen[key] = value
     return seen
 
 
 def _no_constant(name: str):
-    raise ValueError(f"non-standard constant {name} (JSON has no NaN or Infinity)")
+    raise _NotStrictJson(f"non-standard constant {name} (JSON has no NaN or Infinity)")
 
 
 def load_json_object(
@@ -259,7 +268,7 @@ def load_json_object(
     except RecursionError:
         problems.append(f"{what} is not valid JSON here: nested too deeply to parse")
         return None
-    except ValueError as exc:
+    except (ValueError, _NotStrictJson) as exc:
         problems.append(f"{what} is not valid JSON: {exc}")
         return None
     if not isinstance(value, dict):

@@ -33,6 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format import direct_io, slice_reader
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
@@ -140,7 +141,9 @@ def read_request(request: Request, buffers: list[memoryview], bounce: direct_io.
     file's O_DIRECT descriptor where it has one (``OpenFile.open_direct``)."""
     if request.handle is None:  # every entry read_header makes holds one; a hand-made one does not
         p = request.pieces[0]
-        raise ValueError(f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint")
+        raise ArgumentError(
+            f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint", "read schedule"
+        )
     direct_io.populate(buffers)
     fd = request.handle.direct_fileno() if bounce is not None else None
     if fd is not None:
@@ -204,7 +207,7 @@ def run(
     in_flight = max(1, in_flight)
     pending = deque(requests)
     if any(r.staged for r in pending) and stage is None:
-        raise ValueError("staged requests need a stage (host buffers to read into)")
+        raise ArgumentError("staged requests need a stage (host buffers to read into)", "read schedule")
     bounce = direct_io.Bounce(max(r.nbytes for r in pending)) if direct and pending else None
     running: dict = {}
     problems: list[str] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.handles import present, read_json_file, short_repr
 
 # trust_remote_code=False: never import checkpoint code and never prompt (transformers asks
@@ -37,8 +38,9 @@ KNOWN_LIBRARIES = frozenset({"diffusers", "transformers"})
 def safe_pretrained_kwargs(**extra) -> dict:
     """``SAFE_PRETRAINED_KWARGS`` plus ``extra``; an ``extra`` that would trust remote code is refused."""
     if extra.get("trust_remote_code") or extra.get("custom_pipeline") is not None:
-        raise ValueError(
-            "fsdp_fp8 never runs code from a checkpoint: trust_remote_code / custom_pipeline cannot be set"
+        raise ArgumentError(
+            "fsdp_fp8 never runs code from a checkpoint: trust_remote_code / custom_pipeline cannot be set",
+            "from_pretrained keywords",
         )
     return {**extra, **SAFE_PRETRAINED_KWARGS}
 

@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from fsdp_fp8.errors import ArgumentError, CheckpointError
 from fsdp_fp8.format.handles import OpenFile
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
@@ -81,14 +82,16 @@ def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
     if not (entry.begin <= offset and offset + len(buf) <= entry.end):
         raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
     if entry.handle is None:  # every entry read_header makes holds one; a hand-made one does not
-        raise ValueError(
-            f"`{entry.key}` in {entry.file} has no open file; read it through open_checkpoint or read_header"
+        raise ArgumentError(
+            f"`{entry.key}` in {entry.file} has no open file; read it through open_checkpoint or read_header",
+            "slice read",
         )
     done = entry.handle.pread_into(buf, offset)
     if done < len(buf):
-        raise ValueError(
+        raise CheckpointError(
             f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
-            f"bytes at offset {offset} (truncated since the header was checked?)"
+            f"bytes at offset {offset} (truncated since the header was checked?)",
+            "checkpoint changed during the read",
         )
     count_bytes(done)
 
@@ -117,9 +120,10 @@ def row_range(entry: TensorEntry, start_row: int, stop_row: int) -> tuple[int, i
     """(file offset, bytes) of rows ``[start_row, stop_row)`` of ``entry``; refuses rows it lacks."""
     rows = _rows(entry)
     if not 0 <= start_row <= stop_row <= rows:
-        raise ValueError(
+        raise ArgumentError(
             f"`{entry.key}` in {entry.file}: row range [{start_row}, {stop_row}) "
-            f"is outside its {rows} rows (shape {entry.shape})"
+            f"is outside its {rows} rows (shape {entry.shape})",
+            "slice read",
         )
     return entry.begin + start_row * row_nbytes(entry), (stop_row - start_row) * row_nbytes(entry)
 
@@ -134,9 +138,10 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Ten
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
     elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != nbytes:
-        raise ValueError(
+        raise ArgumentError(
             f"`{entry.key}`: out must be a contiguous uint8 CPU tensor of {nbytes} "
-            f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            f"bytes, got {out.dtype} {tuple(out.shape)} on {out.device}",
+            "slice read",
         )
     flat = out.view(-1)
     if nbytes:
@@ -146,9 +151,10 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Ten
 
 def _require_scale(entry: TensorEntry) -> None:
     if entry.dtype != "F32" or entry.numel != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
-            f"got {entry.dtype} shape {entry.shape}"
+            f"got {entry.dtype} shape {entry.shape}",
+            "slice read",
         )
 
 

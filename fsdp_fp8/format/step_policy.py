@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fsdp_fp8.errors import raise_if_problems
+from fsdp_fp8.errors import ArgumentError, raise_if_problems
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ class StepPolicy:
     def precision(self, step: int, num_steps: int) -> Precision:
         """Precision of the generation tower at denoising step ``step`` of ``num_steps``."""
         if not _is_int(num_steps) or num_steps < 1:
-            raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+            raise ArgumentError(f"num_steps must be an int >= 1, got {num_steps!r}", "step policy")
         if not _is_int(step) or not 0 <= step < num_steps:
-            raise ValueError(f"step must be an int in [0, {num_steps}), got {step!r}")
+            raise ArgumentError(f"step must be an int in [0, {num_steps}), got {step!r}", "step policy")
         if num_steps == 1:  # a one-step request stays native (docs/step-policy.md)
             return "native"
         in_first = step < self.first_count
@@ -178,7 +178,7 @@ def resolve_step_policy(
         if published is not None:
             logger.info("using the checkpoint's diffusion step policy: %s", describe_policy(published))
         return published
-    raise ValueError(f"step policy override must be 'auto', 'off' or a dict, got {override!r}")
+    raise ArgumentError(f"step policy override must be 'auto', 'off' or a dict, got {override!r}", "step policy")
 
 
 def describe_policy(policy: StepPolicy) -> str:
@@ -205,7 +205,7 @@ def describe_trace(precisions: list[str]) -> str:
         p = {label: word for word, label in _LABELS.items()}.get(p, p)
         if p not in _LABELS:
             known = list(_LABELS.values()) + list(_LABELS)
-            raise ValueError(f"unknown precision {p!r}; expected one of {known}")
+            raise ArgumentError(f"unknown precision {p!r}; expected one of {known}", "step policy")
         if runs and runs[-1][0] == p:
             runs[-1][1] += 1
         else:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, collective_phase, outcome_timeout_s, rank_and_world
-from fsdp_fp8.errors import raise_if_problems
+from fsdp_fp8.errors import CheckpointError, raise_if_problems
 from fsdp_fp8.format import read_schedule, slice_reader
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.read_schedule import Piece
@@ -83,9 +83,10 @@ def _pieces(entry, start: int, stop: int, dest: torch.Tensor, stage_cpu: bool = 
     offset, nbytes = slice_reader.row_range(entry, start, stop)
     dest_bytes = _byte_view(dest)
     if dest_bytes.numel() != nbytes:
-        raise ValueError(
+        raise CheckpointError(
             f"`{entry.key}` in {entry.file}: rows [{start}, {stop}) are {nbytes} bytes but the model's "
-            f"local storage holds {dest_bytes.numel()}"
+            f"local storage holds {dest_bytes.numel()}",
+            "rank read",
         )
     if dest_bytes.device.type == "cpu" and not stage_cpu:
         return [Piece(entry, offset, nbytes, slice_reader.writable(dest_bytes))]
