@@ -14,7 +14,7 @@ import os
 import sys
 
 from fsdp_fp8.cli import interrupts
-from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems, sequence_parallel_problems
+from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -200,12 +200,11 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
         root, found = checkpoint_problems("--checkpoint", args.checkpoint)
         problems += found
     if args.checkpoint is None or root is not None:
-        problems += pipeline_size_problems(args, root)
-        problems += sequence_parallel_problems(args, root)
+        problems += pipeline_problems(args, root)
     prompts = None
     if args.prompts is not None and os.path.isfile(args.prompts):
         try:
-            prompts = read_prompts(args)
+            prompts = read_prompts(args.prompts, args.prompt)
         except ValueError as exc:
             problems.append(str(exc))
     try:

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
 from fsdp_fp8.cli.reports import PromptOutput, plural
+from fsdp_fp8.cli.request import GenerationRequest, Job
 from fsdp_fp8.collective import rank_and_world
-from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
+from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of, pipeline_name
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
@@ -60,63 +61,56 @@ def _digest(latents: torch.Tensor) -> str:
     return hashlib.sha256(latents.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _size_kwargs(args) -> dict:
-    return {
-        k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width)) if v is not None
-    }
-
-
-def run_pipeline(args, path, options) -> tuple[dict, object]:
+def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
     """Load the pipeline at ``path`` with ``options`` (a ``LoadOptions``) and generate every
-    prompt; returns (the ``PipelineReport`` fields of this run, the ``LoadedModel``). The same
-    fields on every rank."""
-    prompts = read_prompts(args)
-    check_output(args.output)
-    rank, world = rank_and_world()
+    prompt of ``job``; returns (the ``PipelineReport`` fields of this run, the ``LoadedModel``).
+    The same fields on every rank."""
+    request, settings = job.request, job.settings
+    prompts = read_prompts(request.prompts, request.prompt)
+    check_output(request.output)
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
-    cfg_parallel = getattr(args, "cfg_parallel", False)
-    sequence_parallel = getattr(args, "sequence_parallel", 1)
     # The ranks of one request: a CFG pair, a sequence group, or both (runtime.parallel_layout)
-    layout = ParallelLayout(rank, world, cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
-    slot, slots, writes = layout.slot, layout.slots, layout.writes
+    layout = ParallelLayout(
+        *rank_and_world(), cfg_parallel=settings.cfg_parallel, sequence_parallel=settings.sequence_parallel
+    )
     pipe = load_pipeline(
         path,
-        step_policy=args.step_policy,
-        cfg_parallel=cfg_parallel,
-        sequence_parallel=sequence_parallel,
+        step_policy=request.step_policy,
+        cfg_parallel=layout.cfg_parallel,
+        sequence_parallel=layout.sequence_parallel,
         options=options,
     )
     load_s = time.perf_counter() - t0
     residency = apply_residency(
-        pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
+        pipe.transformer, settings.resident, budget_bytes=settings.resident_budget, device=options.device
     )
     pipe.set_progress_bar_config(disable=True)
     routing = routing_of(pipe.transformer)
     loaded = loaded_of(pipe)
-    if rank == 0:
+    if layout.rank == 0:
         log.info(
             "loaded %s: %s; %s over %s, %s each",
-            type(pipe).__name__,
+            pipeline_name(pipe),
             plural(len(loaded.fp8_linears), "FP8 linear"),
             plural(len(prompts), "prompt"),
-            plural(world, "rank"),
-            plural(args.steps, "step"),
+            plural(layout.world, "rank"),
+            plural(request.steps, "step"),
         )
     t1 = time.perf_counter()
-    mine = [_generate(pipe, routing, args, prompts, index, rank, writes) for index in _share(len(prompts), slot, slots)]
+    mine = [_generate(pipe, routing, request, prompts, index, layout) for index in _share(len(prompts), layout)]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
     if dist.is_initialized():
-        gathered = [None] * world
+        gathered = [None] * layout.world
         dist.all_gather_object(gathered, mine)
     rows = sorted((r for part in gathered for r in part if r is not None), key=lambda r: r.index)
     fields = dict(
-        pipeline=type(pipe).__name__,
-        steps=args.steps,
-        cfg_parallel=cfg_parallel,
+        pipeline=pipeline_name(pipe),
+        steps=request.steps,
+        cfg_parallel=layout.cfg_parallel,
         parallelism=layout.describe(),
         load_seconds=round(load_s, 3),
         sample_seconds=round(sample_s, 3),
@@ -130,36 +124,38 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
     return fields, loaded
 
 
-def _share(count: int, slot: int, slots: int) -> list[int]:
+def _share(count: int, layout: ParallelLayout) -> list[int]:
     """The prompt indices this rank's slot runs, one per round; an index past ``count`` is padding."""
+    slot, slots = layout.slot, layout.slots
     return [slot + round_ * slots for round_ in range(math.ceil(count / slots))]
 
 
-def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, writes: bool) -> PromptOutput | None:
+def _generate(pipe, routing, request: GenerationRequest, prompts: list[str], index: int, layout) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
-    in step with the others' all-gathers (None). ``writes`` is False on a CFG pair's uncond rank:
-    it holds the same latents as its partner, which reports and saves them (None)."""
+    in step with the others' all-gathers (None). Only the rank that ``writes`` for its slot
+    reports and saves (every rank of a slot holds the same latents; None elsewhere)."""
     real = index < len(prompts)
     final = {}
+    rank, writes = layout.rank, layout.writes
 
     def on_step(_pipe, i, _t, kwargs):
         final["latents"] = kwargs["latents"]
         if rank == 0 and real:
             label = routing.trace[-1]
-            log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
+            log.info("prompt %d  step %d/%d  %s", index, i + 1, request.steps, label)
         return {}
 
     start = len(routing.trace)
     out = pipe(
         prompts[index] if real else prompts[0],
-        negative_prompt=args.negative_prompt,
-        **_size_kwargs(args),
-        fps=args.fps,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        generator=torch.Generator().manual_seed(args.seed),
+        negative_prompt=request.negative_prompt,
+        **request.sizes(),
+        fps=request.fps,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        generator=torch.Generator().manual_seed(request.seed),
         callback_on_step_end=on_step,
-        output_type="pil" if real and writes and args.output else "latent",
+        output_type="pil" if real and writes and request.output else "latent",
     )
     if not (real and writes):
         return None
@@ -171,8 +167,8 @@ def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, wr
         latent_shape=list(final["latents"].shape),
         latent_sha256=_digest(final["latents"]),
     )
-    if args.output:
-        target = output_path(args.output, index, args.prompts is not None)
-        save_frames(list(out.video), target, args.fps)
+    if request.output:
+        target = output_path(request.output, index, request.prompts is not None)
+        save_frames(list(out.video), target, request.fps)
         row.output = str(target)
     return row

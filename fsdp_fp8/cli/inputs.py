@@ -12,7 +12,6 @@ before any process group (docs/usage.md). What is inside the files is checked by
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -51,21 +50,40 @@ def demo_factors() -> PipelineFactors:
         VAE_CONFIG["scale_factor_temporal"],
         TRANSFORMER_CONFIG["latent_patch_size"],
         "the demo's VAE",
+        transformer=TRANSFORMER_CONFIG,
+        transformer_config="the demo's transformer config",
     )
 
 
-def pipeline_size_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """``--height`` / ``--width`` / ``--frames`` the pipeline at ``root`` (None: the demo) cannot
-    make, and factors in its configs that no size can be divided by. Nothing for a model that is
-    no pipeline (its run ignores the sizes, with a warning)."""
+def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
+    """What the pipeline at ``root`` (None: the demo) cannot do of what ``args`` ask, from its
+    configs read once: ``--height`` / ``--width`` / ``--frames`` it cannot make, factors no size
+    can be divided by, and a ``--sequence-parallel`` degree its attention heads cannot take.
+    For a model that is no pipeline: only ``--sequence-parallel`` (its run ignores the sizes, with
+    a warning; only a pipeline's transformer is split)."""
+    degree = getattr(args, "sequence_parallel", 1)
+    if root is not None and not (root / MODEL_INDEX).is_file():
+        if degree == 1:
+            return []
+        return [
+            f"--sequence-parallel {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
+            "(run it without --sequence-parallel)"
+        ]
     problems: list[str] = []
     if root is None:
         factors = demo_factors()
-    elif (root / MODEL_INDEX).is_file():
+    else:
         factors = read_pipeline_factors(root, problems)
         problems = [f"--checkpoint: {p}" for p in problems]
-    else:
-        return []
+    problems += _size_problems(args, factors)
+    if degree != 1:  # the degree against the world: options.value_problems
+        problems += head_problems(dict(factors.transformer), degree, factors.transformer_config)
+    return problems
+
+
+def _size_problems(args: argparse.Namespace, factors: PipelineFactors) -> list[str]:
+    """``--height`` / ``--width`` / ``--frames`` that ``factors`` do not divide."""
+    problems: list[str] = []
 
     def source(key: str, step: int) -> str:
         return f"`{key}` {step} in {factors.vae_config}"
@@ -91,27 +109,3 @@ def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
     value = getattr(args, name, None)
     low, high = BOUNDS[name]
     return value if value is not None and low <= value <= high else None
-
-
-def sequence_parallel_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """``--sequence-parallel N`` on a checkpoint that cannot take it: one that is no diffusers
-    pipeline (only a pipeline's transformer is split), or a transformer whose attention heads N
-    does not divide (``runtime.parallel_layout.head_problems``). ``root`` None: the demo."""
-    degree = getattr(args, "sequence_parallel", 1)
-    if degree == 1:
-        return []
-    if root is None:
-        from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG
-
-        return head_problems(TRANSFORMER_CONFIG, degree, "the demo's transformer config")
-    if not (root / MODEL_INDEX).is_file():
-        return [
-            f"--sequence-parallel {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
-            "(run it without --sequence-parallel)"
-        ]
-    config = root / "transformer" / "config.json"
-    try:
-        loaded = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return [f"--checkpoint: {config} cannot be read for --sequence-parallel {degree}: {exc}"]
-    return head_problems(loaded if isinstance(loaded, dict) else {}, degree, str(config))

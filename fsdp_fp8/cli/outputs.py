@@ -24,35 +24,35 @@ def prompt_problem(text: str) -> str | None:
     return None
 
 
-def read_prompts(args) -> list[str]:
-    """The prompts (``--prompts FILE``: one per line, blank lines skipped), else ``[--prompt]``.
+def read_prompts(prompts: str | None, prompt: str) -> list[str]:
+    """The prompts (``--prompts FILE``: one per line, blank lines skipped), else ``[prompt]``.
 
     A file that is not UTF-8 text is refused naming the file, the line and the byte offset; a
     file above ``MAX_PROMPTS_FILE_BYTES``, or a line above ``MAX_PROMPT_BYTES``, naming the bound.
     """
-    if not args.prompts:
-        return [args.prompt]
-    size = os.stat(args.prompts).st_size
+    if not prompts:
+        return [prompt]
+    size = os.stat(prompts).st_size
     if size > MAX_PROMPTS_FILE_BYTES:
         raise ValueError(
-            f"--prompts {args.prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
+            f"--prompts {prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
         )
-    data = Path(args.prompts).read_bytes()
+    data = Path(prompts).read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise ValueError(
-            f"--prompts {args.prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
+            f"--prompts {prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
             f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
         ) from None
     lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
-        raise ValueError(f"--prompts {args.prompts}: no prompt in the file (one prompt per line)")
+        raise ValueError(f"--prompts {prompts}: no prompt in the file (one prompt per line)")
     long = [f"line {number} {problem}" for number, line in lines if (problem := prompt_problem(line))]
     if long:
         more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
-        raise ValueError(f"--prompts {args.prompts}: {long[0]}{more}")
+        raise ValueError(f"--prompts {prompts}: {long[0]}{more}")
     return [line for _, line in lines]
 
 

@@ -30,6 +30,7 @@ from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
 from fsdp_fp8.interop.cfg_parallel import cfg_pair
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.interop.request_agreement import attach_request_agreement, library_class, request_teams
 from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -97,13 +98,19 @@ def load_pipeline(
         install_sequence_parallel(loaded.model, sequence)
     cfg = cfg_pair(layout) if cfg_parallel else None
     attach_pipeline_state(loaded.model, PipelineState(routing, cfg=cfg, sequence=sequence))
+    team = (2 if cfg_parallel else 1) * sequence_parallel
+    if team > 1:  # the ranks of one request agree on it before each call's first forward
+        attach_request_agreement(pipe, request_teams(layout.world, team, options.timeout_s))
     LOADED.set(pipe, loaded)
     return pipe
 
 
 def _layout(root: Path, cfg_parallel: bool, sequence_parallel: int) -> ParallelLayout:
     """This rank's place in the CFG pairs and sequence groups; ``ValueError`` when the world or
-    the transformer's heads cannot be cut so (from the files and the world size alone)."""
+    the transformer's heads cannot be cut so (from the files and the world size alone), or when
+    an argument is of the wrong type (a string where a bool belongs is not taken as true)."""
+    if not isinstance(cfg_parallel, bool):
+        raise ValueError(f"load_pipeline: `cfg_parallel` is a {type(cfg_parallel).__name__}, not bool")
     layout = ParallelLayout(*rank_and_world(), cfg_parallel=cfg_parallel, sequence_parallel=sequence_parallel)
     source = root / TRANSFORMER / "config.json"
     if sequence_parallel > 1:
@@ -111,6 +118,11 @@ def _layout(root: Path, cfg_parallel: bool, sequence_parallel: int) -> ParallelL
         if problems:
             raise ValueError("; ".join(problems))
     return layout
+
+
+def pipeline_name(pipe) -> str:
+    """The name of the pipeline's diffusers class (under fsdp_fp8's subclass, when it has one)."""
+    return library_class(pipe).__name__
 
 
 def loaded_of(pipe) -> LoadedModel:
