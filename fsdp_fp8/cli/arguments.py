@@ -15,6 +15,7 @@ import sys
 
 from fsdp_fp8.cli import interrupts
 from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_problems
+from fsdp_fp8.cli.media import image_problems, video_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -87,7 +88,8 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                     "tokens (default 64)")),
     ],
     "diffusers pipelines": [
-        (("--prompts",), dict(metavar="FILE", help="one prompt per line (UTF-8, blank lines skipped); rank r "
+        (("--prompts",), dict(metavar="FILE", help="one request per line (UTF-8, blank lines skipped): a prompt, or a JSON object "
+                              "with \"prompt\" and optionally \"negative_prompt\", \"image\", \"video\", \"seed\"; rank r "
                               "generates prompts r, r + N, r + 2N, ...")),
         (("--negative-prompt",), dict(default=None, help="the unconditional prompt (default empty)")),
         (("--output",), dict(metavar="FILE", help="save the decoded result as .png (an image, or an animated "
@@ -98,6 +100,16 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
         (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
+    ],
+    "conditioning (diffusers pipelines; read by diffusers' load_image / load_video)": [
+        (("--image",), dict(metavar="PATH", help="image-to-video: condition the first frame on this PNG, JPEG or "
+                            "WebP image (at most 8192 x 8192 pixels; needs --frames above 1)")),
+        (("--video",), dict(metavar="PATH", help="video-to-video: continue this clip (an mp4, an animated GIF or "
+                            "PNG, or a directory of frames; at most 1024 frames)")),
+        (("--condition-frames",), dict(type=_id_list, metavar="I,J", help="with --video: the latent frames "
+                                       "kept clean (default: the pipeline's, 0,1)")),
+        (("--condition-keep",), dict(choices=("first", "last"), help="with --video: take the conditioning "
+                                     "frames from its first or its last frames (default: the pipeline's, first)")),
     ],
     "causal language models": [
         (("--prompt-ids",), dict(type=_id_list, help="the prompt as token ids, e.g. 1,2,3")),
@@ -207,12 +219,36 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
             prompts = read_prompts(args.prompts, args.prompt)
         except ValueError as exc:
             problems.append(str(exc))
+    problems += _conditioning_problems(args, prompts or [])
     try:
         check_output(args.output)
     except ValueError as exc:
         problems.append(str(exc))
     else:
         problems += planned_outputs(args, len(prompts) if prompts is not None else 1)
+    return problems
+
+
+def _conditioning_problems(args: argparse.Namespace, prompts: list) -> list[str]:
+    """The conditioning inputs, as this node's files have them, and their combinations: an image
+    or a video per request (the pipeline takes one), condition options only with a video, and a
+    video to generate (``--frames 1`` makes an image: the pipeline ignores the conditioning)."""
+    problems = image_problems("--image", args.image) if args.image else []
+    problems += video_problems("--video", args.video) if args.video else []
+    requests = [("--image / --video", args.image, args.video)]
+    for p in prompts:
+        where = f"--prompts {args.prompts} line {p.line}"
+        problems += image_problems(f'{where} "image"', p.image) if p.image else []
+        problems += video_problems(f'{where} "video"', p.video) if p.video else []
+        requests.append((where, p.image or args.image, p.video or args.video))
+    for where, image, video in requests:
+        if image and video:
+            problems.append(f"{where}: an image and a video; the pipeline takes one (image- or video-to-video)")
+    conditioned = any(image or video for _, image, video in requests)
+    if (args.condition_frames is not None or args.condition_keep) and not any(v for _, _, v in requests):
+        problems.append("--condition-frames / --condition-keep choose a --video's frames; give a --video too")
+    if conditioned and args.frames == 1:
+        problems.append("--frames 1 makes an image, and the pipeline ignores --image / --video for it; use 5 or more")
     return problems
 
 

@@ -33,6 +33,7 @@ DEMO_SEED = 0
 DEMO_STEP_POLICY = PUBLISHED_POLICY  # the published first/last-3 policy
 DEMO_PROMPTS = ("a red fox jumps over a sleeping dog, golden hour", "a lighthouse in a storm at night")
 DEMO_SIZE = {"num_frames": 1, "height": 32, "width": 32}  # one 32x32 image: a PNG
+DEMO_CONDITIONED_FRAMES = 5  # image- or video-to-video: 1 + the VAE's temporal factor (two latent frames)
 DEMO_CALIBRATION_STEPS = 8
 DEMO_MAX_SHARD_SIZE = 150_000  # bytes: the ~0.4 MB transformer lands in a few shards
 MANIFEST = "fsdp_fp8_manifest.json"

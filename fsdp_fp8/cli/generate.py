@@ -11,6 +11,7 @@ the busiest. Outputs are written by the rank that generated them, named per prom
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -20,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.cli.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
 from fsdp_fp8.cli.reports import PromptOutput, plural
-from fsdp_fp8.cli.request import GenerationRequest, Job
+from fsdp_fp8.cli.request import GenerationRequest, Job, Prompt
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of, pipeline_name
 from fsdp_fp8.format.hub import resolve_hub_path
@@ -66,8 +68,10 @@ def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
     prompt of ``job``; returns (the ``PipelineReport`` fields of this run, the ``LoadedModel``).
     The same fields on every rank."""
     request, settings = job.request, job.settings
-    prompts = read_prompts(request.prompts, request.prompt)
+    prompts = [_with_command_line(p, request) for p in read_prompts(request.prompts, request.prompt)]
     check_output(request.output)
+    if request.frames == 1 and any(p.image or p.video for p in prompts):
+        raise ValueError("a request conditioned on an image or a video makes a video; pass --frames 5 or more")
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
@@ -120,8 +124,34 @@ def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
         latent_shape=rows[0].latent_shape,
         latent_sha256=rows[0].latent_sha256,
         outputs=rows,
+        mode=" + ".join(sorted({r.mode for r in rows})),
     )
     return fields, loaded
+
+
+def _with_command_line(prompt: Prompt, request: GenerationRequest) -> Prompt:
+    """A request's own fields, the command line's where it gives none."""
+    return dataclasses.replace(
+        prompt,
+        negative_prompt=request.negative_prompt if prompt.negative_prompt is None else prompt.negative_prompt,
+        image=prompt.image or request.image,
+        video=prompt.video or request.video,
+        seed=request.seed if prompt.seed is None else prompt.seed,
+    )
+
+
+def _conditioning(prompt: Prompt, request: GenerationRequest) -> dict:
+    """The pipeline's conditioning keywords for ``prompt``, its image or video read by diffusers."""
+    if prompt.image:
+        return {"image": load_conditioning_image(prompt.image)}
+    if not prompt.video:
+        return {}
+    kwargs = {"video": load_conditioning_video(prompt.video)}
+    if request.condition_frames is not None:
+        kwargs["condition_frame_indexes_vision"] = list(request.condition_frames)
+    if request.condition_keep is not None:
+        kwargs["condition_video_keep"] = request.condition_keep
+    return kwargs
 
 
 def _share(count: int, layout: ParallelLayout) -> list[int]:
@@ -130,7 +160,9 @@ def _share(count: int, layout: ParallelLayout) -> list[int]:
     return [slot + round_ * slots for round_ in range(math.ceil(count / slots))]
 
 
-def _generate(pipe, routing, request: GenerationRequest, prompts: list[str], index: int, layout) -> PromptOutput | None:
+def _generate(
+    pipe, routing, request: GenerationRequest, prompts: list[Prompt], index: int, layout
+) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
     in step with the others' all-gathers (None). Only the rank that ``writes`` for its slot
     reports and saves (every rank of a slot holds the same latents; None elsewhere)."""
@@ -146,14 +178,16 @@ def _generate(pipe, routing, request: GenerationRequest, prompts: list[str], ind
         return {}
 
     start = len(routing.trace)
+    prompt = prompts[index] if real else prompts[0]
     out = pipe(
-        prompts[index] if real else prompts[0],
-        negative_prompt=request.negative_prompt,
+        prompt.text,
+        negative_prompt=prompt.negative_prompt,
+        **_conditioning(prompt, request),
         **request.sizes(),
         fps=request.fps,
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
-        generator=torch.Generator().manual_seed(request.seed),
+        generator=torch.Generator().manual_seed(prompt.seed),
         callback_on_step_end=on_step,
         output_type="pil" if real and writes and request.output else "latent",
     )
@@ -161,11 +195,12 @@ def _generate(pipe, routing, request: GenerationRequest, prompts: list[str], ind
         return None
     row = PromptOutput(
         index=index,
-        prompt=prompts[index],
+        prompt=prompt.text,
         rank=rank,
         precision_trace=describe_trace(routing.trace[start:]),
         latent_shape=list(final["latents"].shape),
         latent_sha256=_digest(final["latents"]),
+        mode=prompt.mode(request.frames),
     )
     if request.output:
         target = output_path(request.output, index, request.prompts is not None)

@@ -268,6 +268,7 @@ class PromptOutput:
     precision_trace: str | None
     latent_shape: list[int]
     latent_sha256: str
+    mode: str = ""  # "text-to-image", "image-to-video, 5 frames", ...
     output: str | None = None
 
 
@@ -286,6 +287,7 @@ class PipelineReport(Report):
     outputs: list[PromptOutput]
     cfg_parallel: bool = False  # the guidance passes ran on rank pairs (--cfg-parallel)
     parallelism: str = "none"  # the ranks of one request: "CFG 2 x SP 4", "SP 2", "CFG 2" or "none"
+    mode: str = ""  # the requests' kinds: "image-to-video, 5 frames" (several: joined by " + ")
 
     def set_no_fp8(self) -> None:
         super().set_no_fp8()
@@ -301,7 +303,8 @@ class PipelineReport(Report):
         lines = [
             *_line(
                 "pipeline",
-                f"{self.pipeline}, {plural(len(self.outputs), 'prompt')}, {plural(self.steps, 'step')} each, "
+                f"{self.pipeline}, {self.mode + ', ' if self.mode else ''}{plural(len(self.outputs), 'prompt')}, "
+                f"{plural(self.steps, 'step')} each, "
                 f"in {self.sample_seconds:.2f} s"
                 + (f", each request on {self.parallelism} ranks" if self.parallelism != "none" else ""),
             ),

@@ -17,6 +17,27 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """One request of a run: ``--prompt`` (with ``--image`` / ``--video``), or one line of
+    ``--prompts`` (a plain line: its text; a JSON line: its own fields, ``None`` where it takes
+    the command line's). ``line``: where in the file (0: the command line)."""
+
+    text: str
+    negative_prompt: str | None = None
+    image: str | None = None
+    video: str | None = None
+    seed: int | None = None
+    line: int = 0
+
+    def mode(self, frames: int | None) -> str:
+        """The kind of job in words, as the report names it: ``image-to-video, 9 frames``."""
+        source = "image" if self.image else "video" if self.video else "text"
+        if frames == 1 and source == "text":
+            return "text-to-image"
+        return f"{source}-to-video" + (f", {frames} frames" if frames else "")
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What one run generates: the prompt(s), the sampling and the sizes (``None``: the demo's,
     else the pipeline's)."""
@@ -36,6 +57,10 @@ class GenerationRequest:
     latent_tokens: int = 64
     prompt_ids: tuple[int, ...] | None = None
     new_tokens: int = 8
+    image: str | None = None
+    video: str | None = None
+    condition_frames: tuple[int, ...] | None = None
+    condition_keep: str | None = None
 
     def sizes(self) -> dict:
         """The pipeline's size keywords that are set (``num_frames``, ``height``, ``width``)."""
@@ -100,4 +125,4 @@ def value_fields() -> dict[str, str]:
     return {f.name: cls.__name__ for cls in (GenerationRequest, RunSettings) for f in dataclasses.fields(cls)}
 
 
-__all__ = ["GenerationRequest", "Job", "RunSettings", "job_of", "value_fields"]
+__all__ = ["GenerationRequest", "Job", "Prompt", "RunSettings", "job_of", "value_fields"]

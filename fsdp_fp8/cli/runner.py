@@ -102,11 +102,14 @@ def checkpoint_path(job: Job) -> tuple[object, Job]:
     sizes taken from the demo's."""
     if job.settings.checkpoint:
         return job.settings.checkpoint, job
-    from fsdp_fp8.cli.demo import DEMO_SIZE, demo_checkpoint
+    from fsdp_fp8.cli.demo import DEMO_CONDITIONED_FRAMES, DEMO_SIZE, demo_checkpoint
 
     if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
-    return demo_checkpoint(), dataclasses.replace(job, request=job.request.with_default_sizes(DEMO_SIZE))
+    sizes = dict(DEMO_SIZE)
+    if job.request.image or job.request.video:  # conditioning makes a video: the demo's shortest
+        sizes["num_frames"] = DEMO_CONDITIONED_FRAMES
+    return demo_checkpoint(), dataclasses.replace(job, request=job.request.with_default_sizes(sizes))
 
 
 def run(job: Job) -> Report:

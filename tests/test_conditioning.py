@@ -1,0 +1,168 @@
+"""Image- and video-to-video from the launcher: ``--image``, ``--video`` and JSON lines of
+``--prompts``, each request's latent at 2 ranks (FSDP), CFG 2 and SP 2 equal to one rank's; the
+report names each request's mode; careless inputs refused before the load, one line, exit 2.
+
+One spawn of 2 ranks runs the three layouts, each one launcher run of every request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZE = ("--frames", "5", "--height", "32", "--width", "32", "--steps", "2")
+LAYOUTS = {"fsdp": (), "cfg": ("--cfg-parallel",), "sp": ("--sequence-parallel", "2")}
+
+
+def _picture(seed: int, size=(40, 48)):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """An image, a directory of frames, an animated PNG, and a JSON-lines prompts file of them."""
+    root = tmp_path_factory.mktemp("inputs")
+    _picture(0).save(root / "still.png")
+    (root / "clip").mkdir()
+    for i in range(5):
+        _picture(10 + i).save(root / "clip" / f"{i:03d}.png")
+    frames = [_picture(20 + i) for i in range(9)]
+    frames[0].save(root / "clip.png", save_all=True, append_images=frames[1:], duration=40)
+    lines = [
+        {"prompt": "a red fox", "image": "still.png"},
+        {"prompt": "a lighthouse", "video": "clip", "seed": 3},
+        {"prompt": "a cat", "video": "clip.png", "negative_prompt": "blurry"},
+        "a red fox",  # a plain line: the first request without its image
+    ]
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+    (root / "requests.jsonl").write_text(text + "\n")
+    return root
+
+
+def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
+    from fsdp_fp8.cli.runner import main
+
+    assert main(["--checkpoint", root, *SIZE, *extra, "--report", str(report)]) == 0
+    return json.loads(report.read_text()) if rank == 0 else None
+
+
+def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
+    with mock.patch.dict(os.environ, env):
+        return {
+            name: _launch(demo_root, Path(reports, f"{name}.json"), *prompts, *extra, rank=rank)
+            for name, extra in LAYOUTS.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def observed(demo_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("reports")
+    one = _launch(str(demo_root), reports / "one.json", "--prompts", str(inputs / "requests.jsonl"))
+    image = _launch(str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png"))
+    ranks = run_ranks(_observe, 2, str(demo_root), str(inputs), str(reports), timeout=900)
+    return {"one": one, "image": image, "ranks": ranks[0]}
+
+
+def _digests(report: dict) -> list[str]:
+    return [row["latent_sha256"] for row in report["outputs"]]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_mode_gives_the_one_rank_latent_on_every_layout(observed, layout):
+    assert _digests(observed["ranks"][layout]) == _digests(observed["one"])
+
+
+def test_the_report_names_each_requests_mode(observed):
+    modes = [row["mode"] for row in observed["one"]["outputs"]]
+    assert modes == ["image-to-video, 5 frames", "video-to-video, 5 frames", "video-to-video, 5 frames"] + [
+        "text-to-video, 5 frames"
+    ]
+    assert observed["image"]["mode"] == "image-to-video, 5 frames"
+
+
+def test_the_conditioning_changes_the_latent_and_the_options_equal_a_json_line(observed):
+    one = _digests(observed["one"])
+    assert len(set(one)) == len(one)  # four requests, four latents: the image changed the first
+    assert _digests(observed["image"]) == one[:1]  # --image and a JSON line's "image" alike
+
+
+# --- refusals before the load --------------------------------------------------------------
+
+
+def _refusal(capsys, *argv: str) -> str:
+    from fsdp_fp8.cli.arguments import parse_run_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_args(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    return err
+
+
+def test_careless_images_are_refused_naming_the_file(tmp_path, capsys):
+    from PIL import Image
+
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    Image.new("RGB", (4, 4)).save(tmp_path / "anim.gif")
+    Image.new("1", (8200, 8200)).save(tmp_path / "huge.png")  # 67.2 MP, a few KB on disk
+    cases = {
+        str(tmp_path / "missing.png"): "missing.png: no such file",
+        str(tmp_path): "is a directory; name an image file",
+        str(text): "notes.png is not an image (PNG, JPEG, WEBP)",
+        str(tmp_path / "anim.gif"): "anim.gif is a GIF image; it takes PNG, JPEG, WEBP",
+        str(tmp_path / "huge.png"): "is 8200 x 8200 = 67,240,000 pixels; an input image is at most 67,108,864",
+    }
+    for path, needle in cases.items():
+        assert needle in _refusal(capsys, "--image", path), path
+
+
+def test_careless_videos_are_refused(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "empty").mkdir()
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(1025):
+        Image.new("RGB", (1, 1)).save(many / f"{i:04d}.png")
+    (tmp_path / "clip.txt").write_text("x")
+    assert "empty has no frames" in _refusal(capsys, "--video", str(tmp_path / "empty"))
+    assert "has 1,025 frames; a conditioning video is at most 1,024" in _refusal(capsys, "--video", str(many))
+    assert "give an mp4, an animated GIF or PNG" in _refusal(capsys, "--video", str(tmp_path / "clip.txt"))
+    assert "no such file or directory" in _refusal(capsys, "--video", str(tmp_path / "gone.mp4"))
+
+
+@pytest.mark.skipif(bool(__import__("importlib").util.find_spec("imageio")), reason="imageio is installed")
+def test_an_mp4_without_imageio_names_it(tmp_path, capsys):
+    (tmp_path / "clip.mp4").write_bytes(b"\0" * 16)
+    assert "needs imageio and imageio-ffmpeg" in _refusal(capsys, "--video", str(tmp_path / "clip.mp4"))
+
+
+def test_combinations_that_cannot_work_are_refused(inputs, tmp_path, capsys):
+    image, clip = str(inputs / "still.png"), str(inputs / "clip")
+    assert "an image and a video; the pipeline takes one" in _refusal(capsys, "--image", image, "--video", clip)
+    assert "give a --video too" in _refusal(capsys, "--condition-keep", "last")
+    assert "--frames 1 makes an image" in _refusal(capsys, "--image", image, "--frames", "1")
+    lines = tmp_path / "bad.jsonl"
+    lines.write_text('{"prompt": "a", "colour": "red"}\n{"prompt": "b", "image": "nothing.png"}\n')
+    err = _refusal(capsys, "--prompts", str(lines))
+    assert "line 1: unknown key 'colour'" in err
+    lines.write_text('{"prompt": "b", "image": "nothing.png"}\n')
+    assert f'--prompts {lines} line 1 "image" {tmp_path / "nothing.png"}: no such file' in _refusal(
+        capsys, "--prompts", str(lines)
+    )
