@@ -73,7 +73,9 @@ def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -
 def observed(demo_root, inputs, tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
     one = _launch(str(demo_root), reports / "one.json", "--prompts", str(inputs / "requests.jsonl"))
-    image = _launch(str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png"))
+    image = _launch(
+        str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png")
+    )
     ranks = run_ranks(_observe, 2, str(demo_root), str(inputs), str(reports), timeout=900)
     return {"one": one, "image": image, "ranks": ranks[0]}
 

@@ -44,6 +44,14 @@ Exit status: 0 success, 1 a failure while loading or running (one "error:" line)
 
 RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.runtime.residency.POLICIES (a test holds them equal)
 QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
+# diffusers' attention backend registry (interop.attention_backend.backend_names; a test holds them equal)
+ATTENTION_BACKENDS = (
+    "flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "flash_4_hub", "_flash_3", "_flash_varlen_3",
+    "_flash_3_hub", "_flash_3_varlen_hub", "aiter_fa2_hub", "flex", "native", "_native_cudnn", "_native_efficient",
+    "_native_flash", "_native_math", "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub",
+    "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp16_cuda",
+    "_sage_qk_int8_pv_fp16_triton", "xformers",
+)  # fmt: skip
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64
 
@@ -98,6 +106,10 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                              "pipeline's)")),
         (("--height",), dict(type=int, help="height in pixels (default: the demo's, else the pipeline's)")),
         (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
+        (("--attention-backend",), dict(choices=ATTENTION_BACKENDS, default="native", metavar="NAME",
+                                        help="diffusers' attention backend for the transformer (default native: "
+                                        "torch SDPA); one whose kernel is missing or cannot run on this device is "
+                                        "refused before the load, naming those that can")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
     ],
@@ -260,6 +272,11 @@ def _combination_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--resident-budget applies to --resident auto; pass that too")
     if args.prompts and args.quantize:
         problems.append("--prompts runs a pipeline; --quantize runs one process on a transformer")
+    if args.attention_backend != "native":  # imports torch and diffusers: only when asked
+        from fsdp_fp8.interop.attention_backend import backend_problems
+        from fsdp_fp8.load.options import default_device
+
+        problems += [f"--attention-backend: {p}" for p in backend_problems(args.attention_backend, default_device())]
     if args.nproc_per_node is not None and "RANK" in os.environ:
         problems.append("--nproc-per-node starts the ranks itself; under torchrun leave it out")
     return problems

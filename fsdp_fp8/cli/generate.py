@@ -85,6 +85,9 @@ def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
         step_policy=request.step_policy,
         cfg_parallel=layout.cfg_parallel,
         sequence_parallel=layout.sequence_parallel,
+        # diffusers' own default (native) unless the option was given: its setter warns of an
+        # experimental feature, which a default run has not asked for
+        attention_backend=settings.attention_backend if "attention_backend" in job.given else None,
         options=options,
     )
     load_s = time.perf_counter() - t0

@@ -87,6 +87,7 @@ class RunSettings:
     timeout: float = 600.0
     sequence_parallel: int = 1
     cfg_parallel: bool = False
+    attention_backend: str = "native"
     quantize: str | None = None
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()

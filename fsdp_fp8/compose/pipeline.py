@@ -27,6 +27,7 @@ from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
+from fsdp_fp8.interop.attention_backend import backend_problems, use_backend
 from fsdp_fp8.interop.cfg_parallel import cfg_pair
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
@@ -52,6 +53,7 @@ def load_pipeline(
     towers: TowerSpec | None = None,
     cfg_parallel: bool = False,
     sequence_parallel: int = 1,
+    attention_backend: str | None = None,
     options: LoadOptions | None = None,
     **kwargs,
 ):
@@ -75,7 +77,13 @@ def load_pipeline(
     the generation tokens of each pass (``fsdp_fp8.interop.sequence_parallel``; Cosmos 3). The
     ranks of one request (``runtime.parallel_layout``) must then be given the same request; the
     world size must divide into them, and the degree into the attention heads (both checked
-    before anything loads).
+    before anything loads); every call of the pipeline then first agrees on its request among
+    them (``fsdp_fp8.interop.request_agreement``: a difference is one error on every rank).
+
+    ``attention_backend``: one of diffusers' attention backend names (``"native"``, ``"flex"``,
+    ``"flash"``, ...; ``interop.attention_backend``) for every attention layer, the CFG and
+    Ulysses paths included; one that is not installed or cannot run on the device is refused
+    before the load, naming those that can. ``None``: diffusers' default.
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     options = load_options(options, mesh=mesh, **settings)
@@ -86,7 +94,11 @@ def load_pipeline(
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cfg_parallel, sequence_parallel)  # before the first collective: alike on every rank
+    if attention_backend is not None and (problems := backend_problems(attention_backend, options.device)):
+        raise ValueError("; ".join(problems))
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
+    if attention_backend is not None:  # before the Ulysses processors, which take the backend over
+        use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False):  # diffusers' notices that never concern a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
