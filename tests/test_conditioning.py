@@ -1,8 +1,10 @@
-"""Image- and video-to-video from the launcher: ``--image``, ``--video`` and JSON lines of
-``--prompts``, each request's latent at 2 ranks (FSDP), CFG 2 and SP 2 equal to one rank's; the
-report names each request's mode; careless inputs refused before the load, one line, exit 2.
+"""Image- and video-to-video and sound from the launcher: ``--image``, ``--video``, ``--sound`` and
+JSON lines of ``--prompts``, each request's latent (and sound track) at 2 ranks (FSDP), CFG 2 and
+SP 2 equal to one rank's; the report names each request's mode; careless inputs refused before
+the load, one line, exit 2.
 
-One spawn of 2 ranks runs the three layouts, each one launcher run of every request.
+One spawn of 2 ranks runs the three layouts, each two launcher runs (every request without
+sound, then sound alone and image + sound).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def inputs(tmp_path_factory) -> Path:
     ]
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     (root / "requests.jsonl").write_text(text + "\n")
+    (root / "sound.jsonl").write_text('a red fox\n{"prompt": "a red fox", "image": "still.png"}\n')
     return root
 
 
@@ -62,11 +65,13 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
 def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
+    sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
+    obs = {}
     with mock.patch.dict(os.environ, env):
-        return {
-            name: _launch(demo_root, Path(reports, f"{name}.json"), *prompts, *extra, rank=rank)
-            for name, extra in LAYOUTS.items()
-        }
+        for name, extra in LAYOUTS.items():
+            obs[name] = _launch(demo_root, Path(reports, f"{name}.json"), *prompts, *extra, rank=rank)
+            obs[f"{name} sound"] = _launch(demo_root, Path(reports, f"{name}-sound.json"), *sound, *extra, rank=rank)
+    return obs
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +81,43 @@ def observed(demo_root, inputs, tmp_path_factory):
     image = _launch(
         str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png")
     )
+    mp4 = reports / "sound.mp4"
+    sound = ("--sound", "--prompts", str(inputs / "sound.jsonl"), "--output", str(mp4))
+    one_sound = _launch(str(demo_root), reports / "one-sound.json", *sound)
     ranks = run_ranks(_observe, 2, str(demo_root), str(inputs), str(reports), timeout=900)
-    return {"one": one, "image": image, "ranks": ranks[0]}
+    return {"one": one, "image": image, "one sound": one_sound, "ranks": ranks[0], "mp4": reports}
 
 
 def _digests(report: dict) -> list[str]:
     return [row["latent_sha256"] for row in report["outputs"]]
 
 
+def _sounds(report: dict) -> list[str]:
+    return [row.get("sound_sha256") for row in report["outputs"]]
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_mode_gives_the_one_rank_latent_on_every_layout(observed, layout):
     assert _digests(observed["ranks"][layout]) == _digests(observed["one"])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sound_and_image_with_sound_give_the_one_rank_latent_and_track_on_every_layout(observed, layout):
+    one, ranks = observed["one sound"], observed["ranks"][f"{layout} sound"]
+    assert all(_sounds(one)) and len(set(_sounds(one))) == 2
+    assert _digests(ranks) == _digests(one) and _sounds(ranks) == _sounds(one)
+    assert [row["mode"] for row in one["outputs"]] == [
+        "text-to-video, 5 frames, sound",
+        "image-to-video, 5 frames, sound",
+    ]
+
+
+def test_the_sound_is_muxed_into_the_mp4(observed):
+    import av
+
+    for index in (0, 1):
+        with av.open(str(observed["mp4"] / f"sound-{index:03d}.mp4")) as container:
+            assert len(container.streams.video) == 1 and len(container.streams.audio) == 1
 
 
 def test_the_report_names_each_requests_mode(observed):
@@ -153,6 +184,20 @@ def test_careless_videos_are_refused(tmp_path, capsys):
 def test_an_mp4_without_imageio_names_it(tmp_path, capsys):
     (tmp_path / "clip.mp4").write_bytes(b"\0" * 16)
     assert "needs imageio and imageio-ffmpeg" in _refusal(capsys, "--video", str(tmp_path / "clip.mp4"))
+
+
+def test_sound_is_refused_for_a_png_or_a_pipeline_without_a_sound_tokenizer(demo_root, tmp_path, capsys):
+    import shutil
+
+    assert "--sound is muxed into a video file; --output" in _refusal(
+        capsys, "--sound", "--output", str(tmp_path / "out.png")
+    )
+    silent = tmp_path / "silent"
+    shutil.copytree(demo_root, silent)
+    index = json.loads((silent / "model_index.json").read_text())
+    (silent / "model_index.json").write_text(json.dumps({**index, "sound_tokenizer": [None, None]}))
+    err = _refusal(capsys, "--checkpoint", str(silent), "--sound")
+    assert "names no `sound_tokenizer` ([None, None]); this pipeline has no sound" in err
 
 
 def test_combinations_that_cannot_work_are_refused(inputs, tmp_path, capsys):

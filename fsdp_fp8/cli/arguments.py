@@ -120,6 +120,8 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                             "PNG, or a directory of frames; at most 1024 frames)")),
         (("--condition-frames",), dict(type=_id_list, metavar="I,J", help="with --video: the latent frames "
                                        "kept clean (default: the pipeline's, 0,1)")),
+        (("--sound",), dict(action="store_true", help="generate an audio track with the video, muxed into the "
+                            ".mp4 --output (diffusers' encode_video, PyAV); needs a pipeline with a sound tokenizer")),
         (("--condition-keep",), dict(choices=("first", "last"), help="with --video: take the conditioning "
                                      "frames from its first or its last frames (default: the pipeline's, first)")),
     ],
@@ -233,7 +235,7 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
             problems.append(str(exc))
     problems += _conditioning_problems(args, prompts or [])
     try:
-        check_output(args.output)
+        check_output(args.output, sound=args.sound)
     except ValueError as exc:
         problems.append(str(exc))
     else:
@@ -261,6 +263,8 @@ def _conditioning_problems(args: argparse.Namespace, prompts: list) -> list[str]
         problems.append("--condition-frames / --condition-keep choose a --video's frames; give a --video too")
     if conditioned and args.frames == 1:
         problems.append("--frames 1 makes an image, and the pipeline ignores --image / --video for it; use 5 or more")
+    if args.sound and args.output and not args.output.lower().endswith(".mp4"):
+        problems.append(f"--sound is muxed into a video file; --output {args.output} is no .mp4")
     return problems
 
 

@@ -69,7 +69,7 @@ def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
     The same fields on every rank."""
     request, settings = job.request, job.settings
     prompts = [_with_command_line(p, request) for p in read_prompts(request.prompts, request.prompt)]
-    check_output(request.output)
+    check_output(request.output, sound=request.sound)
     if request.frames == 1 and any(p.image or p.video for p in prompts):
         raise ValueError("a request conditioned on an image or a video makes a video; pass --frames 5 or more")
     from diffusers.utils import logging as diffusers_logging
@@ -188,6 +188,7 @@ def _generate(
         **_conditioning(prompt, request),
         **request.sizes(),
         fps=request.fps,
+        enable_sound=request.sound,
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
         generator=torch.Generator().manual_seed(prompt.seed),
@@ -203,10 +204,17 @@ def _generate(
         precision_trace=describe_trace(routing.trace[start:]),
         latent_shape=list(final["latents"].shape),
         latent_sha256=_digest(final["latents"]),
-        mode=prompt.mode(request.frames),
+        mode=prompt.mode(request.frames, request.sound),
+        sound_sha256=_digest(out.sound) if out.sound is not None else None,
     )
     if request.output:
         target = output_path(request.output, index, request.prompts is not None)
-        save_frames(list(out.video), target, request.fps)
+        if out.sound is None:
+            save_frames(list(out.video), target, request.fps)
+        else:  # diffusers' own muxer (PyAV)
+            from diffusers.utils.export_utils import encode_video
+
+            rate = pipe.sound_tokenizer.config.sampling_rate
+            encode_video(list(out.video), int(round(request.fps)), str(target), out.sound.float().cpu(), rate)
         row.output = str(target)
     return row

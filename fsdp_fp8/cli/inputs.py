@@ -12,6 +12,7 @@ before any process group (docs/usage.md). What is inside the files is checked by
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -63,9 +64,10 @@ def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
     a warning; only a pipeline's transformer is split)."""
     degree = getattr(args, "sequence_parallel", 1)
     if root is not None and not (root / MODEL_INDEX).is_file():
+        problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if args.sound else []
         if degree == 1:
-            return []
-        return [
+            return problems
+        return problems + [
             f"--sequence-parallel {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
             "(run it without --sequence-parallel)"
         ]
@@ -78,6 +80,26 @@ def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
     problems += _size_problems(args, factors)
     if degree != 1:  # the degree against the world: options.value_problems
         problems += head_problems(dict(factors.transformer), degree, factors.transformer_config)
+    if args.sound:
+        problems += _sound_problems(root, factors)
+    return problems
+
+
+def _sound_problems(root: Path | None, factors: PipelineFactors) -> list[str]:
+    """Why the pipeline at ``root`` (None: the demo, which can) cannot generate sound: no sound
+    tokenizer in its ``model_index.json``, or a transformer without ``sound_gen``."""
+    problems = []
+    if root is not None:
+        try:
+            entry = json.loads((root / MODEL_INDEX).read_text()).get("sound_tokenizer")
+        except (OSError, ValueError, AttributeError):
+            entry = None  # the load says what is wrong with model_index.json
+        if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
+            problems.append(
+                f"--sound: {root / MODEL_INDEX} names no `sound_tokenizer` ({entry!r}); this pipeline has no sound"
+            )
+    if factors.transformer.get("sound_gen") is not True:
+        problems.append(f"--sound: {factors.transformer_config} has no `sound_gen`: its transformer makes no sound")
     return problems
 
 

@@ -99,14 +99,24 @@ def _prompt_of(number: int, line: str, directory: Path, problems: list[str]) -> 
     return Prompt(fields["prompt"], fields.get("negative_prompt"), seed=seed, line=number, **paths)
 
 
-def check_output(output: str | None) -> None:
-    """Refuse an ``--output`` of a kind the launcher cannot write, or in a missing directory."""
+def check_output(output: str | None, sound: bool = False) -> None:
+    """Refuse an ``--output`` of a kind the launcher cannot write, or in a missing directory. With
+    ``sound`` an mp4 is written by diffusers' ``encode_video`` (PyAV), else by its
+    ``export_to_video`` (imageio)."""
     if output is None:
         return
     suffix = Path(output).suffix.lower()
     if suffix not in OUTPUT_SUFFIXES:
         raise ValueError(f"--output {output}: write .png (an image, or an animated PNG of the frames) or .mp4")
-    if suffix == ".mp4":
+    if suffix == ".mp4" and sound:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                f"--output {output} with --sound: the mp4 is written by diffusers' encode_video, which needs "
+                "PyAV (pip install 'fsdp-fp8[media]', or pip install av)"
+            ) from None
+    elif suffix == ".mp4":
         try:
             import imageio  # noqa: F401
             import imageio_ffmpeg  # noqa: F401

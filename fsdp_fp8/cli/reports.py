@@ -269,6 +269,7 @@ class PromptOutput:
     latent_shape: list[int]
     latent_sha256: str
     mode: str = ""  # "text-to-image", "image-to-video, 5 frames", ...
+    sound_sha256: str | None = None  # the audio track's samples (--sound)
     output: str | None = None
 
 
@@ -296,7 +297,10 @@ class PipelineReport(Report):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        out["outputs"] = [{k: v for k, v in row.items() if k != "output" or v is not None} for row in out["outputs"]]
+        out["outputs"] = [
+            {k: v for k, v in row.items() if k not in ("output", "sound_sha256") or v is not None}
+            for row in out["outputs"]
+        ]
         return out
 
     def body_lines(self) -> list[str]:
@@ -317,4 +321,6 @@ class PipelineReport(Report):
                 f"latent {row.index:>3}      {tuple(row.latent_shape)} sha256 {row.latent_sha256}"
                 f" (rank {row.rank}){saved}"
             )
+            if row.sound_sha256:
+                lines.append(f"sound  {row.index:>3}      sha256 {row.sound_sha256}")
         return lines

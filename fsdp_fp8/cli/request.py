@@ -29,12 +29,12 @@ class Prompt:
     seed: int | None = None
     line: int = 0
 
-    def mode(self, frames: int | None) -> str:
-        """The kind of job in words, as the report names it: ``image-to-video, 9 frames``."""
+    def mode(self, frames: int | None, sound: bool = False) -> str:
+        """The kind of job in words, as the report names it: ``image-to-video, 9 frames, sound``."""
         source = "image" if self.image else "video" if self.video else "text"
-        if frames == 1 and source == "text":
+        if frames == 1 and source == "text" and not sound:
             return "text-to-image"
-        return f"{source}-to-video" + (f", {frames} frames" if frames else "")
+        return f"{source}-to-video" + (f", {frames} frames" if frames else "") + (", sound" if sound else "")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class GenerationRequest:
     video: str | None = None
     condition_frames: tuple[int, ...] | None = None
     condition_keep: str | None = None
+    sound: bool = False
 
     def sizes(self) -> dict:
         """The pipeline's size keywords that are set (``num_frames``, ``height``, ``width``)."""

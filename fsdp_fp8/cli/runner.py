@@ -107,7 +107,7 @@ def checkpoint_path(job: Job) -> tuple[object, Job]:
     if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
     sizes = dict(DEMO_SIZE)
-    if job.request.image or job.request.video:  # conditioning makes a video: the demo's shortest
+    if job.request.image or job.request.video or job.request.sound:  # a video: the demo's shortest
         sizes["num_frames"] = DEMO_CONDITIONED_FRAMES
     return demo_checkpoint(), dataclasses.replace(job, request=job.request.with_default_sizes(sizes))
 
