@@ -29,7 +29,21 @@ DIFFER = {
     "height": (32, 48),
     "num_inference_steps": (STEPS, STEPS + 1),
     "guidance_scale": (3.0, 4.5),
+    "image": ("black", "white"),  # a conditioning image's pixels (made in the rank: _value)
+    "latents": (0.0, 1.0),  # the initial latents' values (likewise)
+    "enable_sound": (False, True),
 }
+
+
+def _value(field: str, value):
+    """The pipeline argument for ``DIFFER[field]``'s plain value."""
+    from PIL import Image
+
+    if field == "image":
+        return Image.new("RGB", (32, 32), value)
+    if field == "latents":
+        return torch.full((1, 4, 1, 8, 8), value)
+    return value
 
 
 def _call(pipe, **change) -> str:
@@ -55,7 +69,7 @@ def _layout_cases(pipe, rank: int) -> dict:
     for field, values in DIFFER.items():
         key = "seed" if field == "generator" else field
         try:
-            obs[field] = ("ran", _call(pipe, **{key: values[rank]}))
+            obs[field] = ("ran", _call(pipe, **{key: _value(field, values[rank])}))
         except RequestMismatchError as exc:
             obs[field] = ("refused", str(exc))
     obs["after"] = _call(pipe)  # the pipeline still serves an agreed request

@@ -110,6 +110,10 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                         help="diffusers' attention backend for the transformer (default native: "
                                         "torch SDPA); one whose kernel is missing or cannot run on this device is "
                                         "refused before the load, naming those that can")),
+        (("--safety-check",), dict(choices=("on", "off"), default="on", help="on (default): the pipeline's own "
+                                   "guardrail runs where its model_index.json turns it on (Cosmos: the "
+                                   "cosmos_guardrail package; missing, the run is refused before the load); off: "
+                                   "loaded and run without it")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
     ],

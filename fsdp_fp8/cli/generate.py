@@ -89,6 +89,7 @@ def run_pipeline(job: Job, path, options) -> tuple[dict, object]:
         # experimental feature, which a default run has not asked for
         attention_backend=settings.attention_backend if "attention_backend" in job.given else None,
         options=options,
+        **({"enable_safety_checker": False, "safety_checker": None} if settings.safety_check == "off" else {}),
     )
     load_s = time.perf_counter() - t0
     residency = apply_residency(

@@ -21,7 +21,7 @@ from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX  # imports no torch
+from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, guardrail_problem  # imports no torch
 from fsdp_fp8.runtime.parallel_layout import head_problems  # nor this
 
 
@@ -80,20 +80,29 @@ def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
     problems += _size_problems(args, factors)
     if degree != 1:  # the degree against the world: options.value_problems
         problems += head_problems(dict(factors.transformer), degree, factors.transformer_config)
+    index = _model_index(root) if root is not None else {}
     if args.sound:
-        problems += _sound_problems(root, factors)
+        problems += _sound_problems(root, index, factors)
+    if getattr(args, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
+        problems.append(f"--checkpoint {root}: {guardrail}; or run without it: --safety-check off")
     return problems
 
 
-def _sound_problems(root: Path | None, factors: PipelineFactors) -> list[str]:
+def _model_index(root: Path) -> dict:
+    """``model_index.json`` as read (``{}`` when unreadable: the load says what is wrong with it)."""
+    try:
+        index = json.loads((root / MODEL_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _sound_problems(root: Path | None, index: dict, factors: PipelineFactors) -> list[str]:
     """Why the pipeline at ``root`` (None: the demo, which can) cannot generate sound: no sound
-    tokenizer in its ``model_index.json``, or a transformer without ``sound_gen``."""
+    tokenizer in its ``model_index.json`` (``index``), or a transformer without ``sound_gen``."""
     problems = []
     if root is not None:
-        try:
-            entry = json.loads((root / MODEL_INDEX).read_text()).get("sound_tokenizer")
-        except (OSError, ValueError, AttributeError):
-            entry = None  # the load says what is wrong with model_index.json
+        entry = index.get("sound_tokenizer")
         if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
             problems.append(
                 f"--sound: {root / MODEL_INDEX} names no `sound_tokenizer` ({entry!r}); this pipeline has no sound"

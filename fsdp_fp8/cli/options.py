@@ -18,7 +18,7 @@ USES = {
     "cosmos3": DIFFUSION | {"negative_prompt"},
     "pipeline": DIFFUSION
     | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "sequence_parallel"}
-    | {"image", "video", "condition_frames", "condition_keep", "attention_backend", "sound"},
+    | {"image", "video", "condition_frames", "condition_keep", "attention_backend", "sound", "safety_check"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),

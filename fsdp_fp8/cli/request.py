@@ -89,6 +89,7 @@ class RunSettings:
     sequence_parallel: int = 1
     cfg_parallel: bool = False
     attention_backend: str = "native"
+    safety_check: str = "on"
     quantize: str | None = None
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()

@@ -29,7 +29,13 @@ from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
 from fsdp_fp8.interop.attention_backend import backend_problems, use_backend
 from fsdp_fp8.interop.cfg_parallel import cfg_pair
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
+from fsdp_fp8.interop.diffusers_pipeline import (
+    MODEL_INDEX,
+    TRANSFORMER,
+    guardrail_problem,
+    pipeline_class,
+    read_model_index,
+)
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
 from fsdp_fp8.interop.request_agreement import attach_request_agreement, library_class, request_teams
 from fsdp_fp8.interop.sequence_parallel import install_sequence_parallel, sequence_group
@@ -88,14 +94,14 @@ def load_pipeline(
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     options = load_options(options, mesh=mesh, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
+    index = read_model_index(root)
     with quiet_imports():
-        cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
+        cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
     if TRANSFORMER in kwargs:
         raise ValueError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cfg_parallel, sequence_parallel)  # before the first collective: alike on every rank
-    if attention_backend is not None and (problems := backend_problems(attention_backend, options.device)):
-        raise ValueError("; ".join(problems))
+    _refuse_before_load(root, index, components, attention_backend, options.device)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
         use_backend(loaded.model, attention_backend)
@@ -115,6 +121,18 @@ def load_pipeline(
         attach_request_agreement(pipe, request_teams(layout.world, team, options.timeout_s))
     LOADED.set(pipe, loaded)
     return pipe
+
+
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
+    """What would fail after the load, refused before it: a guardrail the pipeline builds whose
+    package is missing (not a traceback from diffusers), an attention backend that cannot run."""
+    problems = []
+    if guardrail := guardrail_problem(index, components):
+        problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
+    if attention_backend is not None:
+        problems += backend_problems(attention_backend, device)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def _layout(root: Path, cfg_parallel: bool, sequence_parallel: int) -> ParallelLayout:
