@@ -4,7 +4,8 @@ SP 2 equal to one rank's; the report names each request's mode; careless inputs 
 the load, one line, exit 2.
 
 One spawn of 2 ranks runs the three layouts, each two launcher runs (every request without
-sound, then sound alone and image + sound).
+sound, then sound alone and image + sound); one of 4 ranks CFG 2 x SP 2 (both jobs) and HSDP
+2 x 2 with CFG pairs.
 """
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -
     return obs
 
 
+def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
+    """4 ranks: CFG 2 x SP 2 (one request on all four), and HSDP 2 x 2 with CFG pairs."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
+    sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
+    both = ("--cfg-parallel", "--sequence-parallel", "2")
+    with mock.patch.dict(os.environ, env):
+        return {
+            "cfg sp": _launch(demo_root, Path(reports, "4-cfg-sp.json"), *prompts, *both, rank=rank),
+            "cfg sp sound": _launch(demo_root, Path(reports, "4-cfg-sp-sound.json"), *sound, *both, rank=rank),
+            "hsdp cfg": _launch(
+                demo_root, Path(reports, "4-hsdp.json"), *prompts, "--replicas", "2", "--cfg-parallel", rank=rank
+            ),
+        }
+
+
 @pytest.fixture(scope="module")
 def observed(demo_root, inputs, tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
@@ -85,6 +102,7 @@ def observed(demo_root, inputs, tmp_path_factory):
     sound = ("--sound", "--prompts", str(inputs / "sound.jsonl"), "--output", str(mp4))
     one_sound = _launch(str(demo_root), reports / "one-sound.json", *sound)
     ranks = run_ranks(_observe, 2, str(demo_root), str(inputs), str(reports), timeout=900)
+    ranks[0].update(run_ranks(_observe_four, 4, str(demo_root), str(inputs), str(reports), timeout=900)[0])
     return {"one": one, "image": image, "one sound": one_sound, "ranks": ranks[0], "mp4": reports}
 
 
@@ -96,12 +114,12 @@ def _sounds(report: dict) -> list[str]:
     return [row.get("sound_sha256") for row in report["outputs"]]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp", "hsdp cfg"])
 def test_every_mode_gives_the_one_rank_latent_on_every_layout(observed, layout):
     assert _digests(observed["ranks"][layout]) == _digests(observed["one"])
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp"])
 def test_sound_and_image_with_sound_give_the_one_rank_latent_and_track_on_every_layout(observed, layout):
     one, ranks = observed["one sound"], observed["ranks"][f"{layout} sound"]
     assert all(_sounds(one)) and len(set(_sounds(one))) == 2
