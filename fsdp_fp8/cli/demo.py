@@ -90,8 +90,6 @@ SOUND_TOKENIZER_CONFIG = dict(
     enc_c_mults=(1, 2),
     enc_strides=(4, 4),
 )
-# The sound projections stay in high precision: the demo's calibration (text to image) never runs them
-SOUND_IGNORE = ("audio_proj_in", "audio_proj_out")
 SCHEDULER_CONFIG = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0)
 
 
@@ -117,6 +115,8 @@ def demo_components() -> dict:
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
     from diffusers.models.autoencoders.autoencoder_cosmos3_audio import Cosmos3AVAEAudioTokenizer
 
+    from fsdp_fp8.third_party import quiet_warnings
+
     tokenizer = demo_tokenizer()
     torch.manual_seed(DEMO_SEED)
     transformer = Cosmos3OmniTransformer(vocab_size=len(tokenizer), **TRANSFORMER_CONFIG)
@@ -125,7 +125,8 @@ def demo_components() -> dict:
     torch.manual_seed(DEMO_SEED + 1)
     vae = AutoencoderKLWan(**VAE_CONFIG).eval()
     torch.manual_seed(DEMO_SEED + 2)
-    sound_tokenizer = Cosmos3AVAEAudioTokenizer(**SOUND_TOKENIZER_CONFIG).eval()
+    with quiet_warnings():  # torch's deprecation of a call inside diffusers' tokenizer
+        sound_tokenizer = Cosmos3AVAEAudioTokenizer(**SOUND_TOKENIZER_CONFIG).eval()
     return {
         "transformer": transformer,
         "vae": vae,
@@ -158,6 +159,7 @@ def _calibrate(components: dict):
 def build_demo_pipeline(directory: str | os.PathLike) -> Path:
     """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest)."""
     from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+    from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS  # its calibration (text to image) never runs them
 
     directory = Path(directory)
     components = demo_components()
@@ -168,7 +170,7 @@ def build_demo_pipeline(directory: str | os.PathLike) -> Path:
         directory / "transformer",
         config=config,
         calibrate=_calibrate(components),
-        ignore=(*DEFAULT_IGNORE, *SOUND_IGNORE),
+        ignore=(*DEFAULT_IGNORE, *SOUND_PROJECTIONS),
         step_policy=DEMO_STEP_POLICY,
         max_shard_size=DEMO_MAX_SHARD_SIZE,
     )

@@ -44,7 +44,7 @@ from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
 from fsdp_fp8.load.spec import TowerSpec
 from fsdp_fp8.runtime.inference import prepare_for_inference
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout, head_problems
-from fsdp_fp8.third_party import quiet_imports
+from fsdp_fp8.third_party import quiet_imports, quiet_warnings
 
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
 # (docs/design.md, "State kept on other libraries' objects").
@@ -106,7 +106,7 @@ def load_pipeline(
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
         use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
-    with quiet_imports(import_time_only=False):  # diffusers' notices that never concern a user (third_party)
+    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
