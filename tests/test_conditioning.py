@@ -63,7 +63,7 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
     return json.loads(report.read_text()) if rank == 0 else None
 
 
-def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
+def _observe(rank: int, world: int, demo_root: str, fixture_root: str, inputs: str, reports: str) -> dict:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
     sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
@@ -72,7 +72,24 @@ def _observe(rank: int, world: int, demo_root: str, inputs: str, reports: str) -
         for name, extra in LAYOUTS.items():
             obs[name] = _launch(demo_root, Path(reports, f"{name}.json"), *prompts, *extra, rank=rank)
             obs[f"{name} sound"] = _launch(demo_root, Path(reports, f"{name}-sound.json"), *sound, *extra, rank=rank)
+            report = Path(reports, f"{name}-fixture.json")
+            obs[f"{name} fixture"] = _launch(fixture_root, report, *prompts, *extra, rank=rank)
     return obs
+
+
+@pytest.fixture(scope="module")
+def fixture_root(tmp_path_factory, demo_root) -> str:
+    """The real ModelOpt 0.47 Cosmos 3 export beside the demo's VAE (test_cfg_parallel's pipeline)."""
+    import shutil
+
+    from test_cfg_parallel import small_tokenizer
+    from test_cosmos3 import FIXTURE, with_policy
+
+    root = tmp_path_factory.mktemp("fixture") / "root"
+    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
+    with_policy(FIXTURE, root / "transformer")
+    small_tokenizer().save_pretrained(root / "text_tokenizer")
+    return str(root)
 
 
 def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
@@ -92,18 +109,26 @@ def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: s
 
 
 @pytest.fixture(scope="module")
-def observed(demo_root, inputs, tmp_path_factory):
+def observed(demo_root, fixture_root, inputs, tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
     one = _launch(str(demo_root), reports / "one.json", "--prompts", str(inputs / "requests.jsonl"))
+    one_fixture = _launch(fixture_root, reports / "one-fixture.json", "--prompts", str(inputs / "requests.jsonl"))
     image = _launch(
         str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png")
     )
     mp4 = reports / "sound.mp4"
     sound = ("--sound", "--prompts", str(inputs / "sound.jsonl"), "--output", str(mp4))
     one_sound = _launch(str(demo_root), reports / "one-sound.json", *sound)
-    ranks = run_ranks(_observe, 2, str(demo_root), str(inputs), str(reports), timeout=900)
+    ranks = run_ranks(_observe, 2, str(demo_root), fixture_root, str(inputs), str(reports), timeout=900)
     ranks[0].update(run_ranks(_observe_four, 4, str(demo_root), str(inputs), str(reports), timeout=900)[0])
-    return {"one": one, "image": image, "one sound": one_sound, "ranks": ranks[0], "mp4": reports}
+    return {
+        "one": one,
+        "one fixture": one_fixture,
+        "image": image,
+        "one sound": one_sound,
+        "ranks": ranks[0],
+        "mp4": reports,
+    }
 
 
 def _digests(report: dict) -> list[str]:
@@ -117,6 +142,22 @@ def _sounds(report: dict) -> list[str]:
 @pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp", "hsdp cfg"])
 def test_every_mode_gives_the_one_rank_latent_on_every_layout(observed, layout):
     assert _digests(observed["ranks"][layout]) == _digests(observed["one"])
+
+
+# Found here, not fixed: on the ModelOpt fixture's transformer, Ulysses over 2 ranks at 5 frames
+# (text- and image-to-video; not video-to-video) is not the one-rank latent bit for bit. The
+# text-to-video request runs none of this branch's inputs, so it predates them (the demo's
+# transformer matches at every layout).
+SP_FIXTURE = pytest.param(
+    "sp", marks=pytest.mark.xfail(strict=True, reason="Ulysses on the fixture at 5 frames: not bitwise (found)")
+)
+
+
+@pytest.mark.parametrize("layout", ["cfg", "fsdp", SP_FIXTURE])
+def test_every_mode_on_the_modelopt_fixture_gives_the_one_rank_latent(observed, layout):
+    one = _digests(observed["one fixture"])
+    assert len(set(one)) == len(one)
+    assert _digests(observed["ranks"][f"{layout} fixture"]) == one
 
 
 @pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp"])
@@ -227,6 +268,9 @@ def test_combinations_that_cannot_work_are_refused(inputs, tmp_path, capsys):
     lines.write_text('{"prompt": "a", "colour": "red"}\n{"prompt": "b", "image": "nothing.png"}\n')
     err = _refusal(capsys, "--prompts", str(lines))
     assert "line 1: unknown key 'colour'" in err
+    assert "the demo makes one image unless told otherwise: pass --frames 5" in _refusal(
+        capsys, "--prompts", str(inputs / "requests.jsonl")
+    )
     lines.write_text('{"prompt": "b", "image": "nothing.png"}\n')
     assert f'--prompts {lines} line 1 "image" {tmp_path / "nothing.png"}: no such file' in _refusal(
         capsys, "--prompts", str(lines)

@@ -267,6 +267,13 @@ def _conditioning_problems(args: argparse.Namespace, prompts: list) -> list[str]
         problems.append("--condition-frames / --condition-keep choose a --video's frames; give a --video too")
     if conditioned and args.frames == 1:
         problems.append("--frames 1 makes an image, and the pipeline ignores --image / --video for it; use 5 or more")
+    elif (
+        conditioned and args.frames is None and args.checkpoint is None and not (args.image or args.video or args.sound)
+    ):
+        problems.append(
+            f"--prompts {args.prompts} conditions requests on images or videos, and the demo makes one "
+            "image unless told otherwise: pass --frames 5 (or more)"
+        )
     if args.sound and args.output and not args.output.lower().endswith(".mp4"):
         problems.append(f"--sound is muxed into a video file; --output {args.output} is no .mp4")
     return problems
