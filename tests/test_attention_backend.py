@@ -44,12 +44,14 @@ def test_load_pipeline_refuses_an_unknown_backend_before_the_load(demo_root):
 
 
 def test_every_processor_takes_the_backend_the_ulysses_one_too(demo_root):
-    from diffusers.models.attention_dispatch import AttentionBackendName
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     from fsdp_fp8 import load_pipeline
     from fsdp_fp8.interop.sequence_parallel import SequenceParallel, attention_modules, install_sequence_parallel
 
+    active = _AttentionBackendRegistry.get_active_backend()
     pipe = load_pipeline(str(demo_root), device=torch.device("cpu"), attention_backend="_native_math")
+    assert _AttentionBackendRegistry.get_active_backend() == active  # every other model's is unchanged
     pipe.set_progress_bar_config(disable=True)
     modules = attention_modules(pipe.transformer)
     assert modules and {m.processor._attention_backend for m in modules} == {AttentionBackendName._NATIVE_MATH}

@@ -3,7 +3,7 @@
 
 Our attention processors (diffusers' ``Cosmos3AttnProcessor``, and the Ulysses one, which takes
 the backend its predecessor had: ``interop.sequence_parallel``) call ``dispatch_attention_fn``
-with the processor's ``_attention_backend``; ``ModelMixin.set_attention_backend`` sets it. A
+with the processor's ``_attention_backend``, which ``use_backend`` sets on the model's processors. A
 backend is usable here when diffusers' own requirement check passes (its package is installed)
 and one small attention call shaped as the processors make it (bf16, grouped-query, causal and
 not) runs on the device: a kernel that is installed but cannot run on this device (flash on a
@@ -70,8 +70,17 @@ def backend_problems(name: str, device: torch.device) -> list[str]:
 
 
 def use_backend(model, name: str) -> None:
-    """Every attention processor of ``model`` calls backend ``name`` (diffusers' public setter)."""
-    model.set_attention_backend(name)
+    """Every attention processor of ``model`` calls backend ``name``: its ``_attention_backend``,
+    which diffusers' processors hand to ``dispatch_attention_fn`` (as ``set_attention_backend``
+    sets it). Not that setter itself: it also makes ``name`` the process's active backend, for
+    every other model too, after the call."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    if not processors:
+        raise ValueError(f"{type(model).__name__} has no attention processor that takes a backend")
+    for processor in processors:
+        processor._attention_backend = AttentionBackendName(name)
 
 
 __all__ = ["DEFAULT_BACKEND", "backend_names", "backend_problems", "usable_backends", "use_backend"]
