@@ -40,6 +40,9 @@ Sections:
              rows and heads every rank gets back, ms and GB/s (needs 2 GPUs; --dry: gloo, 3 ranks)
   demo       ``torchrun launch/infer.py`` at min(8, GPU count) ranks under NCCL: seconds, load,
              digest, watchdog/terminate lines
+  attention  one 720p-sized attention call (44,160 rows, Super-sized GQA heads, bf16) per attention
+             backend this GPU can run (--attention-backend's names), ms and TFLOP/s; the others
+             skipped with the reason the launcher would give
 
 ``--dry`` runs every section on the CPU with small shapes (what CI can run); ``--fake-cuda``
 runs the CUDA code paths of ``gemm``, ``step`` and ``allgather`` on fake CUDA tensors
@@ -84,6 +87,7 @@ BUDGETS = {
     "allgather": (25, 90),
     "alltoall": (15, 60),
     "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
+    "attention": (10, 60),
 }
 TIMEOUT_MARGIN_S = 60
 # After a section's budget: SIGTERM, this long for torchrun to stop its ranks, then SIGKILL. The
@@ -126,6 +130,7 @@ NEEDS = {
     "allgather": ("torch", "torchao"),
     "alltoall": ("torch", "torchao", "diffusers"),
     "demo": ("torch", "torchao", "safetensors", "numpy", "diffusers", "transformers", "tokenizers", "huggingface_hub"),
+    "attention": ("torch", "torchao", "diffusers"),
 }
 
 
@@ -910,6 +915,42 @@ def section_demo(ctx: Context) -> None:
                     r.update(status="failed", tail=text[-3000:])
 
 
+# One attention call of a 720p, 189-frame Cosmos 3 pass (44,160 generation tokens), Super-sized heads:
+# (rows, query heads, key/value heads, head dim); under fake CUDA (and --dry) a small one.
+ATTENTION_SHAPE = (44_160, 40, 8, 128)
+SMALL_ATTENTION_SHAPE = (64, 4, 2, 64)
+
+
+def section_attention(ctx: Context) -> None:
+    """One attention call per attention backend this device can run (diffusers' registry names,
+    ``fsdp_fp8.interop.attention_backend``), timed as the processors call it; the others skipped
+    with the reason ``--attention-backend`` would give."""
+    import torch
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from fsdp_fp8.interop.attention_backend import backend_names, unusable_reason
+
+    rows, heads, kv_heads, dim = SMALL_ATTENTION_SHAPE if ctx.fake or ctx.dry else ATTENTION_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        ctx.place(torch.randn(1, rows, h, dim, generator=gen).to(torch.bfloat16)) for h in (heads, kv_heads, kv_heads)
+    )
+    reps = 0 if ctx.fake else (2 if ctx.dry else (3 if ctx.quick else 10))
+    for name in backend_names():
+        reason = unusable_reason(name, ctx.device)
+        if reason is not None:
+            ctx.skip(name, reason)
+            continue
+        with ctx.variant(name) as r, torch.no_grad():
+            call = lambda name=name: dispatch_attention_fn(q, k, v, is_causal=False, enable_gqa=True, backend=name)  # noqa: E731
+            out = call()
+            r.update(out_shape=list(out.shape), out_device=str(out.device), out_dtype=str(out.dtype))
+            if ctx.fake:
+                continue
+            t = statistics.median(_timed(ctx, call, reps))
+            r.update(median_ms=round(t * 1e3, 3), tflops=round(4 * rows * rows * heads * dim / t / 1e12, 2))
+
+
 SECTIONS = {
     "preflight": section_preflight,
     "versions": section_versions,
@@ -920,6 +961,7 @@ SECTIONS = {
     "allgather": section_allgather,
     "alltoall": section_alltoall,
     "demo": section_demo,
+    "attention": section_attention,
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 
 DIFFUSERS_LOADERS = ("diffusers.models.modeling_utils", "diffusers.pipelines.pipeline_utils")
@@ -55,6 +56,16 @@ QUIET: tuple[tuple[tuple[str, ...], str, bool, str], ...] = (
         "that should be kept in float32",
         False,
         "the notice that some modules stay float32: the checkpoint's own dtypes are what is loaded",
+    ),
+)
+
+# Python warnings of the same kind, dropped while diffusers loads a pipeline's components for
+# ``load_pipeline`` (``quiet_warnings``): (category, a fragment of the message, why)
+QUIET_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (
+        FutureWarning,
+        "`torch.nn.utils.weight_norm` is deprecated",
+        "torch's deprecation of a call inside diffusers' Cosmos 3 sound tokenizer, printed at each of its loads",
     ),
 )
 
@@ -100,3 +111,14 @@ def quiet_imports(import_time_only: bool = True) -> Iterator[None]:
     finally:
         for logger, quiet in added:
             logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """Drop ``QUIET_WARNINGS`` raised in the block and show every other warning after it, as it
+    would have been shown; no warning filter is set (the user's ``warnings`` set-up stays as it was)."""
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    for w in caught:
+        if not any(issubclass(w.category, c) and f in str(w.message) for c, f, _why in QUIET_WARNINGS):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

@@ -47,6 +47,20 @@ def test_the_gemm_section_runs_every_mode_and_layout_on_fake_cuda():
     assert skipped and all("fused" in v and "triton" in r["reason"] for v, r in skipped.items())
 
 
+def test_the_attention_section_runs_each_usable_backend_at_the_processors_shapes_on_fake_cuda():
+    records = _fake_run("attention")
+    assert _by_status(records, "failed") == {}
+    ok = _by_status(records, "ok")
+    rows, heads, _, dim = gpu_smoke.SMALL_ATTENTION_SHAPE
+    assert "native" in ok and ok["native"]["out_shape"] == [1, rows, heads, dim]
+    assert all(r["out_device"] == "cuda:0" and r["out_dtype"] == "torch.bfloat16" for r in ok.values())
+    skipped = _by_status(records, "skipped")
+    assert "downloads nothing" in skipped["flash_hub"]["reason"]
+    assert set(ok) | set(skipped) == set(
+        __import__("fsdp_fp8.interop.attention_backend").interop.attention_backend.backend_names()
+    )
+
+
 def test_a_shape_cuda_refuses_fails_its_variants_and_the_section_goes_on(monkeypatch):
     monkeypatch.setattr(gpu_smoke, "FAKE_GEMM_IN", 24)  # not a multiple of 16: _scaled_mm refuses it on CUDA
     monkeypatch.setattr(gpu_smoke, "FAKE_GEMM_ROWS", (7,))

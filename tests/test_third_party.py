@@ -73,3 +73,16 @@ def test_a_snippet_calling_load_pipeline_prints_only_its_own_lines_and_diffusers
     # diffusers' own progress bar stays (the user's to turn off); no notice, no advice, no warning
     lines = [line for line in proc.stderr.splitlines() if line and "Loading pipeline components" not in line]
     assert lines == ["Failed to load: the user's own message"], proc.stderr[-3000:]
+
+
+def test_quiet_warnings_drops_only_its_own_and_shows_the_others_after():
+    import warnings
+
+    from fsdp_fp8.third_party import quiet_warnings
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with quiet_warnings():
+            warnings.warn("`torch.nn.utils.weight_norm` is deprecated in favor of ...", FutureWarning)
+            warnings.warn("the user's own", UserWarning)
+    assert [(w.category, str(w.message)) for w in shown] == [(UserWarning, "the user's own")]

@@ -14,7 +14,8 @@ import os
 import sys
 
 from fsdp_fp8.cli import interrupts
-from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_size_problems, ulysses_problems
+from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_problems
+from fsdp_fp8.cli.media import image_problems, video_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
 
@@ -43,6 +44,14 @@ Exit status: 0 success, 1 a failure while loading or running (one "error:" line)
 
 RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.runtime.residency.POLICIES (a test holds them equal)
 QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
+# diffusers' attention backend registry (interop.attention_backend.backend_names; a test holds them equal)
+ATTENTION_BACKENDS = (
+    "flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "flash_4_hub", "_flash_3", "_flash_varlen_3",
+    "_flash_3_hub", "_flash_3_varlen_hub", "aiter_fa2_hub", "flex", "native", "_native_cudnn", "_native_efficient",
+    "_native_flash", "_native_math", "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub",
+    "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp16_cuda",
+    "_sage_qk_int8_pv_fp16_triton", "xformers",
+)  # fmt: skip
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64
 
@@ -87,9 +96,10 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                     "tokens (default 64)")),
     ],
     "diffusers pipelines": [
-        (("--prompts",), dict(metavar="FILE", help="one prompt per line (UTF-8, blank lines skipped); request "
+        (("--prompts",), dict(metavar="FILE", help="one request per line (UTF-8, blank lines skipped): a prompt, or a JSON object "
+                              "with \"prompt\" and optionally \"negative_prompt\", \"image\", \"video\", \"seed\"; request "
                               "group g of G (G = WORLD_SIZE without --cfg-parallel / --ulysses, else WORLD_SIZE "
-                              "over the ranks of one request) generates prompts g, g + G, g + 2G, ...")),
+                              "over the ranks of one request) generates requests g, g + G, g + 2G, ...")),
         (("--negative-prompt",), dict(default=None, help="the unconditional prompt (default empty)")),
         (("--output",), dict(metavar="FILE", help="save the decoded result as .png (an image, or an animated "
                              "PNG of the frames) or .mp4; with --prompts: FILE-000.png, FILE-001.png, ...")),
@@ -97,8 +107,28 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                              "pipeline's)")),
         (("--height",), dict(type=int, help="height in pixels (default: the demo's, else the pipeline's)")),
         (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
+        (("--attention-backend",), dict(choices=ATTENTION_BACKENDS, default="native", metavar="NAME",
+                                        help="diffusers' attention backend for the transformer (default native: "
+                                        "torch SDPA); one whose kernel is missing or cannot run on this device is "
+                                        "refused before the load, naming those that can")),
+        (("--safety-check",), dict(choices=("on", "off"), default="on", help="on (default): the pipeline's own "
+                                   "guardrail runs where its model_index.json turns it on (Cosmos: the "
+                                   "cosmos_guardrail package; missing, the run is refused before the load); off: "
+                                   "loaded and run without it")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
+    ],
+    "conditioning (diffusers pipelines; read by diffusers' load_image / load_video)": [
+        (("--image",), dict(metavar="PATH", help="image-to-video: condition the first frame on this PNG, JPEG or "
+                            "WebP image (at most 8192 x 8192 pixels; needs --frames above 1)")),
+        (("--video",), dict(metavar="PATH", help="video-to-video: continue this clip (an mp4, an animated GIF or "
+                            "PNG, or a directory of frames; at most 1024 frames)")),
+        (("--condition-frames",), dict(type=_id_list, metavar="I,J", help="with --video: the latent frames "
+                                       "kept clean (default: the pipeline's, 0,1)")),
+        (("--sound",), dict(action="store_true", help="generate an audio track with the video, muxed into the "
+                            ".mp4 --output (diffusers' encode_video, PyAV); needs a pipeline with a sound tokenizer")),
+        (("--condition-keep",), dict(choices=("first", "last"), help="with --video: take the conditioning "
+                                     "frames from its first or its last frames (default: the pipeline's, first)")),
     ],
     "causal language models": [
         (("--prompt-ids",), dict(type=_id_list, help="the prompt as token ids, e.g. 1,2,3")),
@@ -204,20 +234,52 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
         root, found = checkpoint_problems("--checkpoint", args.checkpoint)
         problems += found
     if args.checkpoint is None or root is not None:
-        problems += pipeline_size_problems(args, root)
-        problems += ulysses_problems(args, root)
+        problems += pipeline_problems(args, root)
     prompts = None
     if args.prompts is not None and os.path.isfile(args.prompts):
         try:
-            prompts = read_prompts(args)
+            prompts = read_prompts(args.prompts, args.prompt)
         except ValueError as exc:
             problems.append(str(exc))
+    problems += _conditioning_problems(args, prompts or [])
     try:
-        check_output(args.output)
+        check_output(args.output, sound=args.sound)
     except ValueError as exc:
         problems.append(str(exc))
     else:
         problems += planned_outputs(args, len(prompts) if prompts is not None else 1)
+    return problems
+
+
+def _conditioning_problems(args: argparse.Namespace, prompts: list) -> list[str]:
+    """The conditioning inputs, as this node's files have them, and their combinations: an image
+    or a video per request (the pipeline takes one), condition options only with a video, and a
+    video to generate (``--frames 1`` makes an image: the pipeline ignores the conditioning)."""
+    problems = image_problems("--image", args.image) if args.image else []
+    problems += video_problems("--video", args.video) if args.video else []
+    requests = [("--image / --video", args.image, args.video)]
+    for p in prompts:
+        where = f"--prompts {args.prompts} line {p.line}"
+        problems += image_problems(f'{where} "image"', p.image) if p.image else []
+        problems += video_problems(f'{where} "video"', p.video) if p.video else []
+        requests.append((where, p.image or args.image, p.video or args.video))
+    for where, image, video in requests:
+        if image and video:
+            problems.append(f"{where}: an image and a video; the pipeline takes one (image- or video-to-video)")
+    conditioned = any(image or video for _, image, video in requests)
+    if (args.condition_frames is not None or args.condition_keep) and not any(v for _, _, v in requests):
+        problems.append("--condition-frames / --condition-keep choose a --video's frames; give a --video too")
+    if conditioned and args.frames == 1:
+        problems.append("--frames 1 makes an image, and the pipeline ignores --image / --video for it; use 5 or more")
+    elif (
+        conditioned and args.frames is None and args.checkpoint is None and not (args.image or args.video or args.sound)
+    ):
+        problems.append(
+            f"--prompts {args.prompts} conditions requests on images or videos, and the demo makes one "
+            "image unless told otherwise: pass --frames 5 (or more)"
+        )
+    if args.sound and args.output and not args.output.lower().endswith(".mp4"):
+        problems.append(f"--sound is muxed into a video file; --output {args.output} is no .mp4")
     return problems
 
 
@@ -229,6 +291,11 @@ def _combination_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--resident-budget applies to --resident auto; pass that too")
     if args.prompts and args.quantize:
         problems.append("--prompts runs a pipeline; --quantize runs one process on a transformer")
+    if args.attention_backend != "native":  # imports torch and diffusers: only when asked
+        from fsdp_fp8.interop.attention_backend import backend_problems
+        from fsdp_fp8.load.options import default_device
+
+        problems += [f"--attention-backend: {p}" for p in backend_problems(args.attention_backend, default_device())]
     if args.nproc_per_node is not None and "RANK" in os.environ:
         problems.append("--nproc-per-node starts the ranks itself; under torchrun leave it out")
     return problems

@@ -1,11 +1,12 @@
 """The embedded demo: a tiny deterministic Cosmos 3 pipeline, made on first use and cached.
 
 It is a real diffusers ``Cosmos3OmniPipeline`` directory, laid out like the official FP8
-builds (``model_index.json``, ``transformer/``, ``vae/``, ``scheduler/``,
-``text_tokenizer/``): a random ``Cosmos3OmniTransformer`` (2 layers, hidden 64) calibrated
+builds (``model_index.json``, ``transformer/``, ``vae/``, ``sound_tokenizer/``, ``scheduler/``,
+``text_tokenizer/``): a random ``Cosmos3OmniTransformer`` (2 layers, hidden 64, sound-capable) calibrated
 on the pipeline's own denoising loop and written by ``fsdp_fp8.export_fp8`` in ModelOpt
 static-FP8 layout with the published first/last-3 step policy, a random ``AutoencoderKLWan``
-(spatial factor 4, temporal 4), a ``UniPCMultistepScheduler`` and a byte-level tokenizer
+(spatial factor 4, temporal 4), a tiny random ``Cosmos3AVAEAudioTokenizer`` (``--sound``), a
+``UniPCMultistepScheduler`` and a byte-level tokenizer
 built here (256 bytes + the chat and vision special tokens). Nothing is downloaded.
 
 Several torchrun ranks may call :func:`demo_checkpoint` at once: ``fsdp_fp8.export.cache``
@@ -33,9 +34,13 @@ DEMO_SEED = 0
 DEMO_STEP_POLICY = PUBLISHED_POLICY  # the published first/last-3 policy
 DEMO_PROMPTS = ("a red fox jumps over a sleeping dog, golden hour", "a lighthouse in a storm at night")
 DEMO_SIZE = {"num_frames": 1, "height": 32, "width": 32}  # one 32x32 image: a PNG
+DEMO_CONDITIONED_FRAMES = 5  # image- or video-to-video: 1 + the VAE's temporal factor (two latent frames)
 DEMO_CALIBRATION_STEPS = 8
 DEMO_MAX_SHARD_SIZE = 150_000  # bytes: the ~0.4 MB transformer lands in a few shards
 MANIFEST = "fsdp_fp8_manifest.json"
+# Part of the cache's name: a demo cached by an earlier revision (revision 1 had no sound
+# tokenizer) is never mistaken for this one
+DEMO_REVISION = 2
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>")
 CHAT_TEMPLATE = (
@@ -54,6 +59,10 @@ TRANSFORMER_CONFIG = dict(
     patch_latent_dim=16,
     rope_axes_dim=[4, 2, 2],
     enable_fps_modulation=False,
+    # Sound: two more projections, made after every other module, so the vision weights drawn
+    # from the seed are those of the demo without sound (its digests unchanged)
+    sound_gen=True,
+    sound_dim=8,
 )
 VAE_CONFIG = dict(
     base_dim=8,
@@ -65,6 +74,21 @@ VAE_CONFIG = dict(
     latents_std=[1.0] * 4,
     scale_factor_spatial=4,
     scale_factor_temporal=4,
+)
+# A tiny Cosmos 3 audio tokenizer (diffusers' Cosmos3AVAEAudioTokenizer, random weights): --sound on the demo
+SOUND_TOKENIZER_CONFIG = dict(
+    sampling_rate=8000,  # the lowest rate of the mp4's AAC encoder
+    vocoder_input_dim=8,
+    dec_dim=8,
+    dec_c_mults=(1, 2),
+    dec_strides=(4, 4),
+    enc_dim=8,
+    enc_intermediate_dim=16,
+    enc_num_layers=1,
+    enc_num_blocks=1,
+    enc_latent_dim=8,
+    enc_c_mults=(1, 2),
+    enc_strides=(4, 4),
 )
 SCHEDULER_CONFIG = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0)
 
@@ -85,9 +109,13 @@ def demo_tokenizer():
 
 
 def demo_components() -> dict:
-    """The high-precision pipeline components, seeded: transformer (bf16), vae, scheduler, tokenizer."""
+    """The high-precision pipeline components, seeded: transformer (bf16), vae, sound tokenizer,
+    scheduler, tokenizer."""
     import torch
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    from diffusers.models.autoencoders.autoencoder_cosmos3_audio import Cosmos3AVAEAudioTokenizer
+
+    from fsdp_fp8.third_party import quiet_warnings
 
     tokenizer = demo_tokenizer()
     torch.manual_seed(DEMO_SEED)
@@ -96,9 +124,13 @@ def demo_components() -> dict:
     transformer.time_embedder.float()  # _keep_in_fp32_modules, as diffusers keeps it
     torch.manual_seed(DEMO_SEED + 1)
     vae = AutoencoderKLWan(**VAE_CONFIG).eval()
+    torch.manual_seed(DEMO_SEED + 2)
+    with quiet_warnings():  # torch's deprecation of a call inside diffusers' tokenizer
+        sound_tokenizer = Cosmos3AVAEAudioTokenizer(**SOUND_TOKENIZER_CONFIG).eval()
     return {
         "transformer": transformer,
         "vae": vae,
+        "sound_tokenizer": sound_tokenizer,
         "text_tokenizer": tokenizer,
         "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG),
     }
@@ -127,6 +159,7 @@ def _calibrate(components: dict):
 def build_demo_pipeline(directory: str | os.PathLike) -> Path:
     """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest)."""
     from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+    from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS  # its calibration (text to image) never runs them
 
     directory = Path(directory)
     components = demo_components()
@@ -137,11 +170,12 @@ def build_demo_pipeline(directory: str | os.PathLike) -> Path:
         directory / "transformer",
         config=config,
         calibrate=_calibrate(components),
-        ignore=DEFAULT_IGNORE,
+        ignore=(*DEFAULT_IGNORE, *SOUND_PROJECTIONS),
         step_policy=DEMO_STEP_POLICY,
         max_shard_size=DEMO_MAX_SHARD_SIZE,
     )
     components["vae"].save_pretrained(directory / "vae")
+    components["sound_tokenizer"].save_pretrained(directory / "sound_tokenizer")
     components["scheduler"].save_pretrained(directory / "scheduler")
     components["text_tokenizer"].save_pretrained(directory / "text_tokenizer")
     index = {
@@ -151,7 +185,7 @@ def build_demo_pipeline(directory: str | os.PathLike) -> Path:
         "enable_safety_checker": False,
         "safety_checker": [None, None],
         "scheduler": ["diffusers", type(components["scheduler"]).__name__],
-        "sound_tokenizer": [None, None],
+        "sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"],
         "text_tokenizer": ["transformers", type(components["text_tokenizer"]).__name__],
         "transformer": ["diffusers", "Cosmos3OmniTransformer"],
         "use_native_flow_schedule": False,
@@ -190,4 +224,5 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     from fsdp_fp8.format.writer import producer_version
 
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
-    return build_once(Path(cache_dir or default) / f"cosmos3-demo-{producer_version()}", _build, _is_complete)
+    name = f"cosmos3-demo-{producer_version()}-r{DEMO_REVISION}"
+    return build_once(Path(cache_dir or default) / name, _build, _is_complete)

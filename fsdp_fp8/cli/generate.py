@@ -13,6 +13,7 @@ by the first rank of the group that generated them, named per prompt (``out.png`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -22,10 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.cli.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.cli.outputs import check_output, output_path, read_prompts
 from fsdp_fp8.cli.reports import PromptOutput, plural
+from fsdp_fp8.cli.request import GenerationRequest, Job, Prompt
 from fsdp_fp8.collective import rank_and_world
-from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
+from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of, pipeline_name
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
@@ -62,36 +66,37 @@ def _digest(latents: torch.Tensor) -> str:
     return hashlib.sha256(latents.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _size_kwargs(args) -> dict:
-    return {
-        k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width)) if v is not None
-    }
-
-
-def run_pipeline(args, path, options, mesh=None) -> tuple[dict, object]:
+def run_pipeline(job: Job, path, options, mesh=None) -> tuple[dict, object]:
     """Load the pipeline at ``path`` with ``options`` (a ``LoadOptions``) over ``mesh`` (the
-    launcher's ``ParallelMesh``; None: one process) and generate every prompt; returns (the
-    ``PipelineReport`` fields of this run, the ``LoadedModel``). The same fields on every rank."""
-    prompts = read_prompts(args)
-    check_output(args.output)
+    launcher's ``ParallelMesh``; None: one process) and generate every prompt of ``job``; returns
+    (the ``PipelineReport`` fields of this run, the ``LoadedModel``). The same fields on every rank."""
+    request, settings = job.request, job.settings
+    prompts = [_with_command_line(p, request) for p in read_prompts(request.prompts, request.prompt)]
+    check_output(request.output, sound=request.sound)
+    if request.frames == 1 and any(p.image or p.video for p in prompts):
+        raise ArgumentError("a request conditioned on an image or a video makes a video; pass --frames 5 or more")
     rank, world = rank_and_world()
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." on every rank
     t0 = time.perf_counter()
-    cfg_parallel = getattr(args, "cfg_parallel", False)
     # The ranks of one request: a CFG pair, a Ulysses group, or both (runtime.parallel_layout)
-    layout = mesh.layout if mesh is not None else ParallelLayout(world, cfg_parallel, getattr(args, "ulysses", 1))
-    request, requests, writes = layout.coordinates(rank).request, layout.requests, layout.writes(rank)
-    if mesh is not None:
-        pipe = load_pipeline(path, mesh, step_policy=args.step_policy, options=options)
-    else:
-        pipe = load_pipeline(
-            path, step_policy=args.step_policy, cfg_parallel=cfg_parallel, ulysses=layout.ulysses, options=options
-        )
+    layout = mesh.layout if mesh is not None else ParallelLayout(world, settings.cfg_parallel, settings.ulysses)
+    work = {} if mesh is not None else {"cfg_parallel": layout.cfg_parallel, "ulysses": layout.ulysses}
+    pipe = load_pipeline(
+        path,
+        mesh,
+        step_policy=request.step_policy,
+        # diffusers' own default (native) unless the option was given: its setter warns of an
+        # experimental feature, which a default run has not asked for
+        attention_backend=settings.attention_backend if "attention_backend" in job.given else None,
+        options=options,
+        **work,
+        **({"enable_safety_checker": False, "safety_checker": None} if settings.safety_check == "off" else {}),
+    )
     load_s = time.perf_counter() - t0
     residency = apply_residency(
-        pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
+        pipe.transformer, settings.resident, budget_bytes=settings.resident_budget, device=options.device
     )
     pipe.set_progress_bar_config(disable=True)
     routing = routing_of(pipe.transformer)
@@ -99,27 +104,26 @@ def run_pipeline(args, path, options, mesh=None) -> tuple[dict, object]:
     if rank == 0:
         log.info(
             "loaded %s: %s; %s over %s, %s each",
-            type(pipe).__name__,
+            pipeline_name(pipe),
             plural(len(loaded.fp8_linears), "FP8 linear"),
             plural(len(prompts), "prompt"),
             plural(world, "rank"),
-            plural(args.steps, "step"),
+            plural(request.steps, "step"),
         )
     t1 = time.perf_counter()
     mine = [
-        _generate(pipe, routing, args, prompts, index, rank, writes)
-        for index in _share(len(prompts), request, requests)
+        _generate(pipe, routing, request, prompts, index, layout, rank) for index in _share(len(prompts), layout, rank)
     ]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
     if dist.is_initialized():
-        gathered = [None] * world
+        gathered = [None] * layout.world
         dist.all_gather_object(gathered, mine)
     rows = sorted((r for part in gathered for r in part if r is not None), key=lambda r: r.index)
     fields = dict(
-        pipeline=type(pipe).__name__,
-        steps=args.steps,
-        cfg_parallel=cfg_parallel,
+        pipeline=pipeline_name(pipe),
+        steps=request.steps,
+        cfg_parallel=layout.cfg_parallel,
         parallelism=layout.describe(),
         load_seconds=round(load_s, 3),
         sample_seconds=round(sample_s, 3),
@@ -129,53 +133,94 @@ def run_pipeline(args, path, options, mesh=None) -> tuple[dict, object]:
         latent_shape=rows[0].latent_shape,
         latent_sha256=rows[0].latent_sha256,
         outputs=rows,
+        mode=" + ".join(sorted({r.mode for r in rows})),
     )
     return fields, loaded
 
 
-def _share(count: int, request: int, requests: int) -> list[int]:
+def _with_command_line(prompt: Prompt, request: GenerationRequest) -> Prompt:
+    """A request's own fields, the command line's where it gives none."""
+    return dataclasses.replace(
+        prompt,
+        negative_prompt=request.negative_prompt if prompt.negative_prompt is None else prompt.negative_prompt,
+        image=prompt.image or request.image,
+        video=prompt.video or request.video,
+        seed=request.seed if prompt.seed is None else prompt.seed,
+    )
+
+
+def _conditioning(prompt: Prompt, request: GenerationRequest) -> dict:
+    """The pipeline's conditioning keywords for ``prompt``, its image or video read by diffusers."""
+    if prompt.image:
+        return {"image": load_conditioning_image(prompt.image)}
+    if not prompt.video:
+        return {}
+    kwargs = {"video": load_conditioning_video(prompt.video)}
+    if request.condition_frames is not None:
+        kwargs["condition_frame_indexes_vision"] = list(request.condition_frames)
+    if request.condition_keep is not None:
+        kwargs["condition_video_keep"] = request.condition_keep
+    return kwargs
+
+
+def _share(count: int, layout: ParallelLayout, rank: int) -> list[int]:
     """The prompt indices this rank's request group runs, one per round; an index past ``count`` is padding."""
-    return [request + round_ * requests for round_ in range(math.ceil(count / requests))]
+    group, groups = layout.coordinates(rank).request, layout.requests
+    return [group + round_ * groups for round_ in range(math.ceil(count / groups))]
 
 
-def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, writes: bool) -> PromptOutput | None:
+def _generate(
+    pipe, routing, request: GenerationRequest, prompts: list[Prompt], index: int, layout, rank: int
+) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
     in step with the others' all-gathers (None). ``writes`` is False on every rank of a request
     group but its first: they hold the same latents as it, which reports and saves them (None)."""
     real = index < len(prompts)
     final = {}
+    writes = layout.writes(rank)
 
     def on_step(_pipe, i, _t, kwargs):
         final["latents"] = kwargs["latents"]
         if rank == 0 and real:
             label = routing.trace[-1]
-            log.info("prompt %d  step %d/%d  %s", index, i + 1, args.steps, label)
+            log.info("prompt %d  step %d/%d  %s", index, i + 1, request.steps, label)
         return {}
 
     start = len(routing.trace)
+    prompt = prompts[index] if real else prompts[0]
     out = pipe(
-        prompts[index] if real else prompts[0],
-        negative_prompt=args.negative_prompt,
-        **_size_kwargs(args),
-        fps=args.fps,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        generator=torch.Generator().manual_seed(args.seed),
+        prompt.text,
+        negative_prompt=prompt.negative_prompt,
+        **_conditioning(prompt, request),
+        **request.sizes(),
+        fps=request.fps,
+        enable_sound=request.sound,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        generator=torch.Generator().manual_seed(prompt.seed),
         callback_on_step_end=on_step,
-        output_type="pil" if real and writes and args.output else "latent",
+        output_type="pil" if real and writes and request.output else "latent",
     )
     if not (real and writes):
         return None
     row = PromptOutput(
         index=index,
-        prompt=prompts[index],
+        prompt=prompt.text,
         rank=rank,
         precision_trace=describe_trace(routing.trace[start:]),
         latent_shape=list(final["latents"].shape),
         latent_sha256=_digest(final["latents"]),
+        mode=prompt.mode(request.frames, request.sound),
+        sound_sha256=_digest(out.sound) if out.sound is not None else None,
     )
-    if args.output:
-        target = output_path(args.output, index, args.prompts is not None)
-        save_frames(list(out.video), target, args.fps)
+    if request.output:
+        target = output_path(request.output, index, request.prompts is not None)
+        if out.sound is None:
+            save_frames(list(out.video), target, request.fps)
+        else:  # diffusers' own muxer (PyAV)
+            from diffusers.utils.export_utils import encode_video
+
+            rate = pipe.sound_tokenizer.config.sampling_rate
+            encode_video(list(out.video), int(round(request.fps)), str(target), out.sound.float().cpu(), rate)
         row.output = str(target)
     return row

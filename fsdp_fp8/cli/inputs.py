@@ -21,7 +21,7 @@ from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX  # imports no torch
+from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, guardrail_problem  # imports no torch
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
 
 
@@ -51,21 +51,71 @@ def demo_factors() -> PipelineFactors:
         VAE_CONFIG["scale_factor_temporal"],
         TRANSFORMER_CONFIG["latent_patch_size"],
         "the demo's VAE",
+        transformer=TRANSFORMER_CONFIG,
+        transformer_config="the demo's transformer config",
     )
 
 
-def pipeline_size_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """``--height`` / ``--width`` / ``--frames`` the pipeline at ``root`` (None: the demo) cannot
-    make, and factors in its configs that no size can be divided by. Nothing for a model that is
-    no pipeline (its run ignores the sizes, with a warning)."""
+def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
+    """What the pipeline at ``root`` (None: the demo) cannot do of what ``args`` ask, from its
+    configs read once: ``--height`` / ``--width`` / ``--frames`` it cannot make, factors no size
+    can be divided by, and a ``--ulysses`` degree its attention heads cannot take.
+    For a model that is no pipeline: only ``--ulysses`` (its run ignores the sizes, with
+    a warning; only a pipeline's transformer is split)."""
+    degree = getattr(args, "ulysses", 1)
+    if root is not None and not (root / MODEL_INDEX).is_file():
+        problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if args.sound else []
+        if degree == 1:
+            return problems
+        return problems + [
+            f"--ulysses {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
+            "(run it without --ulysses)"
+        ]
     problems: list[str] = []
     if root is None:
         factors = demo_factors()
-    elif (root / MODEL_INDEX).is_file():
+    else:
         factors = read_pipeline_factors(root, problems)
         problems = [f"--checkpoint: {p}" for p in problems]
-    else:
-        return []
+    problems += _size_problems(args, factors)
+    if degree != 1:  # the degree against the world: options.value_problems
+        heads = AttentionHeads.of(dict(factors.transformer), str(factors.transformer_config))
+        problems += [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]
+    index = _model_index(root) if root is not None else {}
+    if args.sound:
+        problems += _sound_problems(root, index, factors)
+    if getattr(args, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
+        problems.append(f"--checkpoint {root}: {guardrail}; or run without it: --safety-check off")
+    return problems
+
+
+def _model_index(root: Path) -> dict:
+    """``model_index.json`` as read (``{}`` when unreadable: the load says what is wrong with it)."""
+    try:
+        index = json.loads((root / MODEL_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _sound_problems(root: Path | None, index: dict, factors: PipelineFactors) -> list[str]:
+    """Why the pipeline at ``root`` (None: the demo, which can) cannot generate sound: no sound
+    tokenizer in its ``model_index.json`` (``index``), or a transformer without ``sound_gen``."""
+    problems = []
+    if root is not None:
+        entry = index.get("sound_tokenizer")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
+            problems.append(
+                f"--sound: {root / MODEL_INDEX} names no `sound_tokenizer` ({entry!r}); this pipeline has no sound"
+            )
+    if factors.transformer.get("sound_gen") is not True:
+        problems.append(f"--sound: {factors.transformer_config} has no `sound_gen`: its transformer makes no sound")
+    return problems
+
+
+def _size_problems(args: argparse.Namespace, factors: PipelineFactors) -> list[str]:
+    """``--height`` / ``--width`` / ``--frames`` that ``factors`` do not divide."""
+    problems: list[str] = []
 
     def source(key: str, step: int) -> str:
         return f"`{key}` {step} in {factors.vae_config}"
@@ -91,29 +141,3 @@ def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
     value = getattr(args, name, None)
     low, high = BOUNDS[name]
     return value if value is not None and low <= value <= high else None
-
-
-def ulysses_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """``--ulysses N`` on a checkpoint that cannot take it: one that is no diffusers
-    pipeline (only a pipeline's transformer is split), or a transformer whose attention heads N
-    does not divide (``runtime.parallel_layout.head_problems``). ``root`` None: the demo."""
-    degree = getattr(args, "ulysses", 1)
-    if degree == 1:
-        return []
-    if root is None:
-        from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG
-
-        heads = AttentionHeads.of(TRANSFORMER_CONFIG, "the demo's transformer config")
-        return [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]
-    if not (root / MODEL_INDEX).is_file():
-        return [
-            f"--ulysses {degree} splits a diffusers pipeline's transformer; {root} has no {MODEL_INDEX} "
-            "(run it without --ulysses)"
-        ]
-    config = root / "transformer" / "config.json"
-    try:
-        loaded = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return [f"--checkpoint: {config} cannot be read for --ulysses {degree}: {exc}"]
-    heads = AttentionHeads.of(loaded if isinstance(loaded, dict) else {}, str(config))
-    return [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]

@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from fsdp_fp8.cli.request import Prompt
+
 OUTPUT_SUFFIXES = (".png", ".mp4")
 # A prompt's UTF-8 bytes, at most: the text encoder's attention grows with the square of its
 # tokens, and a byte-level tokenizer (the demo's) makes one token per byte. 16 KiB runs 2 demo
@@ -24,46 +26,97 @@ def prompt_problem(text: str) -> str | None:
     return None
 
 
-def read_prompts(args) -> list[str]:
-    """The prompts (``--prompts FILE``: one per line, blank lines skipped), else ``[--prompt]``.
+def read_prompts(prompts: str | None, prompt: str) -> list[Prompt]:
+    """The requests: ``--prompts FILE`` (one per line, blank lines skipped: a plain line is a
+    prompt; a line starting with ``{`` a JSON object with ``"prompt"`` and optionally
+    ``"negative_prompt"``, ``"image"``, ``"video"``, ``"seed"``; paths relative to the file's
+    directory), else ``[prompt]``.
 
     A file that is not UTF-8 text is refused naming the file, the line and the byte offset; a
-    file above ``MAX_PROMPTS_FILE_BYTES``, or a line above ``MAX_PROMPT_BYTES``, naming the bound.
+    file above ``MAX_PROMPTS_FILE_BYTES``, or a line above ``MAX_PROMPT_BYTES``, naming the bound;
+    a JSON line that is no such object naming the line and the key.
     """
-    if not args.prompts:
-        return [args.prompt]
-    size = os.stat(args.prompts).st_size
+    if not prompts:
+        return [Prompt(prompt)]
+    lines = _prompt_lines(prompts)
+    problems: list[str] = []
+    read = [_prompt_of(number, line, Path(prompts).parent, problems) for number, line in lines]
+    long = [f"line {p.line} {problem}" for p in read if (problem := prompt_problem(p.text))]
+    problems += long
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"--prompts {prompts}: {problems[0]}{more}")
+    return read
+
+
+def _prompt_lines(prompts: str) -> list[tuple[int, str]]:
+    size = os.stat(prompts).st_size
     if size > MAX_PROMPTS_FILE_BYTES:
         raise ValueError(
-            f"--prompts {args.prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
+            f"--prompts {prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
         )
-    data = Path(args.prompts).read_bytes()
+    data = Path(prompts).read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise ValueError(
-            f"--prompts {args.prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
+            f"--prompts {prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
             f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
         ) from None
     lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
-        raise ValueError(f"--prompts {args.prompts}: no prompt in the file (one prompt per line)")
-    long = [f"line {number} {problem}" for number, line in lines if (problem := prompt_problem(line))]
-    if long:
-        more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
-        raise ValueError(f"--prompts {args.prompts}: {long[0]}{more}")
-    return [line for _, line in lines]
+        raise ValueError(f"--prompts {prompts}: no prompt in the file (one prompt per line)")
+    return lines
 
 
-def check_output(output: str | None) -> None:
-    """Refuse an ``--output`` of a kind the launcher cannot write, or in a missing directory."""
+# A JSON line's keys and the types each takes (None: the command line's value)
+JSON_KEYS = {"prompt": (str,), "negative_prompt": (str, type(None)), "image": (str,), "video": (str,), "seed": (int,)}
+
+
+def _prompt_of(number: int, line: str, directory: Path, problems: list[str]) -> Prompt:
+    """Line ``number``: its text, or (starting with ``{``) its JSON object's fields."""
+    if not line.startswith("{"):
+        return Prompt(line, line=number)
+    try:
+        fields = json.loads(line)
+    except ValueError as exc:
+        problems.append(f"line {number} is not a JSON object: {exc}")
+        return Prompt(line, line=number)
+    if not isinstance(fields, dict) or not isinstance(fields.get("prompt"), str):
+        problems.append(f'line {number}: a JSON line is an object with a "prompt" string')
+        return Prompt(line, line=number)
+    for key in sorted(set(fields) - set(JSON_KEYS)):
+        problems.append(f"line {number}: unknown key {key!r}; a JSON line takes {', '.join(JSON_KEYS)}")
+    for key, types in JSON_KEYS.items():
+        value = fields.get(key)
+        if key in fields and (not isinstance(value, types) or isinstance(value, bool)):
+            problems.append(f"line {number}: {key!r} is {value!r}; it takes a {' or '.join(t.__name__ for t in types)}")
+    seed = fields.get("seed")
+    if isinstance(seed, int) and not 0 <= seed < 2**63:
+        problems.append(f"line {number}: 'seed' {seed} is outside 0 .. 2**63 - 1")
+    paths = {k: str(directory / fields[k]) for k in ("image", "video") if isinstance(fields.get(k), str)}
+    return Prompt(fields["prompt"], fields.get("negative_prompt"), seed=seed, line=number, **paths)
+
+
+def check_output(output: str | None, sound: bool = False) -> None:
+    """Refuse an ``--output`` of a kind the launcher cannot write, or in a missing directory. With
+    ``sound`` an mp4 is written by diffusers' ``encode_video`` (PyAV), else by its
+    ``export_to_video`` (imageio)."""
     if output is None:
         return
     suffix = Path(output).suffix.lower()
     if suffix not in OUTPUT_SUFFIXES:
         raise ValueError(f"--output {output}: write .png (an image, or an animated PNG of the frames) or .mp4")
-    if suffix == ".mp4":
+    if suffix == ".mp4" and sound:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                f"--output {output} with --sound: the mp4 is written by diffusers' encode_video, which needs "
+                "PyAV (pip install 'fsdp-fp8[media]', or pip install av)"
+            ) from None
+    elif suffix == ".mp4":
         try:
             import imageio  # noqa: F401
             import imageio_ffmpeg  # noqa: F401

@@ -271,6 +271,8 @@ class PromptOutput:
     precision_trace: str | None
     latent_shape: list[int]
     latent_sha256: str
+    mode: str = ""  # "text-to-image", "image-to-video, 5 frames", ...
+    sound_sha256: str | None = None  # the audio track's samples (--sound)
     output: str | None = None
 
 
@@ -289,6 +291,7 @@ class PipelineReport(Report):
     outputs: list[PromptOutput]
     cfg_parallel: bool = False  # the guidance passes ran on rank pairs (--cfg-parallel)
     parallelism: str = "none"  # the ranks of one request: "CFG 2 x Ulysses 4", "Ulysses 2", "CFG 2" or "none"
+    mode: str = ""  # the requests' kinds: "image-to-video, 5 frames" (several: joined by " + ")
 
     def set_no_fp8(self) -> None:
         super().set_no_fp8()
@@ -297,14 +300,18 @@ class PipelineReport(Report):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        out["outputs"] = [{k: v for k, v in row.items() if k != "output" or v is not None} for row in out["outputs"]]
+        out["outputs"] = [
+            {k: v for k, v in row.items() if k not in ("output", "sound_sha256") or v is not None}
+            for row in out["outputs"]
+        ]
         return out
 
     def body_lines(self) -> list[str]:
         lines = [
             *_line(
                 "pipeline",
-                f"{self.pipeline}, {plural(len(self.outputs), 'prompt')}, {plural(self.steps, 'step')} each, "
+                f"{self.pipeline}, {self.mode + ', ' if self.mode else ''}{plural(len(self.outputs), 'prompt')}, "
+                f"{plural(self.steps, 'step')} each, "
                 f"in {self.sample_seconds:.2f} s"
                 + (f", each request on {self.parallelism} ranks" if self.parallelism != "none" else ""),
             ),
@@ -317,4 +324,6 @@ class PipelineReport(Report):
                 f"latent {row.index:>3}      {tuple(row.latent_shape)} sha256 {row.latent_sha256}"
                 f" (rank {row.rank}){saved}"
             )
+            if row.sound_sha256:
+                lines.append(f"sound  {row.index:>3}      sha256 {row.sound_sha256}")
         return lines

@@ -9,6 +9,7 @@ checkpoint holds; the pipeline run is ``fsdp_fp8.cli.generate``), print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ from fsdp_fp8.cli.reports import (
     RankRow,
     Report,
 )
+from fsdp_fp8.cli.request import GenerationRequest, Job, RunSettings, job_of
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.errors import ArgumentError, ProblemsError
@@ -62,25 +64,22 @@ def init_distributed(timeout_s: float) -> None:
         start_process_group(timeout_s)
 
 
-def parallel_mesh_of(args: argparse.Namespace) -> ParallelMesh | None:
+def parallel_mesh_of(settings: RunSettings) -> ParallelMesh | None:
     """The launcher's one mesh (``runtime.parallel_mesh``): ``--replicas`` for the weights,
     ``--cfg-parallel`` / ``--ulysses`` for the work (the layout was checked with the arguments).
     None without a process group."""
     if not dist.is_initialized():
         return None
     layout = ParallelLayout(
-        rank_and_world()[1],
-        cfg_parallel=getattr(args, "cfg_parallel", False),
-        ulysses=getattr(args, "ulysses", 1),
-        replicas=args.replicas,
+        rank_and_world()[1], cfg_parallel=settings.cfg_parallel, ulysses=settings.ulysses, replicas=settings.replicas
     )
     return build_mesh(layout, LoadOptions().device.type)
 
 
-def load_options_of(args: argparse.Namespace, mesh: ParallelMesh | None = None) -> LoadOptions:
-    """The launcher's one ``LoadOptions``, from its arguments: the mesh's weight dims and
+def load_options_of(settings: RunSettings, mesh: ParallelMesh | None = None) -> LoadOptions:
+    """The launcher's one ``LoadOptions``, from its settings: the mesh's weight dims and
     ``--timeout`` for every agreement."""
-    return LoadOptions(mesh=mesh.weights if mesh is not None else None, timeout_s=args.timeout)
+    return LoadOptions(mesh=mesh.weights if mesh is not None else None, timeout_s=settings.timeout)
 
 
 def _all_rank_rows(load_report) -> list[RankRow]:
@@ -92,13 +91,13 @@ def _all_rank_rows(load_report) -> list[RankRow]:
     return [RankRow.from_load(r) for r in reports]
 
 
-def _job(args: argparse.Namespace, path, device: torch.device, loaded, load_s: float) -> dict:
+def _job(settings: RunSettings, path, device: torch.device, loaded, load_s: float) -> dict:
     """The fields every report has (``reports.Report``); the caller adds its kind's."""
     world = rank_and_world()[1]
     return dict(
         checkpoint=str(path),
         world_size=world,
-        mesh=[args.replicas, world // args.replicas],
+        mesh=[settings.replicas, world // settings.replicas],
         device=str(device),
         fp8_linears=len(loaded.fp8_linears),
         load_seconds=round(load_s, 3),
@@ -106,74 +105,85 @@ def _job(args: argparse.Namespace, path, device: torch.device, loaded, load_s: f
     )
 
 
-def checkpoint_path(args: argparse.Namespace):
-    """``--checkpoint``, else the embedded demo (built once, then cached) with its size options."""
-    if args.checkpoint:
-        return args.checkpoint
-    from fsdp_fp8.cli.demo import DEMO_SIZE, demo_checkpoint
+def checkpoint_path(job: Job) -> tuple[object, Job]:
+    """``--checkpoint``, else the embedded demo (built once, then cached) with the job's unset
+    sizes taken from the demo's."""
+    if job.settings.checkpoint:
+        return job.settings.checkpoint, job
+    from fsdp_fp8.cli.demo import DEMO_CONDITIONED_FRAMES, DEMO_SIZE, demo_checkpoint
 
     if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
-    path = demo_checkpoint()
-    for key, value in DEMO_SIZE.items():
-        name = {"num_frames": "frames"}.get(key, key)
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return path
+    sizes = dict(DEMO_SIZE)
+    if job.request.image or job.request.video or job.request.sound:  # a video: the demo's shortest
+        sizes["num_frames"] = DEMO_CONDITIONED_FRAMES
+    return demo_checkpoint(), dataclasses.replace(job, request=job.request.with_default_sizes(sizes))
 
 
-def run(args: argparse.Namespace) -> Report:
+def run(job: Job) -> Report:
     """Load the checkpoint and run what it holds: a pipeline, a transformers / diffusers model, or
     the reference MoT; the returned report is the same on every rank (rank 0 prints it)."""
-    path = checkpoint_path(args)
-    if args.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
+    path, job = checkpoint_path(job)
+    settings = job.settings
+    if settings.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
-    mesh = parallel_mesh_of(args)
-    options = load_options_of(args, mesh)
+    mesh = parallel_mesh_of(settings)
+    options = load_options_of(settings, mesh)
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
-        _warn_unused(args, "pipeline", "a diffusers pipeline")
-        with watch_peers(stall_s=stall_s_for(args.timeout), what="during the pipeline's load or generation"):
-            fields, loaded = run_pipeline(args, path, options, mesh)
-        job = _job(args, path, options.device, loaded, fields.pop("load_seconds"))
-        return _warn_no_fp8(PipelineReport(**job, **fields), path)
-    if args.prompts or args.output:
+        _warn_unused(job, "pipeline", "a diffusers pipeline")
+        with watch_peers(stall_s=stall_s_for(settings.timeout), what="during the pipeline's load or generation"):
+            fields, loaded = run_pipeline(job, path, options, mesh)
+        common = _job(settings, path, options.device, loaded, fields.pop("load_seconds"))
+        return _warn_no_fp8(PipelineReport(**common, **fields), path)
+    if job.request.prompts or job.request.output:
         raise ArgumentError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
-    with watch_peers(stall_s=stall_s_for(args.timeout), what="during the model's load or run"):
-        return _run_model(args, path, options, t0)
+    with watch_peers(stall_s=stall_s_for(settings.timeout), what="during the model's load or run"):
+        return _run_model(job, path, options, t0)
 
 
-def _run_model(args: argparse.Namespace, path, options: LoadOptions, t0: float) -> Report:
+def _run_model(job: Job, path, options: LoadOptions, t0: float) -> Report:
     """A transformers / diffusers model or the reference MoT, from its config.json."""
     # The model class comes from config.json; every rank opens and plans inside load_model,
     # where the ranks agree before anything is built, sharded or read.
     loaded = load_model(None, path, options=options)
     spec = loaded.spec
-    _warn_unused(args, "cosmos3" if spec.name in DENOISERS else spec.kind, spec.name)
-    quantized = _quantize(args, loaded.model)
-    routing = prepare_for_inference(loaded, args.step_policy)
-    job = _job(args, loaded.checkpoint.directory, options.device, loaded, time.perf_counter() - t0)
+    _warn_unused(job, "cosmos3" if spec.name in DENOISERS else spec.kind, spec.name)
+    quantized = _quantize(job.settings, loaded.model)
+    routing = prepare_for_inference(loaded, job.request.step_policy)
+    common = _job(job.settings, loaded.checkpoint.directory, options.device, loaded, time.perf_counter() - t0)
     if spec.kind != "mot":
-        report = _run_transformers(args, loaded, job)
+        report = _run_transformers(job.request, loaded, common)
     else:
-        report = _run_mot(args, loaded, routing, options.device, job)
+        report = _run_mot(job, loaded, routing, options.device, common)
     report.quantize = quantized
     return report if quantized else _warn_no_fp8(report, path)
 
 
-def _quantize(args: argparse.Namespace, model) -> Quantized | None:
-    if not args.quantize:
+def _quantize(settings: RunSettings, model) -> Quantized | None:
+    if not settings.quantize:
         return None
     before = linear_weight_bytes(model)
-    names = quantize_model(model, args.quantize, include=args.include, exclude=args.exclude)
-    return Quantized(args.quantize, len(names), before, linear_weight_bytes(model))
+    names = quantize_model(model, settings.quantize, include=list(settings.include), exclude=list(settings.exclude))
+    return Quantized(settings.quantize, len(names), before, linear_weight_bytes(model))
 
 
-def _run_transformers(args: argparse.Namespace, loaded, job: dict) -> Report:
+def _run_transformers(request: GenerationRequest, loaded, job: dict) -> Report:
     """transformers / diffusers: one deterministic run (``fsdp_fp8.interop.hf_run``), digested."""
     spec = loaded.spec
     t1 = time.perf_counter()
-    output = run_hf(loaded.model, spec, loaded.checkpoint.directory, args)
+    output = run_hf(
+        loaded.model,
+        spec,
+        loaded.checkpoint.directory,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        prompt_ids=request.prompt_ids,
+        new_tokens=request.new_tokens,
+        seed=request.seed,
+        steps=request.steps,
+        guidance=request.guidance,
+    )
     common = dict(
         job,
         architecture=spec.name,
@@ -187,20 +197,20 @@ def _run_transformers(args: argparse.Namespace, loaded, job: dict) -> Report:
     return ForwardReport(**common, **output)
 
 
-def _run_mot(args: argparse.Namespace, loaded, routing, device, job: dict) -> MoTReport:
+def _run_mot(job: Job, loaded, routing, device, common: dict) -> MoTReport:
     """The reference MoT: our own sampler, the all-gather bytes of each step counted."""
-    model = loaded.model
-    residency = apply_residency(model, args.resident, budget_bytes=args.resident_budget, device=device)
+    model, request, settings = loaded.model, job.request, job.settings
+    residency = apply_residency(model, settings.resident, budget_bytes=settings.resident_budget, device=device)
     rank = rank_and_world()[0]
     if rank == 0:
         log.info(
             "loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
             len(loaded.fp8_linears),
-            job["load_seconds"],
+            common["load_seconds"],
             len(residency.resident),
             residency.blocks,
-            args.resident,
-            args.steps,
+            settings.resident,
+            request.steps,
         )
     step_bytes: list[int] = []  # all-gather bytes this rank sent per step (step 1: with the reasoner)
 
@@ -213,20 +223,20 @@ def _run_mot(args: argparse.Namespace, loaded, routing, device, job: dict) -> Mo
     with AllGatherMeter() as meter:  # run() watches the peers around the load and this
         latent = sample(
             model,
-            prompt_bytes(args.prompt, model.config.vocab_size),
-            steps=args.steps,
-            seed=args.seed,
-            guidance=args.guidance,
-            num_latent_tokens=args.latent_tokens,
+            prompt_bytes(request.prompt, model.config.vocab_size),
+            steps=request.steps,
+            seed=request.seed,
+            guidance=request.guidance,
+            num_latent_tokens=request.latent_tokens,
             step_context=lambda i, n: denoising_step(model, i, n),
             on_step=progress,
         )
     sample_s = time.perf_counter() - t1
     latent_bytes = latent.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return MoTReport(
-        **job,
+        **common,
         sample_seconds=round(sample_s, 3),
-        steps=args.steps,
+        steps=request.steps,
         precision_trace=describe_trace(routing.trace),
         step_policy="checkpoint" if routing.policy is not None else "none",
         latent_shape=list(latent.shape),
@@ -236,9 +246,9 @@ def _run_mot(args: argparse.Namespace, loaded, routing, device, job: dict) -> Mo
     )
 
 
-def _warn_unused(args: argparse.Namespace, kind: str, what: str) -> None:
+def _warn_unused(job: Job, kind: str, what: str) -> None:
     """Options this kind of run ignores are named, not dropped silently."""
-    unused = unused_options(getattr(args, "given", set()), kind)
+    unused = unused_options(set(job.given), kind)
     if unused and rank_and_world()[0] == 0:
         log.warning(
             "%s do%s not apply to %s and %s ignored",
@@ -271,15 +281,18 @@ def main(argv: list[str] | None = None, prog: str = "launch/infer.py") -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Run the parsed ``args`` on this rank and print the outcome once (rank 0, or the rank that
-    alone knows of its failure); the exit status."""
+    alone knows of its failure); the exit status. The ``Namespace`` becomes frozen values here
+    (``request.job_of``), once."""
+    job = job_of(args)
+    settings = job.settings
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="[fsdp_fp8] %(message)s")
     try:
-        if args.quantize:  # a replicated model: no process group, refused at world size > 1
+        if settings.quantize:  # a replicated model: no process group, refused at world size > 1
             check_ptq_world_size(int(os.environ.get("WORLD_SIZE", "1")))
         else:
-            init_distributed(args.timeout)
-        report = run(args)
+            init_distributed(settings.timeout)
+        report = run(job)
         for key, value in platform_info(torch.device(report.device)).items():
             setattr(report, key, value)
     except interrupts.Interrupted as stop:  # every rank was sent it: rank 0 says so, once
@@ -302,7 +315,7 @@ def execute(args: argparse.Namespace) -> int:
         return 1
     if rank == 0:
         print(report.text(), flush=True)
-        problem = write_report(args.report, report.to_dict()) if args.report else None
+        problem = write_report(settings.report, report.to_dict()) if settings.report else None
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             return 1

@@ -34,9 +34,17 @@ from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
 from fsdp_fp8.interop import cfg_parallel as cfg_facts
 from fsdp_fp8.interop import ulysses as ulysses_facts
+from fsdp_fp8.interop.attention_backend import backend_problems, use_backend
 from fsdp_fp8.interop.cfg_parallel import CfgPair
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, TRANSFORMER, pipeline_class, read_model_index
+from fsdp_fp8.interop.diffusers_pipeline import (
+    MODEL_INDEX,
+    TRANSFORMER,
+    guardrail_problem,
+    pipeline_class,
+    read_model_index,
+)
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state, scheduler_problems
+from fsdp_fp8.interop.request_agreement import attach_request_agreement, library_class, request_teams
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -44,7 +52,7 @@ from fsdp_fp8.load.spec import TowerSpec
 from fsdp_fp8.runtime.inference import prepare_for_inference
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, ParallelLayout
 from fsdp_fp8.runtime.parallel_mesh import ParallelMesh, build_mesh
-from fsdp_fp8.third_party import quiet_imports
+from fsdp_fp8.third_party import quiet_imports, quiet_warnings
 
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
 # (docs/design.md, "State kept on other libraries' objects").
@@ -60,6 +68,7 @@ def load_pipeline(
     cfg_parallel: bool = False,
     ulysses: int | None = None,
     sequence_parallel: int | None = None,
+    attention_backend: str | None = None,
     options: LoadOptions | None = None,
     **kwargs,
 ):
@@ -85,7 +94,14 @@ def load_pipeline(
     (``fsdp_fp8.interop.ulysses``; Cosmos 3). The ranks of one request (``runtime.parallel_layout``)
     must then be given the same request; the world size must divide into them, and the degree into
     the attention heads (all checked, with what diffusers must still provide, before anything loads:
-    one ``LayoutError`` / ``ArgumentError``).
+    one ``LayoutError`` / ``ArgumentError``); every call of the pipeline then first agrees on its
+    request among them (``fsdp_fp8.interop.request_agreement``: a difference is one error on every
+    rank).
+
+    ``attention_backend``: one of diffusers' attention backend names (``"native"``, ``"flex"``,
+    ``"flash"``, ...; ``interop.attention_backend``) for every attention layer, the CFG and
+    Ulysses paths included; one that is not installed or cannot run on the device is refused
+    before the load, naming those that can. ``None``: diffusers' default.
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     given = mesh.layout if isinstance(mesh, ParallelMesh) else None
@@ -93,18 +109,22 @@ def load_pipeline(
     weights = mesh.weights if isinstance(mesh, ParallelMesh) else mesh
     options = load_options(options, mesh=weights, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
+    index = read_model_index(root)
     with quiet_imports():
-        cls = pipeline_class(read_model_index(root)["_class_name"], root / MODEL_INDEX)
+        cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
     if TRANSFORMER in kwargs:
         raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cls, given, *layout_args)  # before the first collective: alike on every rank
+    _refuse_before_load(root, index, components, attention_backend, options.device)
     if not isinstance(mesh, ParallelMesh) and dist.is_initialized():
         mesh = build_mesh(layout, options.device.type)
         options = options if options.mesh is not None else options.replace(mesh=mesh.weights)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
+    if attention_backend is not None:  # before the Ulysses processors, which take the backend over
+        use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
-    with quiet_imports(import_time_only=False):  # diffusers' notices that never concern a user (third_party)
+    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for name, component in pipe.components.items():
         if name != TRANSFORMER and isinstance(component, nn.Module):
@@ -118,8 +138,23 @@ def load_pipeline(
     if layout.cfg_parallel:
         state.cfg = CfgPair.of(mesh)
     attach_pipeline_state(loaded.model, state)
+    team = layout.cfg * layout.ulysses
+    if team > 1:  # the ranks of one request agree on it before each call's first forward
+        attach_request_agreement(pipe, request_teams(layout.world, team, options.timeout_s))
     LOADED.set(pipe, loaded)
     return pipe
+
+
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
+    """What would fail after the load, refused before it: a guardrail the pipeline builds whose
+    package is missing (not a traceback from diffusers), an attention backend that cannot run."""
+    problems = []
+    if guardrail := guardrail_problem(index, components):
+        problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
+    if attention_backend is not None:
+        problems += backend_problems(attention_backend, device)
+    if problems:
+        raise ArgumentError(problems, "load_pipeline")
 
 
 def _work_degrees(given: ParallelLayout | None, cfg_parallel, ulysses, sequence_parallel) -> tuple[bool, int]:
@@ -145,12 +180,13 @@ def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: b
     """The layout, checked once with the transformer's heads and what diffusers must provide for
     CFG-parallel and Ulysses (from the files, the classes and the world size alone)."""
     source = root / TRANSFORMER / "config.json"
-    heads = AttentionHeads.of(json.loads(source.read_text()), str(source)) if ulysses > 1 else None
+    split = isinstance(ulysses, int) and not isinstance(ulysses, bool) and ulysses > 1  # else refused below
+    heads = AttentionHeads.of(json.loads(source.read_text()), str(source)) if split else None
     world = given.world if given is not None else rank_and_world()[1]
     replicas = given.replicas if given is not None else 1
     layout = ParallelLayout(world, cfg_parallel=cfg_parallel, ulysses=ulysses, replicas=replicas, heads=heads)
     problems = []
-    if cfg_parallel:
+    if cfg_parallel is True:
         import diffusers
 
         name = read_model_index(root)[TRANSFORMER][1]
@@ -159,11 +195,16 @@ def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: b
             problems.append(f"{root / MODEL_INDEX}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
         else:
             problems += cfg_facts.diffusers_problems(cls, transformer_cls)
-    if ulysses > 1:
+    if split:
         problems += ulysses_facts.diffusers_problems()
     if problems:
         raise LayoutError(problems, "diffusers changed what fsdp_fp8's parallel layout relies on")
     return layout
+
+
+def pipeline_name(pipe) -> str:
+    """The name of the pipeline's diffusers class (under fsdp_fp8's subclass, when it has one)."""
+    return library_class(pipe).__name__
 
 
 def loaded_of(pipe) -> LoadedModel:

@@ -11,7 +11,8 @@ absent is left to the pipeline's own default (``None`` here).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_fp8.format.handles import present, read_json_file
@@ -30,6 +31,10 @@ class PipelineFactors:
     temporal: int | None  # a video has 1 + a multiple of it frames (the first frame is its own latent)
     patch: int | None  # latent pixels per token side
     vae_config: str  # where the VAE's factors were read, for messages
+    # The transformer's config as read (its attention heads: ``runtime.parallel_layout.head_problems``),
+    # so a caller that needs more of it does not read the file again; and where it was read.
+    transformer: Mapping = field(default_factory=dict, compare=False, repr=False)
+    transformer_config: str = TRANSFORMER_CONFIG
 
 
 def positive_int_problem(config: dict, key: str, where: str) -> str | None:
@@ -65,4 +70,6 @@ def read_pipeline_factors(root: Path, problems: list[str]) -> PipelineFactors:
         temporal=_optional(vae, TEMPORAL, vae_where, problems),
         patch=_optional(transformer, patch_key, transformer_where, problems),
         vae_config=vae_where,
+        transformer=transformer,
+        transformer_config=transformer_where,
     )

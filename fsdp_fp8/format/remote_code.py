@@ -33,6 +33,10 @@ AUTO_MAP_FILES = (
     "video_preprocessor_config.json",
 )
 KNOWN_LIBRARIES = frozenset({"diffusers", "transformers"})
+# Components a pipeline imports from an installed package of its own (the Cosmos pipelines'
+# guardrail: ``from cosmos_guardrail import CosmosSafetyChecker``), never from the checkpoint:
+# (key, module, class). Allowed while the checkpoint holds no file or folder of that module's name.
+INSTALLED_COMPONENTS = frozenset({("safety_checker", "cosmos_guardrail", "CosmosSafetyChecker")})
 
 
 def safe_pretrained_kwargs(**extra) -> dict:
@@ -73,12 +77,20 @@ def remote_code_references(directory: str | Path, subfolders: bool = True) -> tu
                 and len(value) == 2
                 and isinstance(value[0], str)
                 and value[0] not in KNOWN_LIBRARIES
+                and not _installed_component(place, key, value)
             ):
                 found.append(
                     f"{prefix}model_index.json: `{key}` comes from module {value[0]!r}, "
                     "custom code inside the checkpoint"
                 )
     return found, problems
+
+
+def _installed_component(place: Path, key: str, value: list) -> bool:
+    """``value`` is an ``INSTALLED_COMPONENTS`` entry that nothing in ``place`` could shadow."""
+    module = value[0]
+    shadowed = (place / f"{module}.py").exists() or (place / module).exists()
+    return (key, module, value[1]) in INSTALLED_COMPONENTS and not shadowed
 
 
 def _read(path: Path, name: str, problems: list[str]) -> dict | None:

@@ -21,6 +21,10 @@ from fsdp_fp8.errors import ArgumentError
 
 StepContext = Callable[[int, int], AbstractContextManager]
 
+# A sound-capable transformer's (``sound_gen``) projections of the audio tokens: a calibration on
+# vision alone never runs them, so an FP8 export leaves them in high precision (ignored).
+SOUND_PROJECTIONS = ("audio_proj_in", "audio_proj_out")
+
 
 def pack_inputs(config, input_ids: torch.Tensor, latent: torch.Tensor, timestep: float) -> dict:
     """Forward kwargs for one pass: ``input_ids`` [T] text tokens, ``latent`` [1, C, F, H, W]."""

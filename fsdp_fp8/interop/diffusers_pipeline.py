@@ -51,6 +51,31 @@ def read_model_index(root: Path) -> dict:
     return index
 
 
+GUARDRAIL_PACKAGE = "cosmos_guardrail"  # diffusers' Cosmos pipelines: from cosmos_guardrail import CosmosSafetyChecker
+
+
+def guardrail_problem(index: dict, components: dict | None = None) -> str | None:
+    """Why the pipeline of this ``model_index.json`` cannot be built as it asks: a Cosmos pipeline
+    (one whose index sets ``enable_safety_checker`` or names the guardrail as its
+    ``safety_checker``) builds ``CosmosSafetyChecker`` when ``enable_safety_checker`` is on (its
+    default), which needs the ``cosmos_guardrail`` package. None when it is installed, when the
+    caller's ``components`` (``from_pretrained`` keyword arguments) turn it off or give a checker."""
+    import importlib.util
+
+    components = components or {}
+    entry = index.get("safety_checker")
+    guarded = "enable_safety_checker" in index or (isinstance(entry, list) and entry[:1] == [GUARDRAIL_PACKAGE])
+    on = components.get("enable_safety_checker", index.get("enable_safety_checker", True))
+    if not (guarded and on) or components.get("safety_checker") is not None:
+        return None
+    if importlib.util.find_spec(GUARDRAIL_PACKAGE) is not None:
+        return None
+    return (
+        f"its {MODEL_INDEX} turns the safety checker on (`enable_safety_checker`; `safety_checker` {entry!r}) "
+        f"and its package `{GUARDRAIL_PACKAGE}` is not installed (pip install {GUARDRAIL_PACKAGE})"
+    )
+
+
 def pipeline_class(name: str, source: Path):
     import diffusers
 

@@ -148,22 +148,37 @@ def prompt_bytes(text: str, vocab_size: int) -> torch.Tensor:
     return torch.tensor([[b % vocab_size for b in data]], dtype=torch.long)
 
 
-def run_hf(model: nn.Module, spec, directory, args) -> dict:
-    """The launcher's run of a transformers / diffusers model (``spec``: its ``ModelSpec``)."""
+def run_hf(
+    model: nn.Module,
+    spec,
+    directory,
+    *,
+    prompt: str,
+    negative_prompt: str | None = None,
+    prompt_ids: tuple[int, ...] | None = None,
+    new_tokens: int = 8,
+    seed: int = 0,
+    steps: int = 20,
+    guidance: float = 3.0,
+) -> dict:
+    """The launcher's run of a transformers / diffusers model (``spec``: its ``ModelSpec``), from
+    plain values: a causal LM reads the prompt (or ``prompt_ids``) and ``new_tokens``; a Cosmos 3
+    transformer alone the prompts, ``steps``, ``seed`` and ``guidance``; any other diffusers
+    model ``seed``."""
     kind = spec.kind
     if kind == "causal_lm":
-        prompt, source = prompt_token_ids(args.prompt, args.prompt_ids, model.config.vocab_size, directory)
-        generated, digest = greedy_generate(model, prompt, args.new_tokens)
+        ids, source = prompt_token_ids(prompt, list(prompt_ids or ()), model.config.vocab_size, directory)
+        generated, digest = greedy_generate(model, ids, new_tokens)
         return {
-            "prompt_ids": prompt[0].tolist(),
+            "prompt_ids": ids[0].tolist(),
             "prompt_source": source,
             "generated_ids": generated,
             "logits_sha256": digest,
         }
     if kind == "diffusers" and spec.name in DENOISERS:
-        return cosmos3_loop(model, directory, args)
+        return cosmos3_loop(model, directory, prompt, negative_prompt, steps=steps, seed=seed, guidance=guidance)
     if kind == "diffusers":
-        shape, digest = diffusers_forward(model, args.seed, spec.dtype)
+        shape, digest = diffusers_forward(model, seed, spec.dtype)
         return {"output_shape": list(shape), "output_sha256": digest}
     raise ValueError(
         f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
@@ -171,31 +186,33 @@ def run_hf(model: nn.Module, spec, directory, args) -> dict:
     )
 
 
-def cosmos3_loop(model: nn.Module, directory, args) -> dict:
-    """A Cosmos 3 transformer alone: ``args.steps`` denoising steps on seeded latents, with
+def cosmos3_loop(
+    model: nn.Module, directory, prompt: str, negative_prompt: str | None, *, steps: int, seed: int, guidance: float
+) -> dict:
+    """A Cosmos 3 transformer alone: ``steps`` denoising steps on seeded latents, with
     guidance, the step policy applied per step (``fsdp_fp8.interop.cosmos.denoise``)."""
     from fsdp_fp8.format.step_policy import describe_trace
     from fsdp_fp8.interop.cosmos import denoise, latent_shape
     from fsdp_fp8.runtime.precision import denoising_step, routing_of
 
     vocab = model.config.vocab_size
-    cond, source = prompt_token_ids(args.prompt, None, vocab, directory)
-    uncond, _ = prompt_token_ids(getattr(args, "negative_prompt", None) or "", None, vocab, directory)
+    cond, source = prompt_token_ids(prompt, None, vocab, directory)
+    uncond, _ = prompt_token_ids(negative_prompt or "", None, vocab, directory)
     routing = routing_of(model)
     start = len(routing.trace)
     latent = denoise(
         model,
         cond[0],
         uncond[0],
-        steps=args.steps,
-        seed=args.seed,
-        guidance=args.guidance,
+        steps=steps,
+        seed=seed,
+        guidance=guidance,
         shape=latent_shape(model.config),
         step_context=lambda i, n: denoising_step(model, i, n),
     )
     return {
         "prompt_source": source,
-        "steps": args.steps,
+        "steps": steps,
         "precision_trace": describe_trace(routing.trace[start:]),
         "latent_shape": list(latent.shape),
         "latent_sha256": hashlib.sha256(_bytes(latent)).hexdigest(),

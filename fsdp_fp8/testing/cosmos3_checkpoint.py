@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_fp8.export.modelopt import export_fp8
-from fsdp_fp8.interop.cosmos import latent_shape, pack_inputs
+from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS, latent_shape, pack_inputs
 
 CALIBRATION_TIMESTEPS = (900.0, 500.0, 100.0)
 
@@ -52,4 +52,6 @@ def write_cosmos3_checkpoint(
             x = torch.randn(latent_shape(m.config, *latent), generator=g).to(torch.bfloat16)
             m(**pack_inputs(m.config, ids, x, timestep))
 
-    return export_fp8(model, Path(directory), config=json.loads(model.to_json_string()), calibrate=calibrate)
+    config = json.loads(model.to_json_string())
+    ignore = (*DEFAULT_IGNORE, *SOUND_PROJECTIONS)  # calibrated on vision alone
+    return export_fp8(model, Path(directory), config=config, calibrate=calibrate, ignore=ignore)

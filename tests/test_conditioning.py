@@ -1,0 +1,277 @@
+"""Image- and video-to-video and sound from the launcher: ``--image``, ``--video``, ``--sound`` and
+JSON lines of ``--prompts``, each request's latent (and sound track) at 2 ranks (FSDP), CFG 2 and
+SP 2 equal to one rank's; the report names each request's mode; careless inputs refused before
+the load, one line, exit 2.
+
+One spawn of 2 ranks runs the three layouts, each two launcher runs (every request without
+sound, then sound alone and image + sound); one of 4 ranks CFG 2 x SP 2 (both jobs) and HSDP
+2 x 2 with CFG pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZE = ("--frames", "5", "--height", "32", "--width", "32", "--steps", "2")
+LAYOUTS = {"fsdp": (), "cfg": ("--cfg-parallel",), "sp": ("--sequence-parallel", "2")}
+
+
+def _picture(seed: int, size=(40, 48)):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """An image, a directory of frames, an animated PNG, and a JSON-lines prompts file of them."""
+    root = tmp_path_factory.mktemp("inputs")
+    _picture(0).save(root / "still.png")
+    (root / "clip").mkdir()
+    for i in range(5):
+        _picture(10 + i).save(root / "clip" / f"{i:03d}.png")
+    frames = [_picture(20 + i) for i in range(9)]
+    frames[0].save(root / "clip.png", save_all=True, append_images=frames[1:], duration=40)
+    lines = [
+        {"prompt": "a red fox", "image": "still.png"},
+        {"prompt": "a lighthouse", "video": "clip", "seed": 3},
+        {"prompt": "a cat", "video": "clip.png", "negative_prompt": "blurry"},
+        "a red fox",  # a plain line: the first request without its image
+    ]
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+    (root / "requests.jsonl").write_text(text + "\n")
+    (root / "sound.jsonl").write_text('a red fox\n{"prompt": "a red fox", "image": "still.png"}\n')
+    return root
+
+
+def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
+    from fsdp_fp8.cli.runner import main
+
+    assert main(["--checkpoint", root, *SIZE, *extra, "--report", str(report)]) == 0
+    return json.loads(report.read_text()) if rank == 0 else None
+
+
+def _observe(rank: int, world: int, demo_root: str, fixture_root: str, inputs: str, reports: str) -> dict:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
+    sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
+    obs = {}
+    with mock.patch.dict(os.environ, env):
+        for name, extra in LAYOUTS.items():
+            obs[name] = _launch(demo_root, Path(reports, f"{name}.json"), *prompts, *extra, rank=rank)
+            obs[f"{name} sound"] = _launch(demo_root, Path(reports, f"{name}-sound.json"), *sound, *extra, rank=rank)
+            report = Path(reports, f"{name}-fixture.json")
+            obs[f"{name} fixture"] = _launch(fixture_root, report, *prompts, *extra, rank=rank)
+    return obs
+
+
+@pytest.fixture(scope="module")
+def fixture_root(tmp_path_factory, demo_root) -> str:
+    """The real ModelOpt 0.47 Cosmos 3 export beside the demo's VAE (test_cfg_parallel's pipeline)."""
+    import shutil
+
+    from test_cfg_parallel import small_tokenizer
+    from test_cosmos3 import FIXTURE, with_policy
+
+    root = tmp_path_factory.mktemp("fixture") / "root"
+    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
+    with_policy(FIXTURE, root / "transformer")
+    small_tokenizer().save_pretrained(root / "text_tokenizer")
+    return str(root)
+
+
+def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
+    """4 ranks: CFG 2 x SP 2 (one request on all four), and HSDP 2 x 2 with CFG pairs."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
+    sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
+    both = ("--cfg-parallel", "--sequence-parallel", "2")
+    with mock.patch.dict(os.environ, env):
+        return {
+            "cfg sp": _launch(demo_root, Path(reports, "4-cfg-sp.json"), *prompts, *both, rank=rank),
+            "cfg sp sound": _launch(demo_root, Path(reports, "4-cfg-sp-sound.json"), *sound, *both, rank=rank),
+            "hsdp cfg": _launch(
+                demo_root, Path(reports, "4-hsdp.json"), *prompts, "--replicas", "2", "--cfg-parallel", rank=rank
+            ),
+        }
+
+
+@pytest.fixture(scope="module")
+def observed(demo_root, fixture_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("reports")
+    one = _launch(str(demo_root), reports / "one.json", "--prompts", str(inputs / "requests.jsonl"))
+    one_fixture = _launch(fixture_root, reports / "one-fixture.json", "--prompts", str(inputs / "requests.jsonl"))
+    image = _launch(
+        str(demo_root), reports / "image.json", "--prompt", "a red fox", "--image", str(inputs / "still.png")
+    )
+    mp4 = reports / "sound.mp4"
+    sound = ("--sound", "--prompts", str(inputs / "sound.jsonl"), "--output", str(mp4))
+    one_sound = _launch(str(demo_root), reports / "one-sound.json", *sound)
+    ranks = run_ranks(_observe, 2, str(demo_root), fixture_root, str(inputs), str(reports), timeout=900)
+    ranks[0].update(run_ranks(_observe_four, 4, str(demo_root), str(inputs), str(reports), timeout=900)[0])
+    return {
+        "one": one,
+        "one fixture": one_fixture,
+        "image": image,
+        "one sound": one_sound,
+        "ranks": ranks[0],
+        "mp4": reports,
+    }
+
+
+def _digests(report: dict) -> list[str]:
+    return [row["latent_sha256"] for row in report["outputs"]]
+
+
+def _sounds(report: dict) -> list[str]:
+    return [row.get("sound_sha256") for row in report["outputs"]]
+
+
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp", "hsdp cfg"])
+def test_every_mode_gives_the_one_rank_latent_on_every_layout(observed, layout):
+    assert _digests(observed["ranks"][layout]) == _digests(observed["one"])
+
+
+# Found here, not fixed: on the ModelOpt fixture's transformer, Ulysses over 2 ranks at 5 frames
+# (text- and image-to-video; not video-to-video) is not the one-rank latent bit for bit. The
+# text-to-video request runs none of this branch's inputs, so it predates them (the demo's
+# transformer matches at every layout).
+SP_FIXTURE = pytest.param(
+    "sp", marks=pytest.mark.xfail(strict=True, reason="Ulysses on the fixture at 5 frames: not bitwise (found)")
+)
+
+
+@pytest.mark.parametrize("layout", ["cfg", "fsdp", SP_FIXTURE])
+def test_every_mode_on_the_modelopt_fixture_gives_the_one_rank_latent(observed, layout):
+    one = _digests(observed["one fixture"])
+    assert len(set(one)) == len(one)
+    assert _digests(observed["ranks"][f"{layout} fixture"]) == one
+
+
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "cfg sp"])
+def test_sound_and_image_with_sound_give_the_one_rank_latent_and_track_on_every_layout(observed, layout):
+    one, ranks = observed["one sound"], observed["ranks"][f"{layout} sound"]
+    assert all(_sounds(one)) and len(set(_sounds(one))) == 2
+    assert _digests(ranks) == _digests(one) and _sounds(ranks) == _sounds(one)
+    assert [row["mode"] for row in one["outputs"]] == [
+        "text-to-video, 5 frames, sound",
+        "image-to-video, 5 frames, sound",
+    ]
+
+
+def test_the_sound_is_muxed_into_the_mp4(observed):
+    import av
+
+    for index in (0, 1):
+        with av.open(str(observed["mp4"] / f"sound-{index:03d}.mp4")) as container:
+            assert len(container.streams.video) == 1 and len(container.streams.audio) == 1
+
+
+def test_the_report_names_each_requests_mode(observed):
+    modes = [row["mode"] for row in observed["one"]["outputs"]]
+    assert modes == ["image-to-video, 5 frames", "video-to-video, 5 frames", "video-to-video, 5 frames"] + [
+        "text-to-video, 5 frames"
+    ]
+    assert observed["image"]["mode"] == "image-to-video, 5 frames"
+
+
+def test_the_conditioning_changes_the_latent_and_the_options_equal_a_json_line(observed):
+    one = _digests(observed["one"])
+    assert len(set(one)) == len(one)  # four requests, four latents: the image changed the first
+    assert _digests(observed["image"]) == one[:1]  # --image and a JSON line's "image" alike
+
+
+# --- refusals before the load --------------------------------------------------------------
+
+
+def _refusal(capsys, *argv: str) -> str:
+    from fsdp_fp8.cli.arguments import parse_run_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_args(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    return err
+
+
+def test_careless_images_are_refused_naming_the_file(tmp_path, capsys):
+    from PIL import Image
+
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    Image.new("RGB", (4, 4)).save(tmp_path / "anim.gif")
+    Image.new("1", (8200, 8200)).save(tmp_path / "huge.png")  # 67.2 MP, a few KB on disk
+    cases = {
+        str(tmp_path / "missing.png"): "missing.png: no such file",
+        str(tmp_path): "is a directory; name an image file",
+        str(text): "notes.png is not an image (PNG, JPEG, WEBP)",
+        str(tmp_path / "anim.gif"): "anim.gif is a GIF image; it takes PNG, JPEG, WEBP",
+        str(tmp_path / "huge.png"): "is 8200 x 8200 = 67,240,000 pixels; an input image is at most 67,108,864",
+    }
+    for path, needle in cases.items():
+        assert needle in _refusal(capsys, "--image", path), path
+
+
+def test_careless_videos_are_refused(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "empty").mkdir()
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(1025):
+        Image.new("RGB", (1, 1)).save(many / f"{i:04d}.png")
+    (tmp_path / "clip.txt").write_text("x")
+    assert "empty has no frames" in _refusal(capsys, "--video", str(tmp_path / "empty"))
+    assert "has 1,025 frames; a conditioning video is at most 1,024" in _refusal(capsys, "--video", str(many))
+    assert "give an mp4, an animated GIF or PNG" in _refusal(capsys, "--video", str(tmp_path / "clip.txt"))
+    assert "no such file or directory" in _refusal(capsys, "--video", str(tmp_path / "gone.mp4"))
+
+
+@pytest.mark.skipif(bool(__import__("importlib").util.find_spec("imageio")), reason="imageio is installed")
+def test_an_mp4_without_imageio_names_it(tmp_path, capsys):
+    (tmp_path / "clip.mp4").write_bytes(b"\0" * 16)
+    assert "needs imageio and imageio-ffmpeg" in _refusal(capsys, "--video", str(tmp_path / "clip.mp4"))
+
+
+def test_sound_is_refused_for_a_png_or_a_pipeline_without_a_sound_tokenizer(demo_root, tmp_path, capsys):
+    import shutil
+
+    assert "--sound is muxed into a video file; --output" in _refusal(
+        capsys, "--sound", "--output", str(tmp_path / "out.png")
+    )
+    silent = tmp_path / "silent"
+    shutil.copytree(demo_root, silent)
+    index = json.loads((silent / "model_index.json").read_text())
+    (silent / "model_index.json").write_text(json.dumps({**index, "sound_tokenizer": [None, None]}))
+    err = _refusal(capsys, "--checkpoint", str(silent), "--sound")
+    assert "names no `sound_tokenizer` ([None, None]); this pipeline has no sound" in err
+
+
+def test_combinations_that_cannot_work_are_refused(inputs, tmp_path, capsys):
+    image, clip = str(inputs / "still.png"), str(inputs / "clip")
+    assert "an image and a video; the pipeline takes one" in _refusal(capsys, "--image", image, "--video", clip)
+    assert "give a --video too" in _refusal(capsys, "--condition-keep", "last")
+    assert "--frames 1 makes an image" in _refusal(capsys, "--image", image, "--frames", "1")
+    lines = tmp_path / "bad.jsonl"
+    lines.write_text('{"prompt": "a", "colour": "red"}\n{"prompt": "b", "image": "nothing.png"}\n')
+    err = _refusal(capsys, "--prompts", str(lines))
+    assert "line 1: unknown key 'colour'" in err
+    assert "the demo makes one image unless told otherwise: pass --frames 5" in _refusal(
+        capsys, "--prompts", str(inputs / "requests.jsonl")
+    )
+    lines.write_text('{"prompt": "b", "image": "nothing.png"}\n')
+    assert f'--prompts {lines} line 1 "image" {tmp_path / "nothing.png"}: no such file' in _refusal(
+        capsys, "--prompts", str(lines)
+    )
