@@ -117,32 +117,45 @@ def load_pipeline(
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cls, given, *layout_args)  # before the first collective: alike on every rank
     _refuse_before_load(root, index, components, attention_backend, options.device)
-    if not isinstance(mesh, ParallelMesh) and dist.is_initialized():
-        mesh = build_mesh(layout, options.device.type)
-        options = options if options.mesh is not None else options.replace(mesh=mesh.weights)
+    mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
         use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
-    for name, component in pipe.components.items():
-        if name != TRANSFORMER and isinstance(component, nn.Module):
-            component.to(options.device)
+    for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
+        component.to(options.device)
+    _attach_work(pipe, routing, layout, mesh, options.timeout_s)
+    LOADED.set(pipe, loaded)
+    return pipe
+
+
+def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
+    """The one mesh of ``layout`` (built here unless a ``ParallelMesh`` was given) and the options
+    whose weights it shards, unless they name their own mesh."""
+    if isinstance(mesh, ParallelMesh) or not dist.is_initialized():
+        return mesh, options
+    mesh = build_mesh(layout, options.device.type)
+    return mesh, options if options.mesh is not None else options.replace(mesh=mesh.weights)
+
+
+def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) -> None:
+    """The transformer's per-forward state (step routing, the scheduler that marks each request,
+    the CFG pair on ``mesh["cfg"]``, the Ulysses group on ``mesh["ulysses"]``) and, when a request
+    spans several ranks, their agreement on it before each call's first forward."""
     state = PipelineState(routing, scheduler=getattr(pipe, "scheduler", None))
     if state.scheduler is not None and (problems := scheduler_problems(state.scheduler)):
         raise ArgumentError(problems, "the pipeline's scheduler")
     if layout.ulysses > 1:
         state.ulysses = Ulysses.of(mesh)
-        install_ulysses(loaded.model, state.ulysses)
+        install_ulysses(pipe.transformer, state.ulysses)
     if layout.cfg_parallel:
         state.cfg = CfgPair.of(mesh)
-    attach_pipeline_state(loaded.model, state)
+    attach_pipeline_state(pipe.transformer, state)
     team = layout.cfg * layout.ulysses
-    if team > 1:  # the ranks of one request agree on it before each call's first forward
-        attach_request_agreement(pipe, request_teams(layout.world, team, options.timeout_s))
-    LOADED.set(pipe, loaded)
-    return pipe
+    if team > 1:
+        attach_request_agreement(pipe, request_teams(layout.world, team, timeout_s))
 
 
 def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
