@@ -297,3 +297,25 @@ def request_decode(layout: ParallelLayout) -> RequestDecode | None:
             mine = RequestDecode(group, ranks.index(layout.rank), layout.team)
     assert mine is not None and (mine.index == 0) == layout.writes, (layout, mine)
     return mine
+
+
+def decode_video(pipe, latents: torch.Tensor, request: RequestDecode | None):
+    """The frames (PIL images) ``Cosmos3OmniPipeline`` makes of its final ``latents`` (what it
+    returns with ``output_type="latent"``): the same un-normalization, ``vae.decode`` split over
+    ``request`` (or on this rank alone when ``None``), the same post-processing and safety check
+    (diffusers 0.42.1's step 8, "Postprocess + decode"). Collective over ``request``'s group;
+    ``None`` on every rank but its writer."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosSafetyChecker
+
+    dtype = pipe.vae.dtype
+    mean = pipe._vae_latents_mean.to(device=latents.device, dtype=dtype)
+    inv_std = pipe._vae_latents_inv_std.to(device=latents.device, dtype=dtype)
+    z_raw = latents.to(dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        decoded = pipe.vae.decode(z_raw).sample if request is None else request.decode(pipe.vae, z_raw)
+    if decoded is None:
+        return None
+    video = pipe.video_processor.postprocess_video(decoded.to(latents.dtype), output_type="pil")[0]
+    if isinstance(pipe.safety_checker, CosmosSafetyChecker):
+        video = pipe._apply_video_safety_check(video, output_type="pil", device=latents.device)
+    return video
