@@ -179,4 +179,10 @@ def test_the_plan_is_diffusers_own_tiling():
     for attr in ("_feat_map", "_conv_idx", "use_slicing", "tile_sample_min_height", "tile_sample_stride_width"):
         assert hasattr(vae, attr), attr
     plan = tile_plan(vae, (1, 48, 2, 7, 10))
-    assert (plan.starts_h, plan.starts_w, plan.tile_h, plan.stride_h, plan.blend_h) == ((0, 3, 6), (0, 3, 6, 9), 4, 24, 8)
+    assert (plan.starts_h, plan.starts_w, plan.tile_h, plan.stride_h, plan.blend_h) == (
+        (0, 3, 6),
+        (0, 3, 6, 9),
+        4,
+        24,
+        8,
+    )

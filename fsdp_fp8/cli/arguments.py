@@ -96,6 +96,11 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                              "pipeline's)")),
         (("--height",), dict(type=int, help="height in pixels (default: the demo's, else the pipeline's)")),
         (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
+        (("--vae-tiling",), dict(choices=("auto", "on", "off"), default="auto", help="the VAE decode: on: "
+                                 "diffusers' tiled decode, its tiles split over the ranks of a request (the "
+                                 "frames of one rank's tiled decode, byte for byte); auto: tiled where the "
+                                 "untiled decode's forecast exceeds the free device memory; off: the "
+                                 "pipeline's own decode on the writing rank (default auto)")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
     ],

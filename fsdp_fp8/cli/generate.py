@@ -27,6 +27,7 @@ from fsdp_fp8.compose.pipeline import load_pipeline, loaded_of
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
+from fsdp_fp8.interop.vae_decode import decode_request, request_decode
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
@@ -94,6 +95,9 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
         pipe.transformer, args.resident, budget_bytes=args.resident_budget, device=options.device
     )
     pipe.set_progress_bar_config(disable=True)
+    vae_tiling = getattr(args, "vae_tiling", "off")
+    # off: the pipeline decodes on the writer, as before; else the request's ranks share the decode
+    request = request_decode(layout) if vae_tiling != "off" else None
     routing = routing_of(pipe.transformer)
     loaded = loaded_of(pipe)
     if rank == 0:
@@ -106,7 +110,8 @@ def run_pipeline(args, path, options) -> tuple[dict, object]:
             plural(args.steps, "step"),
         )
     t1 = time.perf_counter()
-    mine = [_generate(pipe, routing, args, prompts, index, rank, writes) for index in _share(len(prompts), slot, slots)]
+    decode = (vae_tiling, request)
+    mine = [_generate(pipe, routing, args, prompts, i, rank, writes, decode) for i in _share(len(prompts), slot, slots)]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
     if dist.is_initialized():
@@ -135,11 +140,14 @@ def _share(count: int, slot: int, slots: int) -> list[int]:
     return [slot + round_ * slots for round_ in range(math.ceil(count / slots))]
 
 
-def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, writes: bool) -> PromptOutput | None:
+def _generate(pipe, routing, args, prompts: list[str], index, rank, writes, decode) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
     in step with the others' all-gathers (None). ``writes`` is False on a CFG pair's uncond rank:
-    it holds the same latents as its partner, which reports and saves them (None)."""
+    it holds the same latents as its partner, which reports and saves them (None). ``decode``:
+    (``--vae-tiling``, this rank's ``RequestDecode`` or None)."""
     real = index < len(prompts)
+    mode, request = decode
+    ours = mode != "off" and real and bool(args.output)  # the request's ranks decode (interop.vae_decode)
     final = {}
 
     def on_step(_pipe, i, _t, kwargs):
@@ -159,8 +167,9 @@ def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, wr
         guidance_scale=args.guidance,
         generator=torch.Generator().manual_seed(args.seed),
         callback_on_step_end=on_step,
-        output_type="pil" if real and writes and args.output else "latent",
+        output_type="pil" if real and writes and args.output and not ours else "latent",
     )
+    frames, how = decode_request(pipe, out.video, request, mode) if ours else (out.video, None)
     if not (real and writes):
         return None
     row = PromptOutput(
@@ -170,9 +179,10 @@ def _generate(pipe, routing, args, prompts: list[str], index: int, rank: int, wr
         precision_trace=describe_trace(routing.trace[start:]),
         latent_shape=list(final["latents"].shape),
         latent_sha256=_digest(final["latents"]),
+        vae_decode=how,
     )
     if args.output:
         target = output_path(args.output, index, args.prompts is not None)
-        save_frames(list(out.video), target, args.fps)
+        save_frames(list(frames), target, args.fps)
         row.output = str(target)
     return row

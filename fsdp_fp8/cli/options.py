@@ -17,7 +17,8 @@ USES = {
     "mot": DIFFUSION | {"latent_tokens"},
     "cosmos3": DIFFUSION | {"negative_prompt"},
     "pipeline": DIFFUSION
-    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "sequence_parallel"},
+    | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "sequence_parallel"}
+    | {"vae_tiling"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),

@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from fsdp_fp8.runtime.collectives import all_gather_into
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout
+from fsdp_fp8.runtime.residency import device_budget
+from fsdp_fp8.runtime.vae_forecast import decode_bytes, wants_tiling
 
 # The dtypes a signature can name (its index travels; a dtype not listed is refused alike on every rank).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -225,6 +227,12 @@ class RequestDecode:
             decoded.update((tiles[i], tile) for i, tile in zip(indices, got))
         return blend_tiles(vae, plan, decoded)
 
+    def any(self, flag: bool, device) -> bool:
+        """Whether ``flag`` holds on any rank of the group (one tiny all-reduce)."""
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
     def _decode_mine(self, vae, z, plan, tiles) -> tuple[list[torch.Tensor], BaseException | None]:
         try:
             with torch.no_grad():
@@ -319,3 +327,23 @@ def decode_video(pipe, latents: torch.Tensor, request: RequestDecode | None):
     if isinstance(pipe.safety_checker, CosmosSafetyChecker):
         video = pipe._apply_video_safety_check(video, output_type="pil", device=latents.device)
     return video
+
+
+def decode_request(pipe, latents: torch.Tensor, request: RequestDecode | None, mode: str):
+    """``--vae-tiling MODE``'s decode of one request's final latents: (the frames on the writer,
+    else None; how the decode ran, in words). ``auto`` tiles when the untiled decode's forecast
+    (``runtime.vae_forecast``) exceeds the device's free memory on any rank of the request;
+    tiled, the tiles are split over ``request``. Collective over ``request``'s group."""
+    vae, shape = pipe.vae, tuple(latents.shape)
+    untiled = decode_bytes(dict(vae.config), shape, vae.dtype) if mode == "auto" else 0
+    tiled = wants_tiling(mode, untiled, device_budget(latents.device))
+    if request is not None:
+        tiled = request.any(tiled, latents.device)
+    vae.enable_tiling() if tiled else vae.disable_tiling()
+    frames = decode_video(pipe, latents, request)
+    how = "tiled" if tiled and is_tiled(vae, shape) else "untiled"
+    if how == "tiled" and request is not None:
+        how += f", split over {request.size} ranks"
+    if tiled and how == "untiled":
+        how += f" (--vae-tiling {mode}: the latent fits one {vae.tile_sample_min_height}-pixel tile)"
+    return frames, how
