@@ -48,7 +48,8 @@ def _launch(rank: int, world: int, root: str, base: str) -> dict:
 
     got = {}
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}
-    runs = {name: ("on", extra) for name, extra in LAYOUTS.items()} if world > 1 else {"off": ("off", [])}
+    runs = {name: ("on", extra) for name, extra in LAYOUTS.items()} if world > 1 else {}
+    runs |= {"off": ("off", []), "auto": ("auto", [])} if world == 1 else {}
     with mock.patch.dict(os.environ, env):
         for name, (tiling, extra) in runs.items():
             out = Path(base, f"{name}-{world}")
@@ -97,3 +98,9 @@ def test_off_keeps_the_pipelines_own_untiled_decode(runs):
     off = runs["one"]["off"]
     assert "vae_decode" not in off["row"]  # the pipeline decoded, as before
     assert off["png"] != runs["reference"]  # untiled and tiled frames differ: the test can tell them apart
+
+
+def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
+    auto, off = runs["one"]["auto"], runs["one"]["off"]
+    assert auto["row"]["vae_decode"] == "untiled"  # a 288 x 288 frame fits this machine's memory
+    assert auto["png"] == off["png"] and auto["row"]["latent_sha256"] == off["row"]["latent_sha256"]
