@@ -339,9 +339,13 @@ def decode_request(pipe, latents: torch.Tensor, request: RequestDecode | None, m
     tiled = wants_tiling(mode, untiled, device_budget(latents.device))
     if request is not None:
         tiled = request.any(tiled, latents.device)
+    before = vae.use_tiling  # the pipeline's own encode of the next request sees it as it was
     vae.enable_tiling() if tiled else vae.disable_tiling()
-    frames = decode_video(pipe, latents, request)
-    how = "tiled" if tiled and is_tiled(vae, shape) else "untiled"
+    try:
+        frames, ran_tiled = decode_video(pipe, latents, request), is_tiled(vae, shape)
+    finally:
+        vae.use_tiling = before
+    how = "tiled" if ran_tiled else "untiled"
     if how == "tiled" and request is not None:
         how += f", split over {request.size} ranks"
     if tiled and how == "untiled":
