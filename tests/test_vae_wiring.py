@@ -104,3 +104,14 @@ def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
     auto, off = runs["one"]["auto"], runs["one"]["off"]
     assert auto["row"]["vae_decode"] == "untiled"  # a 288 x 288 frame fits this machine's memory
     assert auto["png"] == off["png"] and auto["row"]["latent_sha256"] == off["row"]["latent_sha256"]
+
+
+def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(capsys):
+    from fsdp_fp8.cli.arguments import VAE_TILING
+    from fsdp_fp8.cli.runner import parse_args
+    from fsdp_fp8.runtime.vae_forecast import MODES
+
+    assert VAE_TILING == MODES
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--vae-tiling", "always"])
+    assert exit_.value.code == 2 and "--vae-tiling: invalid choice: 'always'" in capsys.readouterr().err

@@ -42,6 +42,7 @@ Exit status: 0 success, 1 a failure while loading or running (one "error:" line)
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
 
 RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.runtime.residency.POLICIES (a test holds them equal)
+VAE_TILING = ("auto", "on", "off")  # runtime.vae_forecast.MODES, kept here to parse without torch
 QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
 DEFAULT_LATENT_TOKENS = 64
@@ -96,7 +97,7 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                              "pipeline's)")),
         (("--height",), dict(type=int, help="height in pixels (default: the demo's, else the pipeline's)")),
         (("--width",), dict(type=int, help="width in pixels (default: the demo's, else the pipeline's)")),
-        (("--vae-tiling",), dict(choices=("auto", "on", "off"), default="auto", help="the VAE decode: on: "
+        (("--vae-tiling",), dict(choices=VAE_TILING, default="auto", help="the VAE decode: on: "
                                  "diffusers' tiled decode, its tiles split over the ranks of a request (the "
                                  "frames of one rank's tiled decode, byte for byte); auto: tiled where the "
                                  "untiled decode's forecast exceeds the free device memory; off: the "

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 SIMULATED = 6
 # diffusers' default tiles (AutoencoderKLWan.__init__: 256-pixel tiles every 192 pixels).
 DEFAULT_TILES = (256, 256, 192, 192)
+MODES = ("auto", "on", "off")  # --vae-tiling
 
 
 class _Peak(TorchDispatchMode):
@@ -110,7 +111,7 @@ def encode_bytes(config: dict, video: tuple[int, ...], dtype=torch.float32, tile
 def wants_tiling(mode: str, untiled_bytes: int, budget: int | None) -> bool:
     """``--vae-tiling``: ``on`` / ``off`` as said; ``auto`` tiles when the untiled decode's
     forecast exceeds ``budget`` (the free device memory; None: nothing reports it, untiled)."""
-    if mode not in ("auto", "on", "off"):
+    if mode not in MODES:
         raise ValueError(f"--vae-tiling must be auto, on or off, got {mode!r}")
     return mode == "on" or (mode == "auto" and budget is not None and untiled_bytes > budget)
 
