@@ -81,16 +81,19 @@ def _split(vae, shape, ranks: list[int], rank: int):
 
 
 def _refusals(vae, shape, rank: int) -> dict:
-    """Rank 1 holds a latent one frame longer: every rank refuses alike. Then rank 2's decoder
-    is gone: every rank raises, none hangs in a send."""
+    """Rank 1 holds a latent one frame longer, then rank 3 one whose first element differs: every
+    rank refuses alike. Then rank 2's decoder is gone: every rank raises, none hangs in a send."""
     import torch.distributed as dist
 
     group, seen = dist.group.WORLD, {}
     decode = RequestDecode(group, rank, dist.get_world_size())
     odd = list(shape)
     odd[2] += rank == 1
+    other = _latent(shape)
+    other.view(-1)[0] += rank == 3
     for case, z, vae_here in (
         ("differ", _latent(tuple(odd)), vae),
+        ("values", other, vae),
         ("fails", _latent(shape), _broken(vae) if rank == 2 else vae),
     ):
         try:
@@ -149,7 +152,9 @@ def test_split_over_four_ranks_equals_the_one_rank_tiled_decode(four_ranks, name
 
 def test_ranks_that_disagree_or_fail_all_raise(four_ranks):
     differ = [four_ranks[r]["refusals"]["differ"] for r in range(4)]
-    assert len(set(differ)) == 1 and differ[0].startswith("ValueError") and "['frames']" in differ[0]
+    assert len(set(differ)) == 1 and differ[0].startswith("ValueError") and "['frames', 'latent sum']" in differ[0]
+    values = [four_ranks[r]["refusals"]["values"] for r in range(4)]
+    assert len(set(values)) == 1 and values[0].startswith("ValueError") and "in ['latent sum']" in values[0]
     fails = [four_ranks[r]["refusals"]["fails"] for r in range(4)]
     assert all(f.startswith("RuntimeError") and "failed on rank(s) [2]" in f for f in fails), fails
     assert "decoder" in fails[2]  # the failing rank names its own error

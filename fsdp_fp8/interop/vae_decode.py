@@ -191,12 +191,15 @@ def signature(vae, z: torch.Tensor) -> list[int]:
     strides = (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
     flags = (int(vae.use_tiling), int(vae.use_slicing), vae.config.patch_size or 0, vae.spatial_compression_ratio)
     shape = (list(z.shape) + [0] * _SHAPE_DIMS)[:_SHAPE_DIMS]
-    return [z.dim(), *shape, dtype, *tiles, *strides, *flags]
+    # The ranks hold the same latent bit for bit (CFG pair, sequence group): a sum's bits say so
+    # cheaply; a rank whose latent differs would blend its tiles into another rank's frames.
+    checksum = int(z.detach().double().sum().view(torch.int64).item())
+    return [z.dim(), *shape, dtype, *tiles, *strides, *flags, checksum]
 
 
 # ``signature``'s integers, named for the refusal's message.
 SIGNATURE_FIELDS = ("dims", "batch", "channels", "frames", "height", "width", "dtype", "tile height", "tile width")
-SIGNATURE_FIELDS += ("stride height", "stride width", "tiling", "slicing", "patch size", "compression")
+SIGNATURE_FIELDS += ("stride height", "stride width", "tiling", "slicing", "patch size", "compression", "latent sum")
 
 
 class RequestDecode:
