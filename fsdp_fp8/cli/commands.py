@@ -104,9 +104,14 @@ def _print_job(directory: str, fc, size: dict) -> None:
     from fsdp_fp8.runtime.vae_forecast import pipeline_job_forecast
 
     root = resolve_hub_path(directory)
-    if (root / "vae" / "config.json").is_file():
+    if not (root / "vae" / "config.json").is_file():
+        return
+    try:
         job = pipeline_job_forecast(root, fc, **size)
-        print("\n".join(job.lines()) if job else "VAE phases: not forecast (the VAE is no AutoencoderKLWan)")
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # diffusers refused the VAE's config
+        print(f"VAE phases: not forecast: {root / 'vae' / 'config.json'}: {type(exc).__name__}: {exc}")
+        return
+    print("\n".join(job.lines()) if job else "VAE phases: not forecast (the VAE is no AutoencoderKLWan)")
 
 
 def _verify(args: argparse.Namespace) -> int:
