@@ -191,3 +191,20 @@ def test_the_plan_is_diffusers_own_tiling():
         24,
         8,
     )
+
+
+@pytest.mark.parametrize("slicing", [False, True], ids=["batch whole", "use_slicing"])
+def test_a_batch_of_two_tiles_as_decode_does_sliced_or_whole(slicing):
+    """One process: every tile of the plan decoded and blended here equals ``vae.decode`` byte for
+    byte, with ``use_slicing`` (each batch item its own tiled decode) and without."""
+    from fsdp_fp8.interop.vae_decode import blend_tiles, decode_tile
+
+    vae, _ = _vae("wan22", "")
+    vae.use_slicing = slicing
+    shape = (2, 48, 1, 5, 3)
+    z = _latent(shape)
+    plan = tile_plan(vae, shape)
+    assert len(plan.tiles) == (4 if slicing else 2)
+    with torch.no_grad():
+        out = blend_tiles(vae, plan, {t: decode_tile(vae, z, plan, t) for t in plan.tiles})
+        assert torch.equal(out, vae.decode(z).sample)
