@@ -4,6 +4,7 @@ downloaded). Prints a Markdown table: 1, 2, 4, 8 GPUs x 720p / 189 frames and a 
 
     python bench/forecast_table.py [--cfg-parallel]
     python bench/forecast_table.py --step-time    # per layout: memory and seconds per step (runtime.step_time)
+    python bench/forecast_table.py --job          # the whole job: denoising and the VAE's phases (runtime.vae_forecast)
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ SUPER = {
     "num_hidden_layers": 64,
 }
 VAE_BYTES = int(1.4e9)  # assumed: a Wan 2.x VAE in BF16, not verified
+# Wan2.2-TI2V-5B's vae/config.json (the shape the Cosmos 3 pipeline decodes with: 16x spatial, 4x
+# temporal, 48 latent channels, patch size 2); its weights assumed in BF16 (VAE_BYTES).
+WAN22_VAE = dict(
+    _class_name="AutoencoderKLWan",
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+)
 SIZES = {"720p, 189 frames": VideoSize(720, 1280, 189), "1024^2 image": VideoSize(1024, 1024, 1)}
 
 
@@ -34,9 +52,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--step-time", action="store_true", help="the per-step time forecast instead of memory")
+    p.add_argument("--job", action="store_true", help="the whole job's peak per GPU, the phase that sets it")
     args = p.parse_args()
     if args.step_time:
         return step_time_table()
+    if args.job:
+        return job_table()
     print("| model | size | GPUs | weights | gathered | activations | peak per GPU |")
     print("|---|---|---|---|---|---|---|")
     for name, overrides in (("Nano", NANO), ("Super", SUPER)):
@@ -101,6 +122,50 @@ def step_time_table() -> None:
                     f"| {name} | {gpus} | {plan.describe().replace('none', 'FSDP only')} | {peak:.1f} GiB | {fits} | {fp8:.2f} | {bf16:.2f} | "
                     f"{one / fp8:.1f}x |"
                 )
+
+
+def job_table() -> None:
+    """Per GPU: the denoising loop and the VAE's phases beside the resident shards; the peak and
+    the phase that sets it, with the decode untiled (--vae-tiling off) and tiled (on)."""
+    import torch
+
+    from fsdp_fp8.runtime.vae_forecast import job_forecast
+
+    print("| model | size | GPUs | denoising | decode untiled | decode tiled | peak, tiling off | peak, tiling on |")
+    print("|---|---|---|---|---|---|---|---|")
+    phases = {}  # the VAE's working sets: the same for every model and world size
+    for name, overrides in (("Nano", NANO), ("Super", SUPER)):
+        config = {**_defaults(), **overrides}
+        tensors, shape = config_tensors(config), TransformerShape.from_config(config)
+        for label, size in SIZES.items():
+            latent = (1, 48, *size.latent())
+            video = (1, 3, size.frames, size.height, size.width)
+            for world in (1, 2, 4, 8):
+                fc = forecast(tensors, shape, size, world, components_bytes=VAE_BYTES)
+                resident = sum(t.device_bytes for t in fc.terms if t.name in ("sharded weights", "non-FP8 components"))
+                if label not in phases:
+                    phases[label] = job_forecast(WAN22_VAE, 0, 0, latent, video, torch.bfloat16).phases
+                cells = [fc.device_bytes] + [resident + p.working_bytes for p in phases[label][1:3]]
+                peaks = []
+                for skip in (", tiled", ", untiled"):
+                    candidates = [("denoising", fc.device_bytes)] + [
+                        (p.name.removeprefix("VAE "), resident + p.working_bytes)
+                        for p in phases[label][1:]
+                        if skip not in p.name and "encode" not in p.name
+                    ]
+                    top = max(candidates, key=lambda c: c[1])
+                    fits = _fits(top[1])
+                    peaks.append(f"{top[1] / GiB:.1f} GiB ({top[0]}; fits {fits})")
+                print(
+                    f"| {name} | {label} | {world} | "
+                    + " | ".join(f"{c / GiB:.1f}" for c in cells)
+                    + f" | {peaks[0]} | {peaks[1]} |"
+                )
+
+
+def _fits(peak: int) -> str:
+    """The smallest of 48 GB / 80 GB cards the peak fits, 1 GiB left for the CUDA context and NCCL."""
+    return "48 GB" if peak + GiB <= 44.7 * GiB else "80 GB" if peak + GiB <= 74.5 * GiB else "neither"
 
 
 def _defaults() -> dict:

@@ -105,6 +105,17 @@ def test_the_alltoall_section_gives_every_gloo_rank_its_rows_and_heads_back():
     assert "a real collective" in _by_status(_fake_run("alltoall"), "skipped")["torchrun"]["reason"]
 
 
+def test_the_decode_section_packs_the_gather_on_fake_cuda_and_splits_over_gloo_ranks_dry():
+    records = _fake_run("decode")
+    assert _by_status(records, "ok")["gather packing"]["shapes_back"] is True
+    assert "real ranks" in _by_status(records, "skipped")["torchrun"]["reason"]
+    ctx = gpu_smoke.Context("decode", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    gpu_smoke.run_section("decode", ctx)
+    (record,) = _by_status(ctx.records, "ok").values()
+    assert record["backend"] == "gloo" and record["world"] == 2 and record["frames_equal"] is True
+    assert record["ranks"][0]["sent_bytes"] == 0 and record["ranks"][1]["sent_bytes"] > 0  # rank 0 writes
+
+
 @pytest.mark.parametrize(
     "index",
     [(Ellipsis, slice(2, None)), (slice(None), 1), 0, None, (None, Ellipsis, 1), (1, slice(None, None, 2)), -1],

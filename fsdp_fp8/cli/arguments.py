@@ -43,6 +43,7 @@ Exit status: 0 success, 1 a failure while loading or running (one "error:" line)
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
 
 RESIDENT_POLICIES = ("none", "auto", "all")  # fsdp_fp8.runtime.residency.POLICIES (a test holds them equal)
+VAE_TILING = ("auto", "on", "off")  # runtime.vae_forecast.MODES, kept here to parse without torch
 QUANTIZE_METHODS = ("fp8", "mxfp8", "nvfp4")  # fsdp_fp8.runtime.ptq.METHODS (likewise)
 # diffusers' attention backend registry (interop.attention_backend.backend_names; a test holds them equal)
 ATTENTION_BACKENDS = (
@@ -115,6 +116,11 @@ OPTIONS: dict[str, list[tuple[tuple[str, ...], dict]]] = {
                                    "guardrail runs where its model_index.json turns it on (Cosmos: the "
                                    "cosmos_guardrail package; missing, the run is refused before the load); off: "
                                    "loaded and run without it")),
+        (("--vae-tiling",), dict(choices=VAE_TILING, default="auto", help="the VAE decode: on: "
+                                 "diffusers' tiled decode, its tiles split over the ranks of a request (the "
+                                 "frames of one rank's tiled decode, byte for byte); auto: tiled where the "
+                                 "untiled decode's forecast exceeds the free device memory; off: the "
+                                 "pipeline's own decode on the writing rank (default auto)")),
         (("--fps",), dict(type=float, default=24.0, help="frames per second: the prompt template and the mp4 "
                           "(default 24)")),
     ],

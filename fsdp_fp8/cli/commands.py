@@ -93,7 +93,25 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print("\n".join(fc.lines()))
+        _print_job(args.directory, fc, size)
     return 0
+
+
+def _print_job(directory: str, fc, size: dict) -> None:
+    """The whole request, phase by phase, where the root is a pipeline with a Wan VAE
+    (``fsdp_fp8.runtime.vae_forecast``)."""
+    from fsdp_fp8.format.hub import resolve_hub_path
+    from fsdp_fp8.runtime.vae_forecast import pipeline_job_forecast
+
+    root = resolve_hub_path(directory)
+    if not (root / "vae" / "config.json").is_file():
+        return
+    try:
+        job = pipeline_job_forecast(root, fc, **size)
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # diffusers refused the VAE's config
+        print(f"VAE phases: not forecast: {root / 'vae' / 'config.json'}: {type(exc).__name__}: {exc}")
+        return
+    print("\n".join(job.lines()) if job else "VAE phases: not forecast (the VAE is no AutoencoderKLWan)")
 
 
 def _verify(args: argparse.Namespace) -> int:

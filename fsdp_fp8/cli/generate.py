@@ -33,6 +33,7 @@ from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
+from fsdp_fp8.interop.vae_decode import decode_request, request_decode
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
@@ -99,6 +100,8 @@ def run_pipeline(job: Job, path, options, mesh=None) -> tuple[dict, object]:
         pipe.transformer, settings.resident, budget_bytes=settings.resident_budget, device=options.device
     )
     pipe.set_progress_bar_config(disable=True)
+    # off: the pipeline decodes on the writer, as before; else the request's ranks share the decode
+    decoder = request_decode(mesh) if settings.vae_tiling != "off" else None
     routing = routing_of(pipe.transformer)
     loaded = loaded_of(pipe)
     if rank == 0:
@@ -111,8 +114,10 @@ def run_pipeline(job: Job, path, options, mesh=None) -> tuple[dict, object]:
             plural(request.steps, "step"),
         )
     t1 = time.perf_counter()
+    decode = (settings.vae_tiling, decoder)
     mine = [
-        _generate(pipe, routing, request, prompts, index, layout, rank) for index in _share(len(prompts), layout, rank)
+        _generate(pipe, routing, request, prompts, index, layout, rank, decode)
+        for index in _share(len(prompts), layout, rank)
     ]
     sample_s = time.perf_counter() - t1
     gathered = [mine]
@@ -170,12 +175,17 @@ def _share(count: int, layout: ParallelLayout, rank: int) -> list[int]:
 
 
 def _generate(
-    pipe, routing, request: GenerationRequest, prompts: list[Prompt], index: int, layout, rank: int
+    pipe, routing, request: GenerationRequest, prompts: list[Prompt], index: int, layout, rank: int, decode
 ) -> PromptOutput | None:
     """One request: prompt ``index``, or (past the last prompt) padding that only keeps this rank
     in step with the others' all-gathers (None). ``writes`` is False on every rank of a request
-    group but its first: they hold the same latents as it, which reports and saves them (None)."""
+    group but its first: they hold the same latents as it, which reports and saves them (None).
+    ``decode``: (``--vae-tiling``, this rank's ``RequestDecode`` or None)."""
     real = index < len(prompts)
+    mode, decoder = decode
+    # the request's ranks decode (interop.vae_decode); a video with sound keeps the pipeline's own
+    # decode, which returns the track with the frames
+    ours = mode != "off" and real and bool(request.output) and not request.sound
     final = {}
     writes = layout.writes(rank)
 
@@ -199,8 +209,9 @@ def _generate(
         guidance_scale=request.guidance,
         generator=torch.Generator().manual_seed(prompt.seed),
         callback_on_step_end=on_step,
-        output_type="pil" if real and writes and request.output else "latent",
+        output_type="pil" if real and writes and request.output and not ours else "latent",
     )
+    frames, how = decode_request(pipe, out.video, decoder, mode) if ours else (out.video, None)
     if not (real and writes):
         return None
     row = PromptOutput(
@@ -212,11 +223,12 @@ def _generate(
         latent_sha256=_digest(final["latents"]),
         mode=prompt.mode(request.frames, request.sound),
         sound_sha256=_digest(out.sound) if out.sound is not None else None,
+        vae_decode=how,
     )
     if request.output:
         target = output_path(request.output, index, request.prompts is not None)
         if out.sound is None:
-            save_frames(list(out.video), target, request.fps)
+            save_frames(list(frames), target, request.fps)
         else:  # diffusers' own muxer (PyAV)
             from diffusers.utils.export_utils import encode_video
 

@@ -18,7 +18,8 @@ USES = {
     "cosmos3": DIFFUSION | {"negative_prompt"},
     "pipeline": DIFFUSION
     | {"prompts", "negative_prompt", "output", "frames", "height", "width", "fps", "cfg_parallel", "ulysses"}
-    | {"image", "video", "condition_frames", "condition_keep", "attention_backend", "sound", "safety_check"},
+    | {"image", "video", "condition_frames", "condition_keep", "attention_backend", "sound", "safety_check"}
+    | {"vae_tiling"},
     "causal_lm": {"prompt", "prompt_ids", "new_tokens"},
     "diffusers": {"seed"},
     "transformers": set(),

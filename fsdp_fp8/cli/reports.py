@@ -274,6 +274,7 @@ class PromptOutput:
     mode: str = ""  # "text-to-image", "image-to-video, 5 frames", ...
     sound_sha256: str | None = None  # the audio track's samples (--sound)
     output: str | None = None
+    vae_decode: str | None = None  # how the frames were decoded (--vae-tiling): "tiled, split over 2 ranks"
 
 
 @dataclass(kw_only=True)
@@ -301,7 +302,7 @@ class PipelineReport(Report):
     def to_dict(self) -> dict:
         out = super().to_dict()
         out["outputs"] = [
-            {k: v for k, v in row.items() if k not in ("output", "sound_sha256") or v is not None}
+            {k: v for k, v in row.items() if k not in ("output", "sound_sha256", "vae_decode") or v is not None}
             for row in out["outputs"]
         ]
         return out
@@ -320,6 +321,7 @@ class PipelineReport(Report):
         ]
         for row in self.outputs:  # one line each, whatever its length: a digest is copied whole
             saved = f" -> {row.output}" if row.output else ""
+            saved += f" (VAE decode {row.vae_decode})" if row.vae_decode else ""
             lines.append(
                 f"latent {row.index:>3}      {tuple(row.latent_shape)} sha256 {row.latent_sha256}"
                 f" (rank {row.rank}){saved}"

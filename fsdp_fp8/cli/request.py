@@ -90,6 +90,7 @@ class RunSettings:
     cfg_parallel: bool = False
     attention_backend: str = "native"
     safety_check: str = "on"
+    vae_tiling: str = "auto"
     quantize: str | None = None
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()

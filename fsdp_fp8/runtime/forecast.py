@@ -23,8 +23,8 @@ largest decoder layer runs its MLP on the generation tokens (the largest working
   predictions and the multistep solver's history.
 - ``CFG-parallel exchange``: the pair's all-gather buffers (two predictions).
 
-Not forecast: the VAE's decode working set (it runs after the transformer's activations are
-freed; decode with ``output_type="latent"`` to skip it), the CUDA context and NCCL's buffers
+Not forecast here: the VAE's phases (they run after the transformer's activations are freed;
+``runtime.vae_forecast`` forecasts them beside this loop's resident terms), the CUDA context and NCCL's buffers
 (about 0.5-1 GiB per GPU; add them), allocator fragmentation.
 """
 
@@ -151,7 +151,9 @@ class MemoryForecast:
         if host:
             total += f"  host {_gib(self.host_bytes):>10}"
         out.append(total)
-        out.append("  not included: VAE decode, CUDA context and NCCL buffers (~0.5-1 GiB), fragmentation")
+        out.append(
+            "  not included: the VAE (its phases follow for a pipeline root), CUDA context and NCCL buffers (~0.5-1 GiB), fragmentation"
+        )
         return out
 
 

@@ -3,7 +3,8 @@
 ``build_mesh`` makes one world mesh over every rank and unflattens it twice (torchtitan's
 ``ParallelDims.build_mesh`` does the same for its data-loading and FSDP views), so every
 feature takes its slice by name from one value: HSDP ``mesh.weights`` (``replicate``, ``shard``),
-CFG pairs ``mesh["cfg"]``, Ulysses groups ``mesh["ulysses"]``. The rank order is the layout's
+CFG pairs ``mesh["cfg"]``, Ulysses groups ``mesh["ulysses"]``, and the ranks of one request
+together ``mesh.request_ranks`` (the split VAE decode). The rank order is the layout's
 (``runtime.parallel_layout``: row-major, ``ulysses`` innermost; a replica is a run of neighbours).
 
 Collective: every rank calls it with the same layout (each dim's process groups are made on
@@ -29,6 +30,20 @@ class ParallelMesh:
     world: DeviceMesh
     work: DeviceMesh
     weights: DeviceMesh
+    # every rank of one request on one dim (its CFG pair and Ulysses group together, the writer
+    # first): a view of its own only when both split a request; else the one dim that does
+    teams: DeviceMesh | None = None
+
+    @property
+    def request_ranks(self) -> DeviceMesh | None:
+        """The 1-D mesh of the ranks that share this rank's request, the writing rank at local rank
+        0 (the split VAE decode's group); None when a request has one rank."""
+        cfg, ulysses = self.layout.cfg, self.layout.ulysses
+        if cfg > 1 and ulysses > 1:
+            return self.teams["request_ranks"]
+        if cfg > 1 or ulysses > 1:
+            return self.work["cfg" if cfg > 1 else "ulysses"]
+        return None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D slice of dim ``name`` through this rank (``mesh["cfg"].get_group()``)."""
@@ -59,4 +74,8 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     world = init_device_mesh(device_type, (layout.world,), mesh_dim_names=("world",))
     work = _unflatten(world, layout.work_sizes(), WORK_DIMS)
     weights = world if layout.replicas == 1 else _unflatten(world, layout.weight_sizes(), WEIGHT_DIMS)
-    return ParallelMesh(layout, world, work, weights)
+    teams = None
+    if layout.cfg > 1 and layout.ulysses > 1:
+        team = layout.cfg * layout.ulysses
+        teams = _unflatten(world, (layout.world // team, team), ("request_teams", "request_ranks"))
+    return ParallelMesh(layout, world, work, weights, teams)
