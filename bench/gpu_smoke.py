@@ -92,7 +92,7 @@ BUDGETS = {
     "alltoall": (15, 60),
     "demo": (75, 600),  # the first run also builds the demo checkpoint into the cache
     "attention": (10, 60),
-    "decode": (30, 240),
+    "decode": (20, 240),
 }
 TIMEOUT_MARGIN_S = 60
 # After a section's budget: SIGTERM, this long for torchrun to stop its ranks, then SIGKILL. The

@@ -83,18 +83,7 @@ def run_pipeline(job: Job, path, options, mesh=None) -> tuple[dict, object]:
     t0 = time.perf_counter()
     # The ranks of one request: a CFG pair, a Ulysses group, or both (runtime.parallel_layout)
     layout = mesh.layout if mesh is not None else ParallelLayout(world, settings.cfg_parallel, settings.ulysses)
-    work = {} if mesh is not None else {"cfg_parallel": layout.cfg_parallel, "ulysses": layout.ulysses}
-    pipe = load_pipeline(
-        path,
-        mesh,
-        step_policy=request.step_policy,
-        # diffusers' own default (native) unless the option was given: its setter warns of an
-        # experimental feature, which a default run has not asked for
-        attention_backend=settings.attention_backend if "attention_backend" in job.given else None,
-        options=options,
-        **work,
-        **({"enable_safety_checker": False, "safety_checker": None} if settings.safety_check == "off" else {}),
-    )
+    pipe = _load(job, path, options, mesh, layout)
     load_s = time.perf_counter() - t0
     residency = apply_residency(
         pipe.transformer, settings.resident, budget_bytes=settings.resident_budget, device=options.device
@@ -141,6 +130,24 @@ def run_pipeline(job: Job, path, options, mesh=None) -> tuple[dict, object]:
         mode=" + ".join(sorted({r.mode for r in rows})),
     )
     return fields, loaded
+
+
+def _load(job: Job, path, options, mesh, layout: ParallelLayout):
+    """``load_pipeline`` as the job's settings ask: over the launcher's mesh (or, in one process,
+    the layout's degrees), the attention backend, the guardrail on or off."""
+    settings = job.settings
+    work = {} if mesh is not None else {"cfg_parallel": layout.cfg_parallel, "ulysses": layout.ulysses}
+    return load_pipeline(
+        path,
+        mesh,
+        step_policy=job.request.step_policy,
+        # diffusers' own default (native) unless the option was given: its setter warns of an
+        # experimental feature, which a default run has not asked for
+        attention_backend=settings.attention_backend if "attention_backend" in job.given else None,
+        options=options,
+        **work,
+        **({"enable_safety_checker": False, "safety_checker": None} if settings.safety_check == "off" else {}),
+    )
 
 
 def _with_command_line(prompt: Prompt, request: GenerationRequest) -> Prompt:

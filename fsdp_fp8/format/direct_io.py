@@ -102,7 +102,10 @@ class Bounce:
     def buffer(self) -> tuple[torch.Tensor, memoryview]:
         mine = getattr(self._local, "buffer", None)
         if mine is None:
-            t = aligned(self.nbytes)
+            # An anonymous mapping (page-aligned, so ALIGN-aligned), not the allocator's: its pages
+            # go back to the system when the read is done, where a freed 8 MiB malloc block may
+            # stay in the process (a load's RSS would not come back to where it started).
+            t = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
             mine = self._local.buffer = (t, slice_reader.writable(t))
         return mine
 

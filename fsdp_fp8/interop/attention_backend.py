@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from fsdp_fp8.errors import ArgumentError
+
 DEFAULT_BACKEND = "native"
 
 
@@ -78,7 +80,9 @@ def use_backend(model, name: str) -> None:
 
     processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
     if not processors:
-        raise ValueError(f"{type(model).__name__} has no attention processor that takes a backend")
+        raise ArgumentError(
+            f"{type(model).__name__} has no attention processor that takes a backend", "attention backend"
+        )
     for processor in processors:
         processor._attention_backend = AttentionBackendName(name)
 
