@@ -46,7 +46,7 @@ Sections:
   decode     a Wan 2.2-shaped VAE (random weights, BF16) at 720p: one rank's tiled decode against
              the split over every GPU (bench/vae_decode_ranks.py under torchrun): seconds and each
              rank's peak allocated, the frames compared byte for byte; on fake CUDA the gather's
-             packing (tests/test_fake_cuda_vae_decode.py's check)
+             packing (tests/unit/test_fake_cuda_vae_decode.py's check)
 
 ``--dry`` runs every section on the CPU with small shapes (what CI can run); ``--fake-cuda``
 runs the CUDA code paths of ``gemm``, ``step`` and ``allgather`` on fake CUDA tensors
@@ -992,7 +992,7 @@ def section_decode(ctx: Context) -> None:
         r.update({k: got[k] for k in ("height", "width", "frames", "dtype", "backend", "world")}, ranks=got["ranks"])
         first = got["ranks"][0]
         r["split_over_tiled"] = round(first["split_seconds"] / first["tiled_seconds"], 3)
-        r["frames_equal"] = first.get("equal")  # reported, not judged here: tests/test_vae_decode.py asserts it
+        r["frames_equal"] = first.get("equal")  # reported, not judged here: tests/distributed/test_vae_decode.py asserts it
 
 
 SECTIONS = {

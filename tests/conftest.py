@@ -8,8 +8,17 @@ that hangs is stopped after the scaled time, and the report says the factor used
 
 from __future__ import annotations
 
-import calibration
-import pytest
+import sys
+from pathlib import Path
+
+# The two tiers (tests/unit: one process each; tests/distributed: ranks, torchrun, subprocesses)
+# share helpers and a few module fixtures: each tier's folder is importable whichever runs.
+for _tier in ("unit", "distributed"):
+    if str(Path(__file__).parent / _tier) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent / _tier))
+
+import calibration  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -1,4 +1,4 @@
-"""Fake CUDA on a CPU build, for the fake-CUDA test tier (tests/test_fake_cuda_*.py).
+"""Fake CUDA on a CPU build, for the fake-CUDA test tier (tests/unit/test_fake_cuda_*.py).
 
 Under ``FakeTensorMode`` a tensor made with ``device="cuda"`` holds no data and runs torch's meta
 kernels, which enforce what CUDA's kernels enforce on their operands: ``torch._scaled_mm``'s

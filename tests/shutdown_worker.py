@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_shutdown.py: the minimal FSDP2 + gloo exit-abort case.
+"""Run under torchrun by tests/distributed/test_shutdown.py: the minimal FSDP2 + gloo exit-abort case.
 
 A small ``nn.Sequential`` of Linears, ``fully_shard``-ed per layer and at the root, one
 forward, then ``shutdown_distributed(0)`` (``--exit-code N``: the failure path), or, with ``--plain-exit``, a plain

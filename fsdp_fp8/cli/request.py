@@ -4,7 +4,7 @@
 ``Namespace`` into a ``Job``: what to generate (``GenerationRequest``), how to load and run it
 (``RunSettings``) and which options were given (for the "ignored" warning). Each field is named
 after its option's argparse ``dest``, one field per option, so adding an option is a field here,
-its check (``options``), its use and its row in docs/usage.md; ``tests/test_run_values.py`` holds
+its check (``options``), its use and its row in docs/usage.md; ``tests/unit/test_run_values.py`` holds
 every option to exactly one field and one row of ``options.USES`` / ``options.EVERY_KIND``. The
 ``Namespace`` stops here: the run (``runner``, ``generate``) and every layer below read values.
 """

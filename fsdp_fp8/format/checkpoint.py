@@ -171,7 +171,7 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0, the largest E4M3 magnitude: co
 # float32 rounds a real to inf from the midpoint between its largest finite value (2^128 - 2^104)
 # and 2^128 up (ties go to the even 2^128). A float32 scale times 448 (= 7 * 2^6) is exact in
 # float64, so comparing that product with the midpoint is float32's own ``scale * 448`` overflow,
-# without building a tensor per scale (tests/test_value_checks.py covers both sides).
+# without building a tensor per scale (tests/unit/test_value_checks.py covers both sides).
 _F32_OVERFLOW = 2.0**128 - 2.0**103
 
 

@@ -9,7 +9,7 @@ ranks then each write their own rows at their offsets. Writing is in three steps
    each file exactly as safetensors' own ``save`` does: tensors ordered by dtype, widest
    first (so every tensor is naturally aligned), then by key; the header is compact JSON
    padded with spaces to a multiple of 8 bytes. The bytes are those of ``safetensors.torch.save``
-   for the same tensors (tests/test_writer.py checks it).
+   for the same tensors (tests/unit/test_writer.py checks it).
 2. ``create_files`` writes every header and sizes every file; the data region is a hole until
    written, so a file of holes costs no disk.
 3. ``ShardWriter.write`` puts bytes at an offset inside one tensor (``os.pwrite``); then

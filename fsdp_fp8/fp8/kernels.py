@@ -15,7 +15,7 @@ Defaults (what the demo digest and every parity test are produced with):
 
 ``fused=True`` compiles the same two expressions with ``torch.compile`` (inductor) into one
 kernel each: the F32 values live in registers and never in memory, and the operations and
-their order are unchanged, so the bits are the same (tests/test_kernels.py checks every E4M3
+their order are unchanged, so the bits are the same (tests/unit/test_kernels.py checks every E4M3
 code, infinities, NaN and saturation on CPU, and that one kernel is generated). On CUDA,
 inductor lowers ``x / y`` to Triton's approximate division unless its IEEE-division switch is
 on (``torch._inductor.config.eager_numerics.division_rounding`` in torch 2.13, earlier

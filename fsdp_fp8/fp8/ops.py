@@ -11,7 +11,7 @@ inherits TorchAO 0.18's op table (``__init_subclass__`` copies it), and TorchAO'
 ``FSDP_OPS`` TorchAO's entry fails on them, or there is none; the comment on each says how.
 ``FAST_OPS`` replaces two correct TorchAO entries that FSDP2 runs on every parameter by
 cheaper ones with the same results (set-up cost, bench/setup_cost.py).
-tests/test_fsdp_ops.py drives every entry through FSDP2 on gloo ranks and shows the same
+tests/distributed/test_fsdp_ops.py drives every entry through FSDP2 on gloo ranks and shows the same
 flow failing with TorchAO's own entry put back.
 
 Our entries live in the subclass's table only, so TorchAO's ``PrototypeFloat8Tensor`` (and
@@ -81,7 +81,7 @@ def _copy(func, types, args, kwargs):
     if kwargs or not (type(self) is type(src) is StaticFloat8Tensor and self.shape == src.shape):
         return _TORCHAO[aten.copy_.default](func, types, args, kwargs)
     # The aten op, not Tensor.copy_: on a CPU build that method's Python binding wants a CUDA
-    # device guard, so a fake CUDA tensor (tests/test_fake_cuda_fsdp.py) could not be copied.
+    # device guard, so a fake CUDA tensor (tests/unit/test_fake_cuda_fsdp.py) could not be copied.
     aten.copy_.default(self.qdata, src.qdata)
     aten.copy_.default(self.scale, src.scale)
     aten.copy_.default(self.act_quant_scale, src.act_quant_scale)

@@ -21,7 +21,7 @@ bfloat16; NCCL takes the same calls).
 
 diffusers' private seams this relies on (``clear_cache``, ``_feat_map``, ``_conv_idx``,
 ``tile_sample_*``, ``blend_v`` / ``blend_h``, ``unpatchify``) are guarded by
-tests/test_vae_decode.py: the split result equals ``vae.decode`` with tiling on, byte for byte.
+tests/distributed/test_vae_decode.py: the split result equals ``vae.decode`` with tiling on, byte for byte.
 """
 
 from __future__ import annotations

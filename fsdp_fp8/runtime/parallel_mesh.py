@@ -62,7 +62,7 @@ class ParallelMesh:
 
 def _unflatten(world: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``world`` cut into ``sizes`` named ``names``, row-major: ``DeviceMesh._unflatten`` (torch
-    2.9 and later; tests/test_parallel_mesh.py states it), else a mesh of its own over the same
+    2.9 and later; tests/distributed/test_parallel_mesh.py states it), else a mesh of its own over the same
     ranks in the same order (what ``init_device_mesh`` makes)."""
     if hasattr(world, "_unflatten"):
         return world._unflatten(0, sizes, names)

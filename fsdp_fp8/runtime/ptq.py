@@ -13,7 +13,7 @@ quantized after loading and activations are quantized dynamically per call. It i
 before it builds anything, although torch 2.13's ``torch._scaled_mm`` runs on CPU, per
 tensor and per row. On CPU we therefore build the very ``Float8Tensor`` that ``quantize_``
 would (``Float8Tensor.from_hp`` with the config's own granularity, mm config and kernel
-preference; tests/test_ptq.py compares the two byte for byte); on CUDA we call ``quantize_``.
+preference; tests/distributed/test_ptq.py compares the two byte for byte); on CUDA we call ``quantize_``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The forecast runs diffusers' own ``AutoencoderKLWan`` built from the config unde
 memory estimator does for a training step) and follows every storage an op returns until it is
 freed, as ``fsdp_fp8.testing.live_bytes`` does on a real CPU run. The decode's causal cache makes
 the peak grow by the same bytes per latent frame from the fifth frame on (one more chunk of
-output kept; checked in tests/test_vae_forecast.py), so a long video is run to ``SIMULATED``
+output kept; checked in tests/unit/test_vae_forecast.py), so a long video is run to ``SIMULATED``
 frames and extended along that line; the encode likewise by its 4-frame chunks.
 
 Not counted: cuDNN / oneDNN workspaces and the allocator's rounding and caching (a CUDA run's

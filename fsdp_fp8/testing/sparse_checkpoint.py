@@ -6,7 +6,7 @@ few megabytes. Scales are written for real (4 bytes each), because opening a che
 reads and checks every scale. With ``fill="random"`` every tensor gets real, seeded data
 instead, for small models that a test loads and compares byte for byte.
 
-Used by ``bench/super_dry_run.py`` and ``tests/test_super_scale.py``: planning, inspection
+Used by ``bench/super_dry_run.py`` and ``tests/distributed/test_super_scale.py``: planning, inspection
 and the per-rank forecast at full scale, in seconds, without the weights.
 """
 

@@ -1,7 +1,7 @@
 """The FP8 kernels on a real GPU: inductor's Triton code gives eager's codes, the row-chunked W8A16
 its bits, a column-major activation runs through ``_scaled_mm``, and a static FP8 weight pins.
 
-What the fake-CUDA tier (tests/test_fake_cuda_*.py) cannot show: the bits of generated Triton code
+What the fake-CUDA tier (tests/unit/test_fake_cuda_*.py) cannot show: the bits of generated Triton code
 (``x / s`` needs inductor's IEEE-division switch, ``fsdp_fp8.fp8.kernels.ieee_division_options``)
 and page-locked memory. Skipped without CUDA or below compute capability 8.9 (no FP8).
 """

@@ -1,6 +1,6 @@
 """The staging ring on a real GPU: pinned slots, copies on a side stream, many slot reuses with a
 small budget, and the loaded bytes on the device equal to the files. Skipped without CUDA (the
-same ring runs on CPU in tests/test_staging.py)."""
+same ring runs on CPU in tests/unit/test_staging.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,145 @@
+"""``--vae-tiling`` through the launcher: at SP 2, CFG 2 (2-rank requests) and CFG 2 x SP 2 (a
+4-rank request) the saved frames equal the pipeline's own ``enable_tiling()`` decode on one
+process, byte for byte; ``off`` keeps the pipeline's own untiled decode and the latent digest.
+
+The demo pipeline at 288 x 288 pixels: a 72 x 72 latent, four tiles of diffusers' default size
+(64 latent pixels every 48), so ``on`` really tiles and really splits; and the pipeline built
+around the real ModelOpt fixture (tests/distributed/test_cfg_parallel.py's) at CFG 2 x SP 2. The reference
+is ``Cosmos3OmniPipeline.__call__`` itself with ``vae.enable_tiling()``, saved as the launcher
+saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZE = {"num_frames": 1, "height": 288, "width": 288}
+STEPS = 2
+PROMPT = "a red fox"
+LAYOUTS = {
+    "sp2": ["--sequence-parallel", "2"],
+    "cfg2": ["--cfg-parallel"],
+    "cfg2xsp2": ["--cfg-parallel", "--sequence-parallel", "2"],
+}
+
+
+def _argv(root: str, out: Path, tiling: str, extra: list[str]) -> list[str]:
+    size = ["--frames", "1", "--height", str(SIZE["height"]), "--width", str(SIZE["width"])]
+    return ["--checkpoint", root, *size, "--steps", str(STEPS), "--prompt", PROMPT, "--vae-tiling", tiling] + [
+        "--output",
+        str(out / "frames.png"),
+        "--report",
+        str(out / "report.json"),
+        *extra,
+    ]
+
+
+def _launch(rank: int, world: int, root: str, fixture_root: str, base: str) -> dict:
+    from fsdp_fp8.cli.runner import main
+
+    got = {}
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}
+    runs = {name: (root, "on", extra) for name, extra in LAYOUTS.items()} if world > 1 else {}
+    runs |= {"fixture": (fixture_root, "on", LAYOUTS["cfg2xsp2"])} if world > 1 else {}
+    runs |= {"off": (root, "off", []), "auto": (root, "auto", [])} if world == 1 else {}
+    with mock.patch.dict(os.environ, env):
+        for name, (root, tiling, extra) in runs.items():
+            out = Path(base, f"{name}-{world}")
+            out.mkdir(exist_ok=True)
+            assert main(_argv(root, out, tiling, extra)) == 0
+            if rank == 0:
+                report = json.loads((out / "report.json").read_text())
+                got[name] = {"png": (out / "frames.png").read_bytes(), "row": report["outputs"][0]}
+    return got
+
+
+def _reference(root: str, out: Path) -> bytes:
+    """The pipeline's own tiled decode on this process, saved as the launcher saves."""
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.cli.generate import save_frames
+
+    pipe = load_pipeline(root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling()
+    video = pipe(
+        PROMPT, **SIZE, num_inference_steps=STEPS, guidance_scale=3.0, generator=torch.Generator().manual_seed(0)
+    ).video
+    out.mkdir(exist_ok=True)
+    save_frames(list(video), out / "reference.png", 24.0)
+    return (out / "reference.png").read_bytes()
+
+
+def _fixture_root(demo_root, tmp_path):
+    """The demo pipeline with the real ModelOpt fixture as its transformer (test_cfg_parallel's)."""
+    from test_cfg_parallel import small_tokenizer
+    from test_cosmos3 import FIXTURE, with_policy
+
+    root = tmp_path / "fixture-root"
+    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
+    with_policy(FIXTURE, root / "transformer")
+    small_tokenizer().save_pretrained(root / "text_tokenizer")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def runs(demo_root, tmp_path_factory):
+    base = tmp_path_factory.mktemp("vae-wiring")
+    fixture = _fixture_root(demo_root, base)
+    with mock.patch.dict(os.environ, {"FSDP_FP8_CACHE": str(demo_root.parent)}):
+        one = _launch(0, 1, str(demo_root), fixture, str(base))
+        four = run_ranks(_launch, 4, str(demo_root), fixture, str(base), timeout=800)[0]
+        refs = {
+            "reference": _reference(str(demo_root), base / "demo"),
+            "fixture": _reference(fixture, base / "fixture"),
+        }
+        return {**refs, "one": one, "four": four}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_split_decode_frames_equal_the_pipelines_own_tiled_decode(runs, layout):
+    ranks = 4 if layout == "cfg2xsp2" else 2
+    got = runs["four"][layout]
+    assert got["row"]["vae_decode"] == f"tiled, split over {ranks} ranks"
+    assert got["png"] == runs["reference"]
+    assert got["row"]["latent_sha256"] == runs["one"]["off"]["row"]["latent_sha256"]
+
+
+def test_the_fixture_pipelines_split_decode_equals_its_own_tiled_decode(runs):
+    got = runs["four"]["fixture"]
+    assert got["row"]["vae_decode"] == "tiled, split over 4 ranks"
+    assert got["png"] == runs["fixture"]
+
+
+def test_off_keeps_the_pipelines_own_untiled_decode(runs):
+    off = runs["one"]["off"]
+    assert "vae_decode" not in off["row"]  # the pipeline decoded, as before
+    assert off["png"] != runs["reference"]  # untiled and tiled frames differ: the test can tell them apart
+
+
+def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
+    auto, off = runs["one"]["auto"], runs["one"]["off"]
+    assert auto["row"]["vae_decode"] == "untiled"  # a 288 x 288 frame fits this machine's memory
+    assert auto["png"] == off["png"] and auto["row"]["latent_sha256"] == off["row"]["latent_sha256"]
+
+
+def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(capsys):
+    from fsdp_fp8.cli.arguments import VAE_TILING
+    from fsdp_fp8.cli.runner import parse_args
+    from fsdp_fp8.runtime.vae_forecast import MODES
+
+    assert VAE_TILING == MODES
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--vae-tiling", "always"])
+    assert exit_.value.code == 2 and "--vae-tiling: invalid choice: 'always'" in capsys.readouterr().err
