@@ -992,7 +992,8 @@ def section_decode(ctx: Context) -> None:
         r.update({k: got[k] for k in ("height", "width", "frames", "dtype", "backend", "world")}, ranks=got["ranks"])
         first = got["ranks"][0]
         r["split_over_tiled"] = round(first["split_seconds"] / first["tiled_seconds"], 3)
-        r["frames_equal"] = first.get("equal")  # reported, not judged here: tests/distributed/test_vae_decode.py asserts it
+        # reported, not judged here: tests/distributed/test_vae_decode.py asserts it
+        r["frames_equal"] = first.get("equal")
 
 
 SECTIONS = {

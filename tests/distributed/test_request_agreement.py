@@ -145,7 +145,6 @@ def test_requests_of_other_slots_may_differ_and_a_number_is_its_value():
 )
 def test_load_pipeline_refuses_a_layout_argument_of_the_wrong_type(demo_root, layout, needle):
     from fsdp_fp8 import load_pipeline
-
     from fsdp_fp8.errors import LayoutError
 
     with pytest.raises(LayoutError, match=needle):
