@@ -136,10 +136,10 @@ def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
 
 def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(capsys):
     from fsdp_fp8.cli.arguments import VAE_TILING
-    from fsdp_fp8.cli.runner import parse_args
+    from fsdp_fp8.cli.arguments import parse_run_args
     from fsdp_fp8.runtime.vae_forecast import MODES
 
     assert VAE_TILING == MODES
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--vae-tiling", "always"])
+        parse_run_args(["--vae-tiling", "always"])
     assert exit_.value.code == 2 and "--vae-tiling: invalid choice: 'always'" in capsys.readouterr().err
