@@ -14,6 +14,7 @@ import argparse
 from fsdp_fp8.runtime.forecast import DEFAULT_TEXT_TOKENS, GiB, TransformerShape, VideoSize, config_tensors, forecast
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.step_time import H200, LINK_EFFICIENCY, MFU, step_seconds
+from fsdp_fp8.testing.wan22_vae import WAN22_TI2V_5B
 
 # Nano: diffusers 0.42's Cosmos3OmniTransformer defaults (36 layers, 15.2B parameters: the
 # published count). Super: the 64-layer Qwen3-VL-32B text shape per tower (64B parameters); not
@@ -30,21 +31,7 @@ SUPER = {
 VAE_BYTES = int(1.4e9)  # assumed: a Wan 2.x VAE in BF16, not verified
 # Wan2.2-TI2V-5B's vae/config.json (the shape the Cosmos 3 pipeline decodes with: 16x spatial, 4x
 # temporal, 48 latent channels, patch size 2); its weights assumed in BF16 (VAE_BYTES).
-WAN22_VAE = dict(
-    _class_name="AutoencoderKLWan",
-    base_dim=160,
-    decoder_base_dim=256,
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    scale_factor_spatial=16,
-    scale_factor_temporal=4,
-)
+WAN22_VAE = dict(WAN22_TI2V_5B, _class_name="AutoencoderKLWan")
 SIZES = {"720p, 189 frames": VideoSize(720, 1280, 189), "1024^2 image": VideoSize(1024, 1024, 1)}
 
 

@@ -16,20 +16,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.testing.wan22_vae import WAN22_TI2V_5B, wan22_config
+
 # Wan2.2-TI2V-5B's VAE shape (random weights, BF16); --dry: narrow layers, float32, a small frame.
-FULL = dict(base_dim=160, decoder_base_dim=256, num_res_blocks=2)
-DRY = dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1)
-SHAPE = dict(
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    scale_factor_spatial=16,
-    scale_factor_temporal=4,
-)
+FULL, DRY = WAN22_TI2V_5B, wan22_config(8, 8, 1)
 
 
 def _peak_reset(device) -> None:
@@ -75,7 +65,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     height, width, frames = (720, 1280, args.frames) if not args.dry else (96, 96, 5)
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**SHAPE, **(DRY if args.dry else FULL)).to(device, dtype).eval()
+    vae = AutoencoderKLWan(**(DRY if args.dry else FULL)).to(device, dtype).eval()
     vae.enable_tiling(*((64, 64, 48, 48) if args.dry else ()))
     latent = (1, 48, (frames - 1) // 4 + 1, height // 16, width // 16)
     z = torch.randn(latent, generator=torch.Generator().manual_seed(0)).to(device, dtype)

@@ -20,25 +20,10 @@ pytestmark = pytest.mark.timeout(900)
 from ranks import run_ranks  # noqa: E402
 
 from fsdp_fp8.interop.vae_decode import RequestDecode, assign_tiles, tile_plan  # noqa: E402
+from fsdp_fp8.testing.wan22_vae import wan22_config  # noqa: E402
 
-# A Wan 2.2 VAE (Wan2.2-TI2V-5B's vae/config.json) with narrow layers: the same stages, compression
-# (16x spatial with patch size 2, 4x temporal), 48 latent channels and residual up/down blocks.
-WAN22_CONFIG = dict(
-    base_dim=8,
-    decoder_base_dim=8,
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=1,
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    scale_factor_spatial=16,
-    scale_factor_temporal=4,
-    latents_mean=[0.0] * 48,
-    latents_std=[1.0] * 48,
-)
+# A Wan 2.2 VAE with narrow layers (fsdp_fp8.testing.wan22_vae), zero mean and unit spread.
+WAN22_CONFIG = wan22_config(8, 8, 1, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 # (tile min height, width, stride height, width) in pixels: 4-latent tiles, 3-latent strides.
 DEMO_TILES, WAN22_TILES = (16, 16, 12, 12), (64, 64, 48, 48)
 DEMO_LATENT = (1, 4, 2, 7, 5)  # 3 x 2 tiles, heights 4 4 1, widths 4 2
