@@ -18,6 +18,7 @@ from fsdp_fp8.cli.inputs import checkpoint_problems, pipeline_problems
 from fsdp_fp8.cli.media import image_problems, video_problems
 from fsdp_fp8.cli.options import EVERY_KIND, USES, file_problems, given_options, value_problems
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, read_prompts
+from fsdp_fp8.errors import ProblemsError
 
 DESCRIPTION = """\
 Load a ModelOpt static-FP8 checkpoint sharded over the ranks and sample from it; rank 0
@@ -246,12 +247,12 @@ def _file_problems(args: argparse.Namespace) -> list[str]:
         try:
             prompts = read_prompts(args.prompts, args.prompt)
         except ValueError as exc:
-            problems.append(str(exc))
+            problems += exc.problems if isinstance(exc, ProblemsError) else [str(exc)]
     problems += _conditioning_problems(args, prompts or [])
     try:
         check_output(args.output, sound=args.sound)
     except ValueError as exc:
-        problems.append(str(exc))
+        problems += exc.problems if isinstance(exc, ProblemsError) else [str(exc)]
     else:
         problems += planned_outputs(args, len(prompts) if prompts is not None else 1)
     return problems

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from fsdp_fp8.cli.request import Prompt
+from fsdp_fp8.errors import ArgumentError
 
 OUTPUT_SUFFIXES = (".png", ".mp4")
 # A prompt's UTF-8 bytes, at most: the text encoder's attention grows with the square of its
@@ -45,28 +46,30 @@ def read_prompts(prompts: str | None, prompt: str) -> list[Prompt]:
     problems += long
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ValueError(f"--prompts {prompts}: {problems[0]}{more}")
+        raise ArgumentError(f"--prompts {prompts}: {problems[0]}{more}", "launcher options")
     return read
 
 
 def _prompt_lines(prompts: str) -> list[tuple[int, str]]:
     size = os.stat(prompts).st_size
     if size > MAX_PROMPTS_FILE_BYTES:
-        raise ValueError(
-            f"--prompts {prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes"
+        raise ArgumentError(
+            f"--prompts {prompts} is {size:,} bytes; a prompts file is at most {MAX_PROMPTS_FILE_BYTES:,} bytes",
+            "launcher options",
         )
     data = Path(prompts).read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise ValueError(
+        raise ArgumentError(
             f"--prompts {prompts}: not UTF-8 text: line {line}, byte offset {exc.start} "
-            f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
+            f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8",
+            "launcher options",
         ) from None
     lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
-        raise ValueError(f"--prompts {prompts}: no prompt in the file (one prompt per line)")
+        raise ArgumentError(f"--prompts {prompts}: no prompt in the file (one prompt per line)", "launcher options")
     return lines
 
 
@@ -107,26 +110,32 @@ def check_output(output: str | None, sound: bool = False) -> None:
         return
     suffix = Path(output).suffix.lower()
     if suffix not in OUTPUT_SUFFIXES:
-        raise ValueError(f"--output {output}: write .png (an image, or an animated PNG of the frames) or .mp4")
+        raise ArgumentError(
+            f"--output {output}: write .png (an image, or an animated PNG of the frames) or .mp4", "launcher options"
+        )
     if suffix == ".mp4" and sound:
         try:
             import av  # noqa: F401
         except ImportError:
-            raise ValueError(
+            raise ArgumentError(
                 f"--output {output} with --sound: the mp4 is written by diffusers' encode_video, which needs "
-                "PyAV (pip install 'fsdp-fp8[media]', or pip install av)"
+                "PyAV (pip install 'fsdp-fp8[media]', or pip install av)",
+                "launcher options",
             ) from None
     elif suffix == ".mp4":
         try:
             import imageio  # noqa: F401
             import imageio_ffmpeg  # noqa: F401
         except ImportError:
-            raise ValueError(
+            raise ArgumentError(
                 f"--output {output}: mp4 needs imageio and imageio-ffmpeg "
-                "(pip install imageio imageio-ffmpeg); or write .png"
+                "(pip install imageio imageio-ffmpeg); or write .png",
+                "launcher options",
             ) from None
     if not Path(output).resolve().parent.is_dir():
-        raise ValueError(f"--output {output}: directory {Path(output).resolve().parent} does not exist")
+        raise ArgumentError(
+            f"--output {output}: directory {Path(output).resolve().parent} does not exist", "launcher options"
+        )
 
 
 def output_path(output: str, index: int, many: bool) -> Path:

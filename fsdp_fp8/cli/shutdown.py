@@ -26,6 +26,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.errors import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 
@@ -70,7 +72,7 @@ def shutdown_distributed(exit_code: int | None = None, *, failed: bool | None = 
         shutdown_distributed(code)
     """
     if exit_code is not None and (type(exit_code) is not int or not 0 <= exit_code <= 255):
-        raise ValueError(f"exit_code must be an int in [0, 255] or None, got {exit_code!r}")
+        raise ArgumentError(f"exit_code must be an int in [0, 255] or None, got {exit_code!r}", "shutdown_distributed")
     if failed is None:
         failed = exit_code not in (None, 0)
     if dist.is_available() and dist.is_initialized():

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from fsdp_fp8.errors import CheckpointError, raise_if_problems
+from fsdp_fp8.errors import ArgumentError, CheckpointError, raise_if_problems
 from fsdp_fp8.format.remote_code import remote_code_references, safe_pretrained_kwargs
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,10 @@ def diffusers_inputs(model: nn.Module, seed: int = 0, dtype: torch.dtype | None 
     # By MRO: fully_shard swaps the class for a generated FSDP<name> subclass.
     name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in INPUT_RECIPES), None)
     if name is None:
-        raise ValueError(
+        raise ArgumentError(
             f"no seeded-input recipe for diffusers class {type(model).__name__!r}; the launcher "
-            f"runs {sorted(INPUT_RECIPES)} (load any class from Python with fsdp_fp8.load_model)"
+            f"runs {sorted(INPUT_RECIPES)} (load any class from Python with fsdp_fp8.load_model)",
+            "launcher run",
         )
     dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     return INPUT_RECIPES[name](model.config, dtype, torch.Generator().manual_seed(seed))
@@ -107,7 +108,7 @@ def prompt_token_ids(text: str, ids: list[int] | None, vocab_size: int, director
     if ids:
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise ValueError(f"--prompt-ids {bad} are outside the vocabulary [0, {vocab_size})")
+            raise ArgumentError(f"--prompt-ids {bad} are outside the vocabulary [0, {vocab_size})", "launcher run")
         return torch.tensor([ids], dtype=torch.long), "--prompt-ids"
     if any((Path(directory) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return torch.tensor([_tokenizer(directory)(text)["input_ids"]], dtype=torch.long), "tokenizer"
@@ -180,9 +181,10 @@ def run_hf(
     if kind == "diffusers":
         shape, digest = diffusers_forward(model, seed, spec.dtype)
         return {"output_shape": list(shape), "output_sha256": digest}
-    raise ValueError(
+    raise ArgumentError(
         f"the launcher runs causal LMs and diffusers transformers, not {type(model).__name__} "
-        "(load it from Python with fsdp_fp8.load_model)"
+        "(load it from Python with fsdp_fp8.load_model)",
+        "launcher run",
     )
 
 
