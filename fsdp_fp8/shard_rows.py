@@ -14,17 +14,19 @@ replicas hold the same rows.
 
 from __future__ import annotations
 
+from fsdp_fp8.errors import ArgumentError
+
 
 def _check(shards: int, shard: int) -> None:
     if shards < 1 or not 0 <= shard < shards:
-        raise ValueError(f"shard {shard} is not one of {shards} shards")
+        raise ArgumentError(f"shard {shard} is not one of {shards} shards", "shard rows")
 
 
 def chunk_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` that ``shard`` owns, exactly as ``torch.chunk(t, shards)[shard]``."""
     _check(shards, shard)
     if rows < 0:
-        raise ValueError(f"rows must be >= 0, got {rows}")
+        raise ArgumentError(f"rows must be >= 0, got {rows}", "shard rows")
     per_shard = -(-rows // shards)
     return min(shard * per_shard, rows), min((shard + 1) * per_shard, rows)
 

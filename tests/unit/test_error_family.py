@@ -9,11 +9,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_fp8"
 BARE = {"ValueError", "TypeError"}
-# Modules whose raises are not converted yet, each with why:
-PENDING = {
-    # the bottom layer imports nothing of ours, errors included (tests/unit/test_layers.py)
-    "shard_rows.py",
-}
 
 
 def bare_raises(source: str, where: str) -> list[str]:
@@ -31,9 +26,7 @@ def bare_raises(source: str, where: str) -> list[str]:
 def test_no_check_in_the_package_raises_a_bare_value_or_type_error():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if relative not in PENDING:
-            found += bare_raises(path.read_text(), relative)
+        found += bare_raises(path.read_text(), path.relative_to(PACKAGE).as_posix())
     assert found == [], "\n".join(found)
 
 
@@ -41,14 +34,6 @@ def test_a_bare_raise_is_reported_and_the_familys_is_not():
     source = "def f(x):\n    if x:\n        raise ValueError('no')\n    raise TypeError\n"
     assert bare_raises(source, "m.py") == ["m.py:3 raises a bare ValueError", "m.py:4 raises a bare TypeError"]
     assert bare_raises("raise ArgumentError(['no'])\nraise RuntimeError('x')\n", "m.py") == []
-
-
-def test_every_pending_module_exists_and_still_has_a_bare_raise():
-    """A module converted leaves PENDING (the list only shrinks)."""
-    for relative in sorted(PENDING):
-        path = PACKAGE / relative
-        assert path.is_file(), relative
-        assert bare_raises(path.read_text(), relative), f"{relative} has no bare raise left: drop it from PENDING"
 
 
 def test_the_family_is_still_the_builtin_kind_callers_catch():
