@@ -6,7 +6,7 @@ The checks open only headers (PIL reads an image's size without decoding it), so
 decompression bomb is refused by its declared size before a pixel is decoded. No torch here.
 
 A video is an mp4 (or another container ffmpeg reads: diffusers' ``load_video`` through
-imageio, refused up front when imageio is missing), an animated GIF or PNG, or a directory of
+imageio and imageio-ffmpeg, the ``media`` extra; refused up front when either is missing), an animated GIF or PNG, or a directory of
 frames (PNG, JPEG or WebP files, in name order).
 """
 
@@ -91,18 +91,35 @@ def _frame_count(option: str, path: str) -> tuple[int | None, list[str]]:
         return (found[2], []) if found else (None, [problem])
     if suffix not in CONTAINER_SUFFIXES:
         return None, [f"{option} {path}: give an mp4, an animated GIF or PNG, or a directory of frames"]
+    return _container_frame_count(option, path, suffix)
+
+
+def _container_frame_count(option: str, path: str, suffix: str) -> tuple[int | None, list[str]]:
+    """An mp4's (or another container's) frame count, by the reader diffusers' ``load_video``
+    uses: ``imageio.get_reader``, after ``imageio.plugins.ffmpeg.get_exe()``, which needs
+    imageio-ffmpeg (its ffmpeg binary). Both are checked here, where a missing one is a refusal
+    before the load; in ``load_video`` it would be an error after it."""
     try:
         import imageio
-
-        with imageio.get_reader(path) as reader:
-            return reader.count_frames(), []
+        import imageio_ffmpeg  # noqa: F401 - load_video's get_exe() needs it
     except ImportError:
         return None, [
             f"{option} {path}: reading {suffix} needs imageio and imageio-ffmpeg (diffusers' load_video; "
-            "pip install imageio imageio-ffmpeg); or give a directory of frames or an animated PNG"
+            "pip install 'fsdp-fp8[media]', or pip install imageio imageio-ffmpeg); or give a directory of "
+            "frames or an animated PNG"
         ]
+    try:
+        with imageio.get_reader(path) as reader:
+            width, height = reader.get_meta_data().get("size") or (0, 0)
+            count = reader.count_frames()
     except Exception as exc:  # noqa: BLE001 - ffmpeg's own words on a file it cannot read
         return None, [f"{option} {path} cannot be read as a video: {exc}"]
+    if width * height > MAX_IMAGE_PIXELS:
+        return None, [
+            f"{option} {path}: its frames are {width} x {height} = {width * height:,} pixels; an input image is at "
+            f"most {MAX_IMAGE_PIXELS:,} pixels (8192 x 8192)"
+        ]
+    return count, []
 
 
 def video_problems(option: str, path: str) -> list[str]:

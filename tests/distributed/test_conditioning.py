@@ -1,11 +1,14 @@
 """Image- and video-to-video and sound from the launcher: ``--image``, ``--video``, ``--sound`` and
 JSON lines of ``--prompts``, each request's latent (and sound track) at 2 ranks (FSDP), CFG 2 and
 SP 2 equal to one rank's; the report names each request's mode; careless inputs refused before
-the load, one line, exit 2.
+the load, one line, exit 2. The same on a pipeline around a real ModelOpt export of a
+sound-capable transformer (tests/fixtures/modelopt-0.47-cosmos3-sound-transformer), where an mp4
+``--video`` also gives the latent of its frames as a directory.
 
-One spawn of 2 ranks runs the three layouts, each two launcher runs (every request without
-sound, then sound alone and image + sound); one of 4 ranks CFG 2 x SP 2 (both jobs) and HSDP
-2 x 2 with CFG pairs.
+One spawn of 2 ranks runs the three layouts, each two launcher runs on the demo (every request
+without sound, then sound alone and image + sound), one on the text-only fixture and two on the
+sound fixture (image and video; sound and image + sound); one of 4 ranks CFG 2 x SP 2 (the demo's
+and the sound fixture's jobs) and HSDP 2 x 2 with CFG pairs.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def inputs(tmp_path_factory) -> Path:
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     (root / "requests.jsonl").write_text(text + "\n")
     (root / "sound.jsonl").write_text('a red fox\n{"prompt": "a red fox", "image": "still.png"}\n')
+    _sound_fixture_inputs(root)
     return root
 
 
@@ -63,7 +67,9 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
     return json.loads(report.read_text()) if rank == 0 else None
 
 
-def _observe(rank: int, world: int, demo_root: str, fixture_root: str, inputs: str, reports: str) -> dict:
+def _observe(
+    rank: int, world: int, demo_root: str, fixture_root: str, inputs: str, reports: str, sound_root: str
+) -> dict:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
     sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
@@ -74,6 +80,7 @@ def _observe(rank: int, world: int, demo_root: str, fixture_root: str, inputs: s
             obs[f"{name} sound"] = _launch(demo_root, Path(reports, f"{name}-sound.json"), *sound, *extra, rank=rank)
             report = Path(reports, f"{name}-fixture.json")
             obs[f"{name} fixture"] = _launch(fixture_root, report, *prompts, *extra, rank=rank)
+            obs.update(_on_the_sound_fixture(sound_root, inputs, Path(reports, name), name, extra, rank))
     return obs
 
 
@@ -92,14 +99,15 @@ def fixture_root(tmp_path_factory, demo_root) -> str:
     return str(root)
 
 
-def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: str) -> dict:
+def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: str, sound_root: str) -> dict:
     """4 ranks: CFG 2 x SP 2 (one request on all four), and HSDP 2 x 2 with CFG pairs."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")))
     sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
     both = ("--cfg-parallel", "--sequence-parallel", "2")
     with mock.patch.dict(os.environ, env):
-        return {
+        fixture = _on_the_sound_fixture(sound_root, inputs, Path(reports, "4-cfg-sp"), "cfg sp", both, rank)
+        return fixture | {
             "cfg sp": _launch(demo_root, Path(reports, "4-cfg-sp.json"), *prompts, *both, rank=rank),
             "cfg sp sound": _launch(demo_root, Path(reports, "4-cfg-sp-sound.json"), *sound, *both, rank=rank),
             "hsdp cfg": _launch(
@@ -109,8 +117,9 @@ def _observe_four(rank: int, world: int, demo_root: str, inputs: str, reports: s
 
 
 @pytest.fixture(scope="module")
-def observed(demo_root, fixture_root, inputs, tmp_path_factory):
+def observed(demo_root, fixture_root, sound_fixture_root, inputs, tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
+    one_fixture_modes = _on_the_sound_fixture(sound_fixture_root, str(inputs), reports / "one", "one", ())
     one = _launch(str(demo_root), reports / "one.json", "--prompts", str(inputs / "requests.jsonl"))
     one_fixture = _launch(fixture_root, reports / "one-fixture.json", "--prompts", str(inputs / "requests.jsonl"))
     image = _launch(
@@ -119,9 +128,10 @@ def observed(demo_root, fixture_root, inputs, tmp_path_factory):
     mp4 = reports / "sound.mp4"
     sound = ("--sound", "--prompts", str(inputs / "sound.jsonl"), "--output", str(mp4))
     one_sound = _launch(str(demo_root), reports / "one-sound.json", *sound)
-    ranks = run_ranks(_observe, 2, str(demo_root), fixture_root, str(inputs), str(reports), timeout=900)
-    ranks[0].update(run_ranks(_observe_four, 4, str(demo_root), str(inputs), str(reports), timeout=900)[0])
-    return {
+    paths = (str(inputs), str(reports), sound_fixture_root)
+    ranks = run_ranks(_observe, 2, str(demo_root), fixture_root, *paths, timeout=900)
+    ranks[0].update(run_ranks(_observe_four, 4, str(demo_root), *paths, timeout=900)[0])
+    return one_fixture_modes | {
         "one": one,
         "one fixture": one_fixture,
         "image": image,
@@ -193,6 +203,112 @@ def test_the_conditioning_changes_the_latent_and_the_options_equal_a_json_line(o
     assert _digests(observed["image"]) == one[:1]  # --image and a JSON line's "image" alike
 
 
+# --- every mode on the sound-capable ModelOpt fixture ---------------------------------------
+
+SOUND_FIXTURE = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-cosmos3-sound-transformer"
+# Ulysses included: on this export "sp" and "cfg sp" give the one-rank latent bit for bit (unlike
+# the text-only fixture's, SP_FIXTURE above)
+FIXTURE_LAYOUTS = ["fsdp", "cfg", "sp", "cfg sp"]
+# mp4 input: diffusers' load_video reads it through imageio and imageio-ffmpeg (the media extra)
+MP4_READABLE = all(__import__("importlib").util.find_spec(m) for m in ("imageio", "imageio_ffmpeg"))
+
+
+def _write_mp4(path: Path, frames: list) -> None:
+    """Frames into an mp4 by a real encoder (PyAV's libx264rgb at qp 0: lossless, so the mp4's
+    frames are the pictures themselves)."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264rgb", rate=24, options={"qp": "0", "preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "rgb24"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        container.mux(stream.encode())
+
+
+def _sound_fixture_inputs(root: Path) -> None:
+    """clip.mp4: the frames of clip/ as an mp4; the sound fixture's requests: image, the clip as
+    a directory and (where imageio reads mp4s) as that mp4, both with one seed."""
+    _write_mp4(root / "clip.mp4", [_picture(10 + i) for i in range(5)])
+    lines = [
+        {"prompt": "a red fox", "image": "still.png"},
+        {"prompt": "a lighthouse", "video": "clip", "seed": 3},
+        *([{"prompt": "a lighthouse", "video": "clip.mp4", "seed": 3}] if MP4_READABLE else []),
+    ]
+    (root / "fixture-modes.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.fixture(scope="module")
+def sound_fixture_root(tmp_path_factory, demo_root) -> str:
+    """The sound-capable ModelOpt 0.47 export beside the demo's VAE and sound tokenizer."""
+    import shutil
+
+    from test_cfg_parallel import small_tokenizer
+    from test_cosmos3 import with_policy
+
+    root = tmp_path_factory.mktemp("sound-fixture") / "root"
+    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
+    with_policy(SOUND_FIXTURE, root / "transformer")
+    small_tokenizer().save_pretrained(root / "text_tokenizer")
+    return str(root)
+
+
+def _on_the_sound_fixture(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:
+    """Two launcher runs on the sound fixture: image, video (directory and mp4); sound, image + sound."""
+    modes = ("--prompts", str(Path(inputs, "fixture-modes.jsonl")))
+    sound = ("--sound", "--prompts", str(Path(inputs, "sound.jsonl")))
+    return {
+        f"{name} sound fixture": _launch(root, Path(f"{reports}-sound-fixture.json"), *modes, *extra, rank=rank),
+        f"{name} sound fixture sound": _launch(
+            root, Path(f"{reports}-sound-fixture-sound.json"), *sound, *extra, rank=rank
+        ),
+    }
+
+
+@pytest.mark.parametrize("layout", FIXTURE_LAYOUTS)
+def test_image_and_video_on_the_sound_fixture_give_the_one_rank_latent_on_every_layout(observed, layout):
+    one = observed["one sound fixture"]
+    assert [row["mode"] for row in one["outputs"][:2]] == ["image-to-video, 5 frames", "video-to-video, 5 frames"]
+    assert _digests(one)[0] != _digests(one)[1]
+    assert _digests(observed["ranks"][f"{layout} sound fixture"]) == _digests(one)
+
+
+@pytest.mark.parametrize("layout", FIXTURE_LAYOUTS)
+def test_sound_and_image_with_sound_on_the_sound_fixture_give_the_one_rank_latent_and_track(observed, layout):
+    one, ranks = observed["one sound fixture sound"], observed["ranks"][f"{layout} sound fixture sound"]
+    assert [row["mode"] for row in one["outputs"]] == [
+        "text-to-video, 5 frames, sound",
+        "image-to-video, 5 frames, sound",
+    ]
+    assert all(_sounds(one)) and len(set(_sounds(one))) == 2 and len(set(_digests(one))) == 2
+    assert _digests(ranks) == _digests(one) and _sounds(ranks) == _sounds(one)
+
+
+@pytest.mark.skipif(not MP4_READABLE, reason="imageio / imageio-ffmpeg not installed (the media extra)")
+def test_an_mp4_video_gives_the_latent_of_its_frames_as_a_directory(observed):
+    rows = observed["one sound fixture"]["outputs"]
+    assert rows[2]["mode"] == "video-to-video, 5 frames"
+    assert rows[2]["latent_sha256"] == rows[1]["latent_sha256"] != rows[0]["latent_sha256"]
+
+
+def test_the_sound_fixture_loads_its_audio_projection_as_fp8_outside_both_towers(capsys):
+    import torch
+
+    from fsdp_fp8 import load_model
+    from fsdp_fp8.cli import commands
+
+    loaded = load_model(None, SOUND_FIXTURE, device=torch.device("cpu"))
+    config = json.loads((SOUND_FIXTURE / "config.json").read_text())
+    assert config["sound_gen"] and "audio_proj_out" in config["quantization_config"]["ignore"]
+    # audio_proj_in embeds the sound latents, as proj_in the vision patches: neither tower's
+    assert "audio_proj_in" in loaded.fp8_linears and "audio_proj_out" not in loaded.fp8_linears
+    assert loaded.towers["audio_proj_in"] == loaded.towers["proj_in"] == "other"
+    towers = [loaded.towers[name] for name in loaded.fp8_linears]
+    assert towers.count("reasoner") == towers.count("generation") > 0
+    assert commands.main(["inspect", str(SOUND_FIXTURE), "--world-size", "2"]) == 0
+    assert "ignore list:     audio_proj_out, embed_tokens, lm_head, proj_out" in capsys.readouterr().out
+
+
 # --- refusals before the load --------------------------------------------------------------
 
 
@@ -239,10 +355,22 @@ def test_careless_videos_are_refused(tmp_path, capsys):
     assert "no such file or directory" in _refusal(capsys, "--video", str(tmp_path / "gone.mp4"))
 
 
-@pytest.mark.skipif(bool(__import__("importlib").util.find_spec("imageio")), reason="imageio is installed")
-def test_an_mp4_without_imageio_names_it(tmp_path, capsys):
-    (tmp_path / "clip.mp4").write_bytes(b"\0" * 16)
-    assert "needs imageio and imageio-ffmpeg" in _refusal(capsys, "--video", str(tmp_path / "clip.mp4"))
+@pytest.mark.parametrize("missing", ["imageio", "imageio_ffmpeg"])
+def test_an_mp4_without_imageio_or_its_ffmpeg_names_both_and_the_extra(inputs, capsys, missing):
+    import sys
+
+    with mock.patch.dict(sys.modules, {missing: None}):  # as on a machine without it: import fails
+        err = _refusal(capsys, "--video", str(inputs / "clip.mp4"))
+    assert "clip.mp4: reading .mp4 needs imageio and imageio-ffmpeg" in err and "fsdp-fp8[media]" in err
+
+
+@pytest.mark.skipif(not MP4_READABLE, reason="imageio / imageio-ffmpeg not installed (the media extra)")
+def test_an_mp4_whose_frames_are_over_the_pixel_bound_is_refused(inputs, capsys):
+    from fsdp_fp8.cli import media
+
+    with mock.patch.object(media, "MAX_IMAGE_PIXELS", 48 * 40 - 1):  # the clip's frames: 48 x 40
+        err = _refusal(capsys, "--video", str(inputs / "clip.mp4"))
+    assert "clip.mp4: its frames are 48 x 40 = 1,920 pixels; an input image is at most 1,919" in err
 
 
 def test_sound_is_refused_for_a_png_or_a_pipeline_without_a_sound_tokenizer(demo_root, tmp_path, capsys):
