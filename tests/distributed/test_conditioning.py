@@ -13,6 +13,7 @@ and the sound fixture's jobs) and HSDP 2 x 2 with CFG pairs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -210,7 +211,7 @@ SOUND_FIXTURE = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-cosmos3-
 # the text-only fixture's, SP_FIXTURE above)
 FIXTURE_LAYOUTS = ["fsdp", "cfg", "sp", "cfg sp"]
 # mp4 input: diffusers' load_video reads it through imageio and imageio-ffmpeg (the media extra)
-MP4_READABLE = all(__import__("importlib").util.find_spec(m) for m in ("imageio", "imageio_ffmpeg"))
+MP4_READABLE = all(importlib.util.find_spec(m) for m in ("imageio", "imageio_ffmpeg"))
 
 
 def _write_mp4(path: Path, frames: list) -> None:
