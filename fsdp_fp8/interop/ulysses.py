@@ -25,8 +25,11 @@ Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 1
 any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
 a rank's slice is therefore at least 16 rows (padded; ``runtime.parallel_layout.ulysses_rows``),
 and a pass shorter than that stays whole on the group's first rank. Attention per head is the same
-computation on the same rows (SDPA's kernel splits work over batch and heads). Norms and rotary
-embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
+computation on the same rows, as long as the kernel does each head's work the way it does in one
+rank's call of every head: torch's CPU SDPA splits a call into (batch, head, query block) items
+and runs each item's GEMMs on one thread when there are several, multi-threaded when the call is a
+single item, which rounds differently; a rank whose share is one head therefore sends it as a batch
+of two (``full_attention``). Norms and rotary embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
 projections of one pathway receive the same tensor object, as in diffusers' processor, so the
 shared FP8 quantization of one input still happens once (``fp8.shared_inputs``).
 
@@ -190,16 +193,28 @@ class UlyssesCosmos3AttnProcessor:
         q_gen, k_gen, v_gen = sp.to_heads(q_gen, k_gen, v_gen)
         all_k = torch.cat([sp.my_heads(k_und_for_gen), k_gen], dim=0)
         all_v = torch.cat([sp.my_heads(v_und), v_gen], dim=0)
-        full_out = dispatch_attention_fn(
-            q_gen.unsqueeze(0),
-            all_k.unsqueeze(0),
-            all_v.unsqueeze(0),
-            is_causal=False,
-            enable_gqa=True,
-            backend=self._attention_backend,
-        )
-        full_out = sp.to_rows(full_out.squeeze(0)).flatten(-2, -1)
+        full_out = full_attention(q_gen, all_k, all_v, self._attention_backend)
+        full_out = sp.to_rows(full_out).flatten(-2, -1)
         return attn.to_out(causal_out), attn.to_add_out(full_out)
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend=None) -> torch.Tensor:
+    """The generation pathway's attention over a rank's heads, (rows, heads, dim) each, as
+    ``Cosmos3AttnProcessor`` calls it (``dispatch_attention_fn``, not causal, grouped-query).
+
+    On CPU, torch's SDPA kernel splits its work into (batch, head, query block) items; with
+    several, each item's GEMMs run on one thread, but a call of a single item on several threads
+    runs its GEMMs multi-threaded, which rounds differently. One rank's call holds every head, so
+    several items; a rank holding one head would make one item of a short pass. It then sends that
+    head twice, as a batch of two, and keeps the first: the GEMMs of one rank's call, twice one
+    head's work (module docstring)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+    if q.device.type == "cpu" and q.shape[2] == 1 and torch.get_num_threads() > 1:
+        q, k, v = (t.expand(2, *t.shape[1:]) for t in (q, k, v))
+    out = dispatch_attention_fn(q, k, v, is_causal=False, enable_gqa=True, backend=backend)
+    return out[0]
 
 
 def _cosmos3():
