@@ -214,7 +214,7 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend=No
     if q.device.type == "cpu" and q.shape[2] == 1 and torch.get_num_threads() > 1:
         q, k, v = (t.expand(2, *t.shape[1:]) for t in (q, k, v))
     out = dispatch_attention_fn(q, k, v, is_causal=False, enable_gqa=True, backend=backend)
-    return out[0]
+    return out.select(0, 0)
 
 
 def _cosmos3():

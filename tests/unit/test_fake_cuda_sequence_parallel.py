@@ -12,6 +12,7 @@ import pytest
 import torch
 from fake_cuda import fake_cuda
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.interop.ulysses import Ulysses, UlyssesCosmos3AttnProcessor
@@ -100,3 +101,34 @@ def test_the_processor_hands_one_tensor_to_each_pathways_projections():
         with torch.no_grad():
             attn(und, local, rotary)
     assert len(set(seen["to_"])) == 1 and len(set(seen["add"])) == 1  # one input object per pathway
+
+
+class _Batches(TorchDispatchMode):
+    """The batch of every ``bmm`` (the attention's GEMMs on fake CUDA, which decomposes SDPA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.batches.add(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_one_head_share_runs_as_is_on_cuda():
+    """The batch of two is CPU's rule (tests/unit/test_ulysses_attention.py); on CUDA one head runs once."""
+    from fsdp_fp8.interop.ulysses import full_attention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # where CPU would double the head
+    try:
+        with fake_cuda(), torch.device("cuda"):
+            q = torch.empty(20, 1, HEAD_DIM, dtype=torch.bfloat16)
+            kv = torch.empty(27, 1, HEAD_DIM, dtype=torch.bfloat16)
+            with _Batches() as seen:
+                out = full_attention(q, kv, kv)
+            assert out.shape == (20, 1, HEAD_DIM) and out.device.type == "cuda"
+    finally:
+        torch.set_num_threads(before)
+    assert seen.batches == {1}
