@@ -133,31 +133,45 @@ def populate(buffers: list[memoryview]) -> None:
             _libc.madvise(lo, hi - lo, MADV_POPULATE_WRITE)  # advice: a refusal changes nothing
 
 
-def read_direct(fd: int, offset: int, buffers: list[memoryview], bounce: Bounce) -> int:
-    """Fill ``buffers`` in order from the bytes at ``offset`` of the O_DIRECT descriptor ``fd``,
-    through this thread's bounce buffer; returns the bytes delivered (fewer only where the file
-    ended). Counted in ``slice_reader.bytes_read`` like a buffered read (the alignment's extra
-    bytes are not tensor bytes)."""
-    wanted = sum(len(b) for b in buffers)
+def span(offset: int, nbytes: int) -> tuple[int, int]:
+    """(start, bytes) of the ``ALIGN``-widened span an O_DIRECT read of ``[offset, offset + nbytes)``
+    covers: the bytes land ``offset % ALIGN`` into an aligned buffer of at least that many bytes."""
     start = offset - offset % ALIGN
-    span = -(-(offset + wanted - start) // ALIGN) * ALIGN
-    assert span <= bounce.nbytes, (span, bounce.nbytes)  # internal: Bounce is sized from the requests
-    tensor, view = bounce.buffer()
+    return start, -(-(offset + nbytes - start) // ALIGN) * ALIGN
+
+
+def read_span(fd: int, offset: int, nbytes: int, area: memoryview) -> int:
+    """Read the widened span of ``[offset, offset + nbytes)`` from the O_DIRECT descriptor ``fd``
+    into ``area`` (``ALIGN``-aligned, at least ``span(offset, nbytes)[1]`` bytes), so the asked
+    bytes land at ``area[offset % ALIGN:]``; returns how many of them arrived (fewer only where
+    the file ended). Counted in ``slice_reader.bytes_read``."""
+    start, size = span(offset, nbytes)
+    assert size <= len(area), (size, len(area))  # internal: the caller sized the area from the requests
     got = 0
-    while got < span:
-        n = os.preadv(fd, [view[got:span]], start + got)
+    while got < size:
+        n = os.preadv(fd, [area[got:size]], start + got)
         if n == 0:
             break
         got += n
         if got % ALIGN:  # end of file: a direct read ends short only there
             break
-    have = max(0, min(wanted, got - (offset - start)))
-    at, src = 0, tensor.data_ptr() + (offset - start)
+    have = max(0, min(nbytes, got - (offset - start)))
+    slice_reader.count_bytes(have)
+    return have
+
+
+def read_direct(fd: int, offset: int, buffers: list[memoryview], bounce: Bounce) -> int:
+    """Fill ``buffers`` in order from the bytes at ``offset`` of the O_DIRECT descriptor ``fd``,
+    through this thread's bounce buffer; returns the bytes delivered (fewer only where the file
+    ended). Counted in ``slice_reader.bytes_read`` like a buffered read (the alignment's extra
+    bytes are not tensor bytes)."""
+    tensor, view = bounce.buffer()
+    have = read_span(fd, offset, sum(len(b) for b in buffers), view)
+    at, src = 0, tensor.data_ptr() + offset % ALIGN
     for b in buffers:
         n = min(len(b), have - at)
         if n <= 0:
             continue  # an empty piece, or past the end of the file
         ctypes.memmove(_address(b), src + at, n)  # (ctypes releases the GIL for the call)
         at += n
-    slice_reader.count_bytes(have)
     return have

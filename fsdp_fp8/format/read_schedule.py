@@ -10,7 +10,8 @@ bounded number of requests in flight.
       │ at most ``in_flight`` submitted and unfinished; a staged request waits for a free slot
       ▼
     ``threads`` workers: slice_reader.preadv_into on the shard's held descriptor (GIL released),
-      or, with ``direct``, direct_io.read_direct on its O_DIRECT twin through an aligned bounce buffer
+      or, with ``direct``, on its O_DIRECT twin: into the request's staging slot itself (aligned:
+      ``Stage.landing``), else through the worker's aligned bounce buffer (``direct_io.read_direct``)
 
 Why: a plan walks tensors in model order, which jumps between shards and offsets, and one
 synchronous read at a time leaves the storage queue (and, warm, the other cores) idle. Each
@@ -95,6 +96,8 @@ class Stage(Protocol):
 
     def bind(self, request: Request) -> list[memoryview]: ...  # a free slot, one view per piece
 
+    def landing(self, request: Request) -> memoryview: ...  # the bound slot, aligned: an O_DIRECT read's span
+
     def finish(self, request: Request, ok: bool) -> None: ...  # copy the slot out (if ok), free it
 
 
@@ -136,24 +139,33 @@ def schedule(pieces: Iterable[Piece], request_bytes: int = REQUEST_BYTES, staged
     return [Request(tuple(r)) for r in requests]
 
 
-def read_request(request: Request, buffers: list[memoryview], bounce: direct_io.Bounce | None = None) -> int:
-    """One request's ``preadv`` (in a worker); the bytes read. With ``bounce``, through the
-    file's O_DIRECT descriptor where it has one (``OpenFile.open_direct``)."""
+def read_request(
+    request: Request, buffers: list[memoryview], bounce: direct_io.Bounce | None = None, landing: memoryview | None = None
+) -> int:
+    """One request's ``preadv`` (in a worker); the bytes read. With ``bounce`` or ``landing``,
+    through the file's O_DIRECT descriptor where it has one (``OpenFile.open_direct``): straight
+    into ``landing`` (an aligned area ``buffers`` lie in, at the span's offset: a staging slot),
+    else through ``bounce``."""
     if request.handle is None:  # every entry read_header makes holds one; a hand-made one does not
         p = request.pieces[0]
         raise ArgumentError(
             f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint", "read schedule"
         )
     direct_io.populate(buffers)
-    fd = request.handle.direct_fileno() if bounce is not None else None
+    fd = request.handle.direct_fileno() if bounce is not None or landing is not None else None
+    if fd is not None and landing is not None:
+        return direct_io.read_span(fd, request.offset, request.nbytes, landing)
     if fd is not None:
         return direct_io.read_direct(fd, request.offset, buffers, bounce)
     return slice_reader.preadv_into(request.handle, request.offset, buffers)
 
 
-def _read_then_check(request: Request, buffers: list[memoryview], after_read, bounce=None) -> int:
+def _read_then_check(request: Request, buffers: list[memoryview], after_read, bounce=None, landing=None) -> int:
     """In a worker: the request's read, then ``after_read`` on its bytes if all arrived in place."""
-    got = read_request(request, buffers) if bounce is None else read_request(request, buffers, bounce=bounce)
+    if bounce is None and landing is None:
+        got = read_request(request, buffers)
+    else:
+        got = read_request(request, buffers, bounce=bounce, landing=landing)
     if after_read is not None and got == request.nbytes and not request.staged:
         after_read(request, buffers)
     return got
@@ -199,7 +211,8 @@ def run(
     ``bind`` and ``finish``. ``after_read(request, buffers)`` runs in the worker, right after a
     request read into place (not staged) arrived whole: a check of the bytes there overlaps
     the other workers' reads. ``direct``: files with an O_DIRECT descriptor are read through it,
-    one aligned bounce buffer per worker (``direct_io``). Returns (or raises) only after every
+    staged requests straight into their slot, the others through one aligned bounce buffer per
+    worker (``direct_io``). Returns (or raises) only after every
     submitted read has finished.
     (One loop on purpose, a little over 60 lines: submission, completion and the stage's slots
     share its state, and the ``finally`` that waits for every read must cover all of it.)
@@ -208,7 +221,8 @@ def run(
     pending = deque(requests)
     if any(r.staged for r in pending) and stage is None:
         raise ArgumentError("staged requests need a stage (host buffers to read into)", "read schedule")
-    bounce = direct_io.Bounce(max(r.nbytes for r in pending)) if direct and pending else None
+    in_place = [r.nbytes for r in pending if not r.staged]  # staged ones read into their slot
+    bounce = direct_io.Bounce(max(in_place)) if direct and in_place else None
     running: dict = {}
     problems: list[str] = []
     short: dict[str, list] = {}
@@ -221,11 +235,13 @@ def run(
                     if request.staged and not stage.ready():
                         break  # every slot is being read into: wait for one of those reads
                     pending.popleft()
+                    landing = None
                     if request.staged:
                         buffers = stage.bind(request)
+                        landing = stage.landing(request) if direct else None
                     else:
                         buffers = [p.dest[p.at : p.at + p.nbytes] for p in request.pieces]
-                    running[pool.submit(_read_then_check, request, buffers, after_read, bounce)] = request
+                    running[pool.submit(_read_then_check, request, buffers, after_read, bounce, landing)] = request
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -5,6 +5,12 @@ arithmetic, which the forecast uses too) and the ring itself (``StagingRing``).
     read (worker) ─▶ slot k (pinned) ─copy_(non_blocking) on a side stream─▶ device rows
                      event k recorded after the copy; slot k is reused only after event k
 
+With ``O_DIRECT`` the device writes straight into the slot, with no bounce buffer and no copy on
+the host: a slot starts ``ALIGN``-aligned and holds ``2 * ALIGN`` bytes more than its share of
+the budget, and a request's bytes are laid out from ``offset % ALIGN`` in it
+(``StagingRing.landing``: the aligned span the read covers). So a GPU load's host CPU per byte is
+the read's own (the pages of a slot are faulted in once, on its first use).
+
 Allocated once per load (``staging_ring``: ``ReadOptions.staging_bytes`` in all,
 ``STAGING_SLOTS`` slots), so host memory for an accelerator load is the ring, never a buffer
 per tensor; while one slot is copied to the device the next ones are being read. Slots are
@@ -20,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format import direct_io, slice_reader
 from fsdp_fp8.format.read_schedule import Request
 
 
@@ -46,8 +52,18 @@ def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> 
     return slot, min(slots, -(-staged_bytes // slot))
 
 
+def _aligned(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory starting ``ALIGN``-aligned, pinned if asked: a view into a
+    slightly larger allocation, since no allocator promises the alignment (a pinned block may
+    come from ``cudaHostAlloc``, page-aligned, or from ``malloc`` + ``cudaHostRegister``)."""
+    raw = torch.empty(nbytes + direct_io.ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    shift = -raw.data_ptr() % direct_io.ALIGN
+    return raw[shift : shift + nbytes]
+
+
 class StagingRing:
-    """``slots`` host buffers of ``slot_bytes`` each; the ``Stage`` of ``read_schedule.run``."""
+    """``slots`` host buffers of ``slot_bytes`` each (and the alignment's margin: ``landing``);
+    the ``Stage`` of ``read_schedule.run``."""
 
     def __init__(self, slot_bytes: int, slots: int, device: torch.device):
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
@@ -55,11 +71,11 @@ class StagingRing:
         # Pinning makes a CUDA context on the *current* device: made on the load's own device, a
         # ring built before set_device (or for another GPU) does not put a context on GPU 0.
         with torch.cuda.device(device) if self.cuda else nullcontext():
-            self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(slots)]
+            self.buffers = [_aligned(slot_bytes + 2 * direct_io.ALIGN, self.cuda) for _ in range(slots)]
         self.views = [slice_reader.writable(b) for b in self.buffers]
         self.events: list = [None] * slots
         self.free = deque(range(slots))
-        self.bound: dict[int, int] = {}  # id(request) -> slot
+        self.bound: dict[int, int] = {}  # id(request) -> slot (its bytes start at request.offset % ALIGN)
         self.copies = 0  # copies issued (the tests count reuse with it)
         self.stream = None
         if self.cuda:
@@ -81,16 +97,21 @@ class StagingRing:
             self.events[slot] = None
         assert request.nbytes <= self.slot_bytes, (request.nbytes, self.slot_bytes)
         self.bound[id(request)] = slot
-        views, at = [], 0
+        views, at = [], request.offset % direct_io.ALIGN
         for p in request.pieces:
             views.append(self.views[slot][at : at + p.nbytes])
             at += p.nbytes
         return views
 
+    def landing(self, request: Request) -> memoryview:
+        """The bound slot's aligned bytes: an O_DIRECT read of ``request``'s widened span
+        (``direct_io.read_span``) into it puts each piece where ``bind``'s views are."""
+        return self.views[self.bound[id(request)]]
+
     def finish(self, request: Request, ok: bool) -> None:
         slot = self.bound.pop(id(request))
         if ok:
-            buffer, at = self.buffers[slot], 0
+            buffer, at = self.buffers[slot], request.offset % direct_io.ALIGN
             with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
                 for p in request.pieces:
                     p.dest[p.at : p.at + p.nbytes].copy_(buffer[at : at + p.nbytes], non_blocking=self.cuda)

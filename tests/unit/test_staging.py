@@ -103,7 +103,8 @@ def test_accelerator_destination_is_staged_through_one_ring_within_the_budget(ch
 @pytest.mark.parametrize("direct", [False, True], ids=["page cache", "O_DIRECT"])
 def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeypatch, direct):
     """The ring's whole path (bind, read, copy out, reuse) with real destinations; with O_DIRECT
-    each slot is filled from the worker's bounce buffer (the path reads into an accelerator take)."""
+    the device writes each request's aligned span into its slot, no bounce buffer between (the
+    path reads into an accelerator take), and the copy out starts where the span put the bytes."""
     # 4 slots of 37 bytes: below every row (96-byte FP8, 192-byte BF16), so rows go in parts, and
     # not dividing them, so a slot also holds the end of one tensor and the start of the next.
     rings, calls = _spy_rings(monkeypatch), _spy_requests(monkeypatch)
@@ -111,8 +112,12 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
     if direct and (refused := direct_io.open_direct(list(plan.checkpoint.handles.values()))):
         pytest.skip(f"O_DIRECT refused here: {refused[0]}")
     options = ReadOptions(staging_bytes=150, direct=direct)
+    bounced = []
+    monkeypatch.setattr(direct_io, "read_direct", lambda *a: bounced.append(a))  # the bounce path: never taken
     reader._load_local(model, plan, options=options, stage_cpu=True)
+    assert not bounced  # with O_DIRECT the device wrote into the slots themselves
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
+    assert all(b.data_ptr() % direct_io.ALIGN == 0 for b in rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
     files = {}
     for path in sorted(checkpoint_dir.glob("*.safetensors")):
