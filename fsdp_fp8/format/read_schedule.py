@@ -140,7 +140,10 @@ def schedule(pieces: Iterable[Piece], request_bytes: int = REQUEST_BYTES, staged
 
 
 def read_request(
-    request: Request, buffers: list[memoryview], bounce: direct_io.Bounce | None = None, landing: memoryview | None = None
+    request: Request,
+    buffers: list[memoryview],
+    bounce: direct_io.Bounce | None = None,
+    landing: memoryview | None = None,
 ) -> int:
     """One request's ``preadv`` (in a worker); the bytes read. With ``bounce`` or ``landing``,
     through the file's O_DIRECT descriptor where it has one (``OpenFile.open_direct``): straight

@@ -10,11 +10,12 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "O_DIRECT into the slots"])
+def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypatch, direct):
     from safetensors.torch import load_file
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.format import staging
+    from fsdp_fp8.format import direct_io, staging
     from fsdp_fp8.format.checkpoint import open_checkpoint
     from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.interop.architectures import resolve_model_spec
@@ -30,12 +31,19 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
             rings.append(self)
 
     monkeypatch.setattr(reader, "StagingRing", Recorded)
-    options = ReadOptions(staging_bytes=256 << 10)  # 4 slots of 64 KiB: reused many times
+    probe = open_checkpoint(path)
+    refused = direct_io.open_direct(list(probe.handles.values()))
+    probe.close()
+    if direct and refused:
+        pytest.skip(f"O_DIRECT refused here: {refused[0]}")
+    options = ReadOptions(staging_bytes=256 << 10, direct=direct)  # 4 slots of 64 KiB: reused many times
     device = torch.device("cuda", 0)
     model_fn = resolve_model_spec(open_checkpoint(path).config).model_fn
     loaded = load_model(model_fn, path, device=device, read_options=options)
     (ring,) = rings
     assert ring.cuda and ring.stream is not None and all(b.is_pinned() for b in ring.buffers)
+    assert all(b.data_ptr() % direct_io.ALIGN == 0 for b in ring.buffers)  # O_DIRECT may write into them
+    assert loaded.report.reads.startswith("O_DIRECT" if direct else "page cache"), loaded.report.reads
     assert ring.nbytes <= 256 << 10 and ring.copies > 4 * len(ring.buffers)
     files = {}
     for f in sorted(path.glob("*.safetensors")):

@@ -76,6 +76,10 @@ def _spy_rings(monkeypatch) -> list[staging.StagingRing]:
     return rings
 
 
+def _address(view: memoryview) -> int:
+    return direct_io._address(view)
+
+
 def _entries(plan):
     return {**{t.entry.weight.key: t.entry.weight for t in plan.fp8}, **{t.entry.key: t.entry for t in plan.tensors}}
 
@@ -112,10 +116,13 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
     if direct and (refused := direct_io.open_direct(list(plan.checkpoint.handles.values()))):
         pytest.skip(f"O_DIRECT refused here: {refused[0]}")
     options = ReadOptions(staging_bytes=150, direct=direct)
-    bounced = []
+    bounced, spans, read_span = [], [], direct_io.read_span
     monkeypatch.setattr(direct_io, "read_direct", lambda *a: bounced.append(a))  # the bounce path: never taken
+    monkeypatch.setattr(direct_io, "read_span", lambda *a: spans.append(a[3]) or read_span(*a))
     reader._load_local(model, plan, options=options, stage_cpu=True)
-    assert not bounced  # with O_DIRECT the device wrote into the slots themselves
+    assert not bounced  # with O_DIRECT the device wrote into the slots themselves:
+    slots = {_address(v) for v in rings[0].views}
+    assert len(spans) == (len(calls) if direct else 0) and {_address(a) for a in spans} <= slots
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
     assert all(b.data_ptr() % direct_io.ALIGN == 0 for b in rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
