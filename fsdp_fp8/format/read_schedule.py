@@ -174,6 +174,15 @@ def _read_then_check(request: Request, buffers: list[memoryview], after_read, bo
     return got
 
 
+def _destinations(request: Request, stage: Stage | None, direct: bool) -> tuple[list[memoryview], memoryview | None]:
+    """(one buffer per piece, the aligned area an O_DIRECT read lands in or None): a staged
+    request's slot (bound now), else views of the pieces' own destinations."""
+    if not request.staged:
+        return [p.dest[p.at : p.at + p.nbytes] for p in request.pieces], None
+    buffers = stage.bind(request)
+    return buffers, stage.landing(request) if direct else None
+
+
 def _short(request: Request, got: int, short: dict[str, list]) -> None:
     """Fold a short read into ``short``: per key, over the pieces that came short (whatever
     order the reads finish in), [entry, bytes wanted, bytes got, first offset]."""
@@ -238,12 +247,7 @@ def run(
                     if request.staged and not stage.ready():
                         break  # every slot is being read into: wait for one of those reads
                     pending.popleft()
-                    landing = None
-                    if request.staged:
-                        buffers = stage.bind(request)
-                        landing = stage.landing(request) if direct else None
-                    else:
-                        buffers = [p.dest[p.at : p.at + p.nbytes] for p in request.pieces]
+                    buffers, landing = _destinations(request, stage, direct)
                     running[pool.submit(_read_then_check, request, buffers, after_read, bounce, landing)] = request
                 if not running:
                     break

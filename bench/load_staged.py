@@ -1,0 +1,99 @@
+"""The host side of a load into an accelerator, measured without one: every row of the checkpoint
+read through the staging ring (``fsdp_fp8.load.reader``) into a model left on the meta device, a
+stand-in accelerator (copying into meta checks shapes and moves nothing), so what is timed is
+the reads into the ring's slots and the Python around them: the host CPU a GPU load pays per byte.
+
+    python bench/load_staged.py [--dir DIR] [--size llama-3.4g] [--reps 3] [--direct auto|on|off]
+
+One process (world 1: it reads every byte of the checkpoint), the page cache evicted before each
+repetition (``/proc/sys/vm/drop_caches`` where writable, else ``POSIX_FADV_DONTNEED`` per file),
+the imports and the model's set-up outside the clock. Printed per repetition and as medians:
+wall seconds, GB/s, CPU seconds per GB (user and sys, every thread), minor faults, how it read,
+and the load average. Beside it, the same command of an older tree gives the before / after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load_floor  # noqa: E402
+import peer_checkpoints  # noqa: E402
+
+from fsdp_fp8.format import read_choice  # noqa: E402
+from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.format.read_options import ReadOptions  # noqa: E402
+from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
+from fsdp_fp8.load import reader  # noqa: E402
+from fsdp_fp8.load.meta_build import meta_init  # noqa: E402
+from fsdp_fp8.load.plan import plan_load  # noqa: E402
+from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
+
+
+def trial(directory: Path, direct: bool | None, evict: str) -> dict:
+    ckpt = open_checkpoint(directory)
+    try:
+        with meta_init():
+            model = resolve_model_spec(ckpt.config).model_fn(ckpt.config)
+        plan = plan_load(ckpt, model)
+        swap_fp8_linears(model, plan)
+        files = sorted(directory.glob("*.safetensors"))
+        evicted = load_floor.evict(files, evict)
+        handles = list(ckpt.handles.values())
+        ranges = [(h, 0, h.identity.size) for h in handles]
+        choice, problems = read_choice.choose_reads(ReadOptions(direct=direct), handles, ranges)
+        assert not problems, problems
+        ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        rows = reader._load_local(model, plan, options=choice.options)
+        seconds, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        ckpt.close()
+    gb = rows.bytes_read / 1e9
+    return {
+        "seconds": seconds,
+        "gb": gb,
+        "user_per_gb": (ru1.ru_utime - ru0.ru_utime) / gb,
+        "sys_per_gb": (ru1.ru_stime - ru0.ru_stime) / gb,
+        "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
+        "reads": choice.why,
+        "evicted": evicted,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", help="checkpoint cache (as bench/load_floor.py)")
+    p.add_argument("--size", default="llama-3.4g", choices=sorted(peer_checkpoints.SHAPES))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--direct", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--evict", choices=("auto", "drop_caches", "fadvise"), default="auto")
+    args = p.parse_args(argv)
+    directory = peer_checkpoints.llama_checkpoint(args.size, args.dir)
+    direct = {"auto": None, "on": True, "off": False}[args.direct]
+    runs = []
+    for rep in range(args.reps):
+        load = os.getloadavg()
+        r = trial(directory, direct, args.evict)
+        runs.append(r)
+        print(
+            f"rep {rep}: {r['seconds']:.2f} s, {r['gb'] / r['seconds']:.2f} GB/s, CPU/GB {r['user_per_gb']:.3f} user"
+            f" + {r['sys_per_gb']:.3f} sys, {r['minor_faults']:,} minor faults; {r['reads']}; evicted: {r['evicted']};"
+            f" load average {load[0]:.2f}",
+            flush=True,
+        )
+    med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "user_per_gb", "sys_per_gb", "minor_faults")}
+    print(
+        f"median of {len(runs)}: {med['seconds']:.2f} s, CPU/GB {med['user_per_gb']:.3f} user + {med['sys_per_gb']:.3f}"
+        f" sys = {med['user_per_gb'] + med['sys_per_gb']:.3f}, {med['minor_faults']:,.0f} minor faults"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
