@@ -46,7 +46,8 @@ def trial(directory: Path, direct: bool | None, evict: str) -> dict:
         files = sorted(directory.glob("*.safetensors"))
         evicted = load_floor.evict(files, evict)
         handles = list(ckpt.handles.values())
-        ranges = [(h, 0, h.identity.size) for h in handles]
+        entries = [t.entry.weight for t in plan.fp8] + [t.entry for t in plan.tensors]
+        ranges = sorted(((e.handle, e.begin, e.nbytes) for e in entries), key=lambda r: (r[0].name, r[1]))
         choice, problems = read_choice.choose_reads(ReadOptions(direct=direct), handles, ranges)
         assert not problems, problems
         ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
