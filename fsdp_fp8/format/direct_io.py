@@ -9,12 +9,13 @@ into our memory instead, so the reader's CPU goes to one ``memmove`` per byte (G
       │ widen to ALIGN: [offset rounded down, end rounded up)   (<= 2 * ALIGN extra bytes)
       ▼
     preadv(direct fd) into the worker's aligned bounce buffer (allocated once per worker)
-      │ memmove each piece's bytes to its destination (rows in place, or a staging slot)
+      │ memmove each piece's bytes to its rows (``read_direct``)
       ▼
     bytes delivered: fewer only where the file ended (a short read, refused as today)
 
-The destinations (a shard's rows at any byte offset) are never aligned with the file, so the
-device writes into a bounce buffer, not into them. ``ALIGN`` is 4096: above every logical block
+A shard's rows sit at any byte offset of storage the allocator chose, never aligned with the
+file, so the device writes into a bounce buffer, not into them. A staging slot is laid out by
+us: the span is read straight into it (``read_span``; ``staging.StagingRing.landing``). ``ALIGN`` is 4096: above every logical block
 size in use (512 or 4096), so one value works on every device. The descriptor is a second one on
 the validated open file (``OpenFile.open_direct``), never the path.
 """
