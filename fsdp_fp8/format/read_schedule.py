@@ -27,7 +27,10 @@ caller is about to free.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -38,6 +41,8 @@ from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format import direct_io, slice_reader
 from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
+
+log = logging.getLogger(__name__)
 
 # What ``schedule`` and ``run`` use when called without a load's resolved ``ReadOptions``
 # (``fsdp_fp8.format.read_choice`` starts from them too).
@@ -163,12 +168,37 @@ def read_request(
     return slice_reader.preadv_into(request.handle, request.offset, buffers)
 
 
-def _read_then_check(request: Request, buffers: list[memoryview], after_read, bounce=None, landing=None) -> int:
+class _Slots:
+    """Whether O_DIRECT reads may land in the staging slots. Pinned memory a direct read cannot
+    pin (``EFAULT`` / ``EINVAL`` where the aligned probe into ordinary memory passed: a driver's
+    mapping) turns it off for the rest of the run, with one warning; the request that met it and
+    every later one go through the bounce buffer instead."""
+
+    def __init__(self):
+        self.ok = True
+        self._lock = threading.Lock()
+
+    def refuse(self, exc: OSError) -> None:
+        with self._lock:
+            if self.ok:
+                log.warning("O_DIRECT into the staging slots refused (%s); reading through a bounce buffer", exc)
+            self.ok = False
+
+
+def _read_then_check(
+    request: Request, buffers: list[memoryview], after_read, bounce=None, landing=None, slots=None
+) -> int:
     """In a worker: the request's read, then ``after_read`` on its bytes if all arrived in place."""
     if bounce is None and landing is None:
         got = read_request(request, buffers)
     else:
-        got = read_request(request, buffers, bounce=bounce, landing=landing)
+        try:
+            got = read_request(request, buffers, bounce=bounce, landing=landing)
+        except OSError as exc:
+            if landing is None or slots is None or exc.errno not in (errno.EFAULT, errno.EINVAL):
+                raise
+            slots.refuse(exc)
+            got = read_request(request, buffers, bounce=bounce)
     if after_read is not None and got == request.nbytes and not request.staged:
         after_read(request, buffers)
     return got
@@ -224,8 +254,7 @@ def run(
     request read into place (not staged) arrived whole: a check of the bytes there overlaps
     the other workers' reads. ``direct``: files with an O_DIRECT descriptor are read through it,
     staged requests straight into their slot, the others through one aligned bounce buffer per
-    worker (``direct_io``). Returns (or raises) only after every
-    submitted read has finished.
+    worker (``direct_io``). Returns (or raises) only after every submitted read has finished.
     (One loop on purpose, a little over 60 lines: submission, completion and the stage's slots
     share its state, and the ``finally`` that waits for every read must cover all of it.)
     """
@@ -233,8 +262,8 @@ def run(
     pending = deque(requests)
     if any(r.staged for r in pending) and stage is None:
         raise ArgumentError("staged requests need a stage (host buffers to read into)", "read schedule")
-    in_place = [r.nbytes for r in pending if not r.staged]  # staged ones read into their slot
-    bounce = direct_io.Bounce(max(in_place)) if direct and in_place else None
+    # (staged requests land in their slot; their bounce is allocated only if a slot is refused)
+    bounce, slots = direct_io.Bounce(max(r.nbytes for r in pending)) if direct and pending else None, _Slots()
     running: dict = {}
     problems: list[str] = []
     short: dict[str, list] = {}
@@ -247,8 +276,10 @@ def run(
                     if request.staged and not stage.ready():
                         break  # every slot is being read into: wait for one of those reads
                     pending.popleft()
-                    buffers, landing = _destinations(request, stage, direct)
-                    running[pool.submit(_read_then_check, request, buffers, after_read, bounce, landing)] = request
+                    buffers, landing = _destinations(request, stage, direct and slots.ok)
+                    running[pool.submit(_read_then_check, request, buffers, after_read, bounce, landing, slots)] = (
+                        request
+                    )
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -9,7 +9,9 @@ With ``O_DIRECT`` the device writes straight into the slot, with no bounce buffe
 the host: a slot starts ``ALIGN``-aligned and holds ``2 * ALIGN`` bytes more than its share of
 the budget, and a request's bytes are laid out from ``offset % ALIGN`` in it
 (``StagingRing.landing``: the aligned span the read covers). So a GPU load's host CPU per byte is
-the read's own (the pages of a slot are faulted in once, on its first use).
+the read's own (the pages of a slot are faulted in once, on its first use). Pinned memory a
+direct read cannot pin (``EFAULT`` / ``EINVAL``) sends that load's reads through the bounce
+buffer instead, with one warning (``read_schedule``).
 
 Allocated once per load (``staging_ring``: ``ReadOptions.staging_bytes`` in all,
 ``STAGING_SLOTS`` slots), so host memory for an accelerator load is the ring, never a buffer

@@ -6,6 +6,8 @@ copying into meta checks shapes and moves nothing)."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
 
 import pytest
@@ -126,6 +128,34 @@ def test_the_ring_into_cpu_storage_loads_the_files_bytes(checkpoint_dir, monkeyp
     assert len(rings) == 1 and rings[0].nbytes <= 150 and rings[0].copies > 4 * len(rings[0].buffers)
     assert all(b.data_ptr() % direct_io.ALIGN == 0 for b in rings[0].buffers)
     assert any(len(r.pieces) > 1 for r in calls)
+    _assert_the_files_bytes(model, plan, checkpoint_dir)
+
+
+def test_slots_a_direct_read_cannot_pin_go_through_the_bounce_with_one_warning(checkpoint_dir, monkeypatch, caplog):
+    """Pinned memory the kernel refuses for a direct read (a driver's mapping: ``EFAULT``): the
+    request that met it and the rest of the load read through the bounce buffer, same bytes."""
+    rings = _spy_rings(monkeypatch)
+    model, plan = _swapped_model(checkpoint_dir, "cpu")
+    if refused := direct_io.open_direct(list(plan.checkpoint.handles.values())):
+        pytest.skip(f"O_DIRECT refused here: {refused[0]}")
+    read_span, refusals = direct_io.read_span, []
+
+    def refusing(fd, offset, nbytes, area):
+        if _address(area) in {_address(v) for v in rings[0].views}:
+            refusals.append(offset)
+            raise OSError(errno.EFAULT, "Bad address")
+        return read_span(fd, offset, nbytes, area)
+
+    monkeypatch.setattr(direct_io, "read_span", refusing)
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.format.read_schedule"):
+        reader._load_local(model, plan, options=ReadOptions(staging_bytes=150, direct=True), stage_cpu=True)
+    warned = [r for r in caplog.records if "staging slots refused" in r.getMessage()]
+    assert len(warned) == 1 and 1 <= len(refusals) <= len(rings[0].buffers)  # (reads in flight meet it too)
+    assert rings[0].copies > 4 * len(rings[0].buffers)
+    _assert_the_files_bytes(model, plan, checkpoint_dir)
+
+
+def _assert_the_files_bytes(model, plan, checkpoint_dir) -> None:
     files = {}
     for path in sorted(checkpoint_dir.glob("*.safetensors")):
         files.update(load_file(path))
