@@ -159,7 +159,8 @@ def read_request(
         raise ArgumentError(
             f"`{p.entry.key}` in {p.entry.file} has no open file; read it through open_checkpoint", "read schedule"
         )
-    direct_io.populate(buffers)
+    if not request.staged:  # (a slot's pages stay in after its first read: walking them again costs)
+        direct_io.populate(buffers)
     fd = request.handle.direct_fileno() if bounce is not None or landing is not None else None
     if fd is not None and landing is not None:
         return direct_io.read_span(fd, request.offset, request.nbytes, landing)
