@@ -109,14 +109,18 @@ def _observe(rank: int, world: int, demo_root: str, fixture_root: str, prompts_f
     return obs
 
 
+def pipeline_beside_the_demo(demo_root, root: Path, transformer: Path = FIXTURE) -> str:
+    """A pipeline at ``root``: ``transformer`` (a real ModelOpt export, given the step policy)
+    beside the demo's VAE and sound tokenizer, with the small text tokenizer above."""
+    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
+    with_policy(transformer, root / "transformer")
+    small_tokenizer().save_pretrained(root / "text_tokenizer")
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory, demo_root):
-    demo = demo_root
-    fixture = tmp_path_factory.mktemp("fixture") / "root"
-    shutil.copytree(demo, fixture, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(FIXTURE, fixture / "transformer")
-    small_tokenizer().save_pretrained(fixture / "text_tokenizer")
-    return str(demo), str(fixture)
+    return str(demo_root), pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("fixture") / "root")
 
 
 @pytest.fixture(scope="module")

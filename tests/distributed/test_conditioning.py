@@ -88,16 +88,9 @@ def _observe(
 @pytest.fixture(scope="module")
 def fixture_root(tmp_path_factory, demo_root) -> str:
     """The real ModelOpt 0.47 Cosmos 3 export beside the demo's VAE (test_cfg_parallel's pipeline)."""
-    import shutil
+    from test_cfg_parallel import pipeline_beside_the_demo
 
-    from test_cfg_parallel import small_tokenizer
-    from test_cosmos3 import FIXTURE, with_policy
-
-    root = tmp_path_factory.mktemp("fixture") / "root"
-    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(FIXTURE, root / "transformer")
-    small_tokenizer().save_pretrained(root / "text_tokenizer")
-    return str(root)
+    return pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("fixture") / "root")
 
 
 def _observe_four(
@@ -237,16 +230,9 @@ def _sound_fixture_inputs(root: Path) -> None:
 @pytest.fixture(scope="module")
 def sound_fixture_root(tmp_path_factory, demo_root) -> str:
     """The sound-capable ModelOpt 0.47 export beside the demo's VAE and sound tokenizer."""
-    import shutil
+    from test_cfg_parallel import pipeline_beside_the_demo
 
-    from test_cfg_parallel import small_tokenizer
-    from test_cosmos3 import with_policy
-
-    root = tmp_path_factory.mktemp("sound-fixture") / "root"
-    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(SOUND_FIXTURE, root / "transformer")
-    small_tokenizer().save_pretrained(root / "text_tokenizer")
-    return str(root)
+    return pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("sound-fixture") / "root", SOUND_FIXTURE)
 
 
 def _on_the_sound_fixture(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -83,14 +82,9 @@ def _reference(root: str, out: Path) -> bytes:
 
 def _fixture_root(demo_root, tmp_path):
     """The demo pipeline with the real ModelOpt fixture as its transformer (test_cfg_parallel's)."""
-    from test_cfg_parallel import small_tokenizer
-    from test_cosmos3 import FIXTURE, with_policy
+    from test_cfg_parallel import pipeline_beside_the_demo
 
-    root = tmp_path / "fixture-root"
-    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(FIXTURE, root / "transformer")
-    small_tokenizer().save_pretrained(root / "text_tokenizer")
-    return str(root)
+    return pipeline_beside_the_demo(demo_root, tmp_path / "fixture-root")
 
 
 @pytest.fixture(scope="module")
