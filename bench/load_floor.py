@@ -2,6 +2,7 @@
 
     python bench/load_floor.py [--dir DIR] [--reps 3] [--world 2] [--size llama-3.4g]
                                [--load fsdp_fp8,fsdp_fp8+buffered] [--evict auto|drop_caches|fadvise]
+                               [--host fresh-2,readinto-2] [--host-memory as-is|settled|kept]
 
 Builds (once, under ``--dir``) the Llama-shaped ModelOpt FP8 checkpoint (``bench/peer_checkpoints.py``:
 ``llama-3.4g`` is hidden 4096, MLP 14336, 14 layers, 3.58 GB in 16 files), then, every repetition,
@@ -16,8 +17,19 @@ in an order rotated each time, evicts the files from the page cache and times ea
              (``bench/peer_load.py``: ``+buffered``, ``+direct``, ``+noprefetch``, ...)
   dcp-1      DCP's ``HuggingFaceStorageReader(thread_count=1)`` into a ``fully_shard``-ed plain
              FP8 model at W ranks (``bench/peer_load.py``'s peer)
+  fresh-N    N processes faulting in fresh anonymous memory the size of their files, nothing read:
+             what any load into host memory pays besides the read
+  readinto-N N processes reading their files (buffered) into fresh anonymous memory held to the
+             end: the floor of a load into host memory
 
-The floor is the fastest raw method's median. Printed: each method's median wall seconds and CPU
+Host memory (``bench/host_memory.py``): on a VM whose balloon reports free pages to its host, a
+first touch of memory the host has taken back costs several times more, so which method comes
+right after an eviction matters. ``--host-memory as-is`` runs as the machine is (each trial says
+how many MiB the guest handed back from its eviction to its end); ``settled`` waits after each
+eviction until the guest stops handing memory back (a load on a VM left idle); ``kept`` (root)
+turns the reporting off for the run and first touches ``--warm-gb`` once (bare-metal-like).
+
+The floor is the fastest raw method's median (``cat``, ``dd``; the host floors are printed beside). Printed: each method's median wall seconds and CPU
 seconds per GB of the checkpoint (user and sys, every process and thread of the method), load /
 floor, load / DCP, load's CPU per GB over the fastest ``cat``'s, the load averages before and
 after, what the eviction did, the imports' seconds (a fresh interpreter's, apart), and how each
@@ -31,8 +43,10 @@ on each file; checked with ``RWF_NOWAIT`` reads of sampled pages either way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -41,10 +55,43 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import host_memory  # noqa: E402
 import peer_checkpoints  # noqa: E402
 import peer_load  # noqa: E402
 
 RAW = ("cat-1", "cat-2", "cat-4", "cat-8", "dd-direct-1", "dd-direct-4")
+# Not reads of the floor: what any load into host memory pays besides the read (``fresh-N``),
+# and a read into fresh host memory (``readinto-N``), its floor; see ``_python_trial``.
+HOST = ("fresh-2", "readinto-2")
+_HOST_METHOD = re.compile(r"(fresh|readinto)-[1-9][0-9]*")
+_CHILD = """
+import mmap, os, resource, sys, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+what, paths = sys.argv[1], sys.argv[2:]
+u0, s0 = cpu()
+t0 = time.time()
+areas = []
+for path in paths:
+    size = os.path.getsize(path)
+    area = mmap.mmap(-1, size)
+    areas.append(area)
+    if what == "fresh":
+        area.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        continue
+    fd, view, done = os.open(path, os.O_RDONLY), memoryview(area), 0
+    while done < size:
+        got = os.preadv(fd, [view[done:]], done)
+        if got <= 0:
+            raise SystemExit(f"{path}: short read at {done}")
+        done += got
+    view.release()
+    os.close(fd)
+t1 = time.time()
+u1, s1 = cpu()
+print(t0, t1, u1 - u0, s1 - s0)
+"""
 
 
 def evict(files: list[Path], how: str) -> str:
@@ -119,6 +166,26 @@ def raw_trial(method: str, files: list[Path]) -> dict:
     return out | ({"error": f"{failed[0]} failed"} if failed else {})
 
 
+def _python_trial(method: str, files: list[Path]) -> dict:
+    """``fresh-N``: N processes, each faulting in fresh anonymous memory the size of its files
+    (``MADV_POPULATE_WRITE``), nothing read; ``readinto-N``: each reading its files (buffered,
+    the kernel's readahead) into fresh anonymous memory, held until the end, as a load holds its
+    shards. Timed from the first process's start of work to the last one's end, interpreter
+    start and exit left out (as the load's imports and teardown are); CPU as each measured it."""
+    what, streams = method.rsplit("-", 1)
+    groups = [files[i :: int(streams)] for i in range(int(streams))]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CHILD, what, *map(str, g)], stdout=subprocess.PIPE, text=True)
+        for g in groups
+        if g
+    ]
+    outs = [p.communicate()[0].split() for p in procs]
+    if any(p.returncode for p in procs) or any(len(o) != 4 for o in outs):
+        return {"seconds": float("nan"), "cpu_user_s": 0.0, "cpu_sys_s": 0.0, "error": f"{method} failed: {outs}"}
+    starts, ends, users, syss = zip(*[[float(x) for x in o] for o in outs])
+    return {"seconds": max(ends) - min(starts), "cpu_user_s": sum(users), "cpu_sys_s": sum(syss)}
+
+
 def load_trial(ctx, method: str, world: int, directory: Path, row_bytes: list[int], timeout: float) -> dict:
     """One W-rank trial of ``method`` (``peer_load``): wall of the slowest rank, CPU summed over ranks."""
     ranks = peer_load.run_trial(ctx, method, world, directory, "evicted", {"row_bytes": row_bytes}, timeout)
@@ -164,16 +231,18 @@ def summarize(trials: dict[str, list[dict]], nbytes: int) -> dict[str, dict]:
 def report(rows: dict[str, dict], nbytes: int, head: str) -> str:
     lines = [
         head,
-        f"{'method':<22} {'median s':>9} {'GB/s':>6} {'user s/GB':>10} {'sys s/GB':>9} {'CPU s/GB':>9}  runs",
+        f"{'method':<22} {'median s':>9} {'GB/s':>6} {'user s/GB':>10} {'sys s/GB':>9} {'CPU s/GB':>9} "
+        f"{'to host MiB':>11}  runs",
     ]
     gb = nbytes / 1e9
     for m, r in rows.items():
         if "error" in r:
             lines.append(f"{m:<22} FAILED: {r['error'].strip().splitlines()[-1]}")
             continue
+        handed = f"{r['handed_back_mib']:>11.0f}" if "handed_back_mib" in r else f"{'-':>11}"
         lines.append(
             f"{m:<22} {r['seconds']:>9.2f} {gb / r['seconds']:>6.2f} {r['cpu_user_s'] / gb:>10.3f} "
-            f"{r['cpu_sys_s'] / gb:>9.3f} {r['cpu_s_per_gb']:>9.3f}  {r['runs']}"
+            f"{r['cpu_sys_s'] / gb:>9.3f} {r['cpu_s_per_gb']:>9.3f} {handed}  {r['runs']}"
         )
     raw = {m: r for m, r in rows.items() if m in RAW and "error" not in r}
     cats = {m: r for m, r in raw.items() if m.startswith("cat")}
@@ -191,12 +260,34 @@ def report(rows: dict[str, dict], nbytes: int, head: str) -> str:
             if cat:
                 said.append(f"CPU/GB over {cat}'s {r['cpu_s_per_gb'] / cats[cat]['cpu_s_per_gb']:.2f} (<= 1.2)")
             lines.append(f"{m}: " + "; ".join(said))
+            lines += _against_host_floor(m, r, rows)
             lines.append(
                 f"  {m}: reads {r['reads_s']:.2f} s ({r['reads_cpu_s']:.2f} CPU-s, slowest rank), set-up "
                 f"{r['setup_s']:.2f} s, minor faults {r['minor_faults']:,.0f}, NaN-code check "
                 f"{r['code_check_thread_s']:.2f} thread-s; reads: {r['reads']}"
             )
     return "\n".join(lines)
+
+
+def _against_host_floor(name: str, load: dict, rows: dict[str, dict]) -> list[str]:
+    """The load beside what any load into host memory pays: a read into fresh memory
+    (``readinto-N``) and the fresh memory alone (``fresh-N``)."""
+    into = {m: r for m, r in rows.items() if m.startswith("readinto") and "error" not in r}
+    fresh = {m: r for m, r in rows.items() if m.startswith("fresh") and "error" not in r}
+    said = []
+    if into:
+        best = min(into, key=lambda m: into[m]["seconds"])
+        said.append(
+            f"load/{best} {load['seconds'] / into[best]['seconds']:.2f} in time, "
+            f"{load['cpu_s_per_gb'] / into[best]['cpu_s_per_gb']:.2f} in CPU per GB"
+        )
+    if fresh:
+        least = min(fresh, key=lambda m: fresh[m]["cpu_s_per_gb"])
+        said.append(
+            f"fresh memory alone ({least}) {fresh[least]['cpu_s_per_gb']:.3f} CPU-s/GB, "
+            f"{fresh[least]['cpu_s_per_gb'] / load['cpu_s_per_gb']:.0%} of the load's"
+        )
+    return [f"  {name} against the host-memory floor: " + "; ".join(said)] if said else []
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -206,6 +297,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--raw", default=",".join(RAW), help=f"raw reads to time, of {', '.join(RAW)}")
+    p.add_argument("--host", default=",".join(HOST), help="host-memory floors: fresh-N, readinto-N ('' for none)")
+    p.add_argument(
+        "--host-memory",
+        choices=("as-is", "settled", "kept"),
+        default="as-is",
+        help="settled: each trial waits for the guest to stop handing memory back after the eviction; kept: free "
+        "page reporting off for the run, memory first touched once (root; restored after)",
+    )
+    p.add_argument("--warm-gb", type=float, default=12.0, help="with --host-memory kept: GB first touched before")
     p.add_argument("--load", default="fsdp_fp8", help="load methods (peer_load names, what-ifs included)")
     p.add_argument("--dcp", default="dcp-1", help="DCP methods ('' for none)")
     p.add_argument("--evict", choices=("auto", "drop_caches", "fadvise"), default="auto")
@@ -220,8 +320,10 @@ def main(argv=None) -> int:
     files = common.checkpoint_files(directory)
     nbytes = sum(f.stat().st_size for f in files)
     raw = [m for m in args.raw.split(",") if m and (not m.startswith("dd") or _direct_ok(files[0]))]
+    host = [m for m in args.host.split(",") if m]
     loads = [m for m in args.load.split(",") + args.dcp.split(",") if m]
-    unknown = [m for m in raw if m not in RAW] + [m for m in loads if not peer_load._known(m)]
+    unknown = [m for m in raw if m not in RAW] + [m for m in host if not _HOST_METHOD.fullmatch(m)]
+    unknown += [m for m in loads if not peer_load._known(m)]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}")
     ctx = mp.get_context("forkserver")
@@ -229,22 +331,24 @@ def main(argv=None) -> int:
     row_bytes = peer_load.rank_row_bytes(directory, args.world)
     imports = import_seconds()
     before = _load_average()
-    methods, trials, evictions = raw + loads, {m: [] for m in raw + loads}, set()
-    for rep in range(args.reps):
-        for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
-            evictions.add(evict(files, args.evict))
-            r = raw_trial(m, files) if m in RAW else load_trial(ctx, m, args.world, directory, row_bytes, args.timeout)
-            trials[m].append(r)
-            print(
-                f"rep {rep} {m}: {r['seconds']:.2f} s, CPU {r['cpu_user_s']:.2f} user + {r['cpu_sys_s']:.2f} sys"
-                + (f" error: {r['error'].strip().splitlines()[-1]}" if "error" in r else ""),
-                flush=True,
-            )
+    methods = raw + host + loads
+    memory = (
+        host_memory.kept(int(args.warm_gb * 1e9))
+        if args.host_memory == "kept"
+        else contextlib.nullcontext(
+            f"host memory: {args.host_memory} (free page reporting order {host_memory.reporting_order()}"
+            + ("; each trial after the guest stopped handing memory back)" if args.host_memory == "settled" else ")")
+        )
+    )
+    with memory as memory_state:
+        print(memory_state, flush=True)
+        trials, evictions = _trials(args, methods, files, ctx, directory, row_bytes)
     rows = summarize(trials, nbytes)
     head = (
         f"\n{directory}: {nbytes / 1e9:.2f} GB in {len(files)} files; W={args.world} gloo; {args.reps} interleaved "
         f"reps, medians; {os.cpu_count()} CPUs; load average {before} -> {_load_average()}; eviction: "
-        f"{', '.join(sorted(evictions))}; imports (fresh interpreter, not in any figure) {imports:.2f} s"
+        f"{', '.join(sorted(evictions))}; imports (fresh interpreter, not in any figure) {imports:.2f} s; "
+        f"{memory_state}"
     )
     print(report(rows, nbytes, head), flush=True)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -264,6 +368,36 @@ def main(argv=None) -> int:
         ],
     )
     return 1 if any("error" in r for r in rows.values()) else 0
+
+
+def _trials(args, methods, files, ctx, directory, row_bytes) -> tuple[dict[str, list[dict]], set[str]]:
+    """Every method ``args.reps`` times, the order rotated each repetition, the files evicted
+    before each trial; a trial also records the MiB the guest handed back to its host from the
+    eviction to its end (``host_memory``: memory its next first touch pays the host for)."""
+    trials, evictions = {m: [] for m in methods}, set()
+    for rep in range(args.reps):
+        for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
+            handed = host_memory.reported_mib()
+            evictions.add(evict(files, args.evict))
+            if args.host_memory == "settled":
+                host_memory.settle()
+                handed = host_memory.reported_mib()  # what the trial's own first touches free and hand back
+            if m in RAW:
+                r = raw_trial(m, files)
+            elif _HOST_METHOD.fullmatch(m):
+                r = _python_trial(m, files)
+            else:
+                r = load_trial(ctx, m, args.world, directory, row_bytes, args.timeout)
+            if handed is not None:
+                r["handed_back_mib"] = host_memory.reported_mib() - handed
+            trials[m].append(r)
+            print(
+                f"rep {rep} {m}: {r['seconds']:.2f} s, CPU {r['cpu_user_s']:.2f} user + {r['cpu_sys_s']:.2f} sys"
+                + (f", {r['handed_back_mib']:.0f} MiB handed back to the host" if handed is not None else "")
+                + (f" error: {r['error'].strip().splitlines()[-1]}" if "error" in r else ""),
+                flush=True,
+            )
+    return trials, evictions
 
 
 def _load_average() -> str:
