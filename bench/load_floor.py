@@ -20,16 +20,18 @@ in an order rotated each time, evicts the files from the page cache and times ea
   fresh-N    N processes faulting in fresh anonymous memory the size of their files, nothing read:
              what any load into host memory pays besides the read
   readinto-N N processes reading their files (buffered) into fresh anonymous memory held to the
-             end: the floor of a load into host memory
+             end: a reference for a load into host memory (not a floor: it pays page-cache pages too)
 
 Host memory (``bench/host_memory.py``): on a VM whose balloon reports free pages to its host, a
 first touch of memory the host has taken back costs several times more, so which method comes
-right after an eviction matters. ``--host-memory as-is`` runs as the machine is (each trial says
-how many MiB the guest handed back from its eviction to its end); ``settled`` waits after each
-eviction until the guest stops handing memory back (a load on a VM left idle); ``kept`` (root)
-turns the reporting off for the run and first touches ``--warm-gb`` once (bare-metal-like).
+right after an eviction matters. ``--host-memory as-is`` runs as the machine is; ``settled``
+waits after each eviction until the guest stops handing memory back (a load on a VM left idle);
+``kept`` (root) turns the reporting off for the run and first touches ``--warm-gb`` once
+(bare-metal-like). Each trial says how many MiB the guest handed back from its eviction (in
+``settled``: from the end of the wait) to its end.
 
-The floor is the fastest raw method's median (``cat``, ``dd``; the host floors are printed beside). Printed: each method's median wall seconds and CPU
+The floor is the fastest raw method's median (``cat``, ``dd``; the host-memory methods are
+printed beside it, never as it). Printed: each method's median wall seconds and CPU
 seconds per GB of the checkpoint (user and sys, every process and thread of the method), load /
 floor, load / DCP, load's CPU per GB over the fastest ``cat``'s, the load averages before and
 after, what the eviction did, the imports' seconds (a fresh interpreter's, apart), and how each
@@ -60,8 +62,8 @@ import peer_checkpoints  # noqa: E402
 import peer_load  # noqa: E402
 
 RAW = ("cat-1", "cat-2", "cat-4", "cat-8", "dd-direct-1", "dd-direct-4")
-# Not reads of the floor: what any load into host memory pays besides the read (``fresh-N``),
-# and a read into fresh host memory (``readinto-N``), its floor; see ``_python_trial``.
+# Beside the floor: what any load into host memory pays besides the read (``fresh-N``), and a
+# buffered read into fresh host memory (``readinto-N``, a reference: it pays page-cache pages too).
 HOST = ("fresh-2", "readinto-2")
 _HOST_METHOD = re.compile(r"(fresh|readinto)-[1-9][0-9]*")
 _CHILD = """
@@ -69,16 +71,16 @@ import mmap, os, resource, sys, time
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime, r.ru_stime
-what, paths = sys.argv[1], sys.argv[2:]
+what, MADV_POPULATE_WRITE, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 u0, s0 = cpu()
-t0 = time.time()
+t0 = time.monotonic()
 areas = []
 for path in paths:
     size = os.path.getsize(path)
     area = mmap.mmap(-1, size)
     areas.append(area)
     if what == "fresh":
-        area.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        area.madvise(MADV_POPULATE_WRITE)
         continue
     fd, view, done = os.open(path, os.O_RDONLY), memoryview(area), 0
     while done < size:
@@ -88,7 +90,7 @@ for path in paths:
         done += got
     view.release()
     os.close(fd)
-t1 = time.time()
+t1 = time.monotonic()
 u1, s1 = cpu()
 print(t0, t1, u1 - u0, s1 - s0)
 """
@@ -170,18 +172,26 @@ def _python_trial(method: str, files: list[Path]) -> dict:
     """``fresh-N``: N processes, each faulting in fresh anonymous memory the size of its files
     (``MADV_POPULATE_WRITE``), nothing read; ``readinto-N``: each reading its files (buffered,
     the kernel's readahead) into fresh anonymous memory, held until the end, as a load holds its
-    shards. Timed from the first process's start of work to the last one's end, interpreter
+    shards. Timed (``CLOCK_MONOTONIC``, one clock for every process) from the first process's
+    start of work to the last one's end, interpreter
     start and exit left out (as the load's imports and teardown are); CPU as each measured it."""
     what, streams = method.rsplit("-", 1)
     groups = [files[i :: int(streams)] for i in range(int(streams))]
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CHILD, what, *map(str, g)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, what, str(host_memory.MADV_POPULATE_WRITE), *map(str, g)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for g in groups
         if g
     ]
-    outs = [p.communicate()[0].split() for p in procs]
+    done = [p.communicate() for p in procs]
+    outs = [out.split() for out, _ in done]
     if any(p.returncode for p in procs) or any(len(o) != 4 for o in outs):
-        return {"seconds": float("nan"), "cpu_user_s": 0.0, "cpu_sys_s": 0.0, "error": f"{method} failed: {outs}"}
+        why = next((err.strip() for _, err in done if err.strip()), str(outs))
+        return {"seconds": float("nan"), "cpu_user_s": 0.0, "cpu_sys_s": 0.0, "error": f"{method} failed: {why}"}
     starts, ends, users, syss = zip(*[[float(x) for x in o] for o in outs])
     return {"seconds": max(ends) - min(starts), "cpu_user_s": sum(users), "cpu_sys_s": sum(syss)}
 
@@ -246,32 +256,37 @@ def report(rows: dict[str, dict], nbytes: int, head: str) -> str:
         )
     raw = {m: r for m, r in rows.items() if m in RAW and "error" not in r}
     cats = {m: r for m, r in raw.items() if m.startswith("cat")}
-    dcp = rows.get("dcp-1", {})
-    if raw:
-        floor = min(raw, key=lambda m: raw[m]["seconds"])
-        cat = min(cats, key=lambda m: cats[m]["seconds"]) if cats else None
+    floor = min(raw, key=lambda m: raw[m]["seconds"]) if raw else None
+    cat = min(cats, key=lambda m: cats[m]["seconds"]) if cats else None
+    if floor:
         lines.append(f"floor: {floor} {raw[floor]['seconds']:.2f} s; fastest cat: {cat}")
-        for m, r in rows.items():
-            if not m.startswith("fsdp_fp8") or "error" in r:
-                continue
-            said = [f"load/floor {r['seconds'] / raw[floor]['seconds']:.2f} (<= 1.15)"]
-            if "seconds" in dcp:
-                said.append(f"load/DCP {r['seconds'] / dcp['seconds']:.2f} (<= 0.8)")
-            if cat:
-                said.append(f"CPU/GB over {cat}'s {r['cpu_s_per_gb'] / cats[cat]['cpu_s_per_gb']:.2f} (<= 1.2)")
-            lines.append(f"{m}: " + "; ".join(said))
-            lines += _against_host_floor(m, r, rows)
-            lines.append(
-                f"  {m}: reads {r['reads_s']:.2f} s ({r['reads_cpu_s']:.2f} CPU-s, slowest rank), set-up "
-                f"{r['setup_s']:.2f} s, minor faults {r['minor_faults']:,.0f}, NaN-code check "
-                f"{r['code_check_thread_s']:.2f} thread-s; reads: {r['reads']}"
-            )
+    for m, r in rows.items():
+        if m.startswith("fsdp_fp8") and "error" not in r:
+            lines += _load_lines(m, r, rows, floor, cat)
     return "\n".join(lines)
 
 
-def _against_host_floor(name: str, load: dict, rows: dict[str, dict]) -> list[str]:
-    """The load beside what any load into host memory pays: a read into fresh memory
-    (``readinto-N``) and the fresh memory alone (``fresh-N``)."""
+def _load_lines(name: str, r: dict, rows: dict[str, dict], floor: str | None, cat: str | None) -> list[str]:
+    """One load's ratios to the floor, DCP and ``cat`` (those that ran), beside the host-memory
+    references, and where its time went."""
+    said = [f"load/floor {r['seconds'] / rows[floor]['seconds']:.3f} (<= 1.15)"] if floor else []
+    if "seconds" in rows.get("dcp-1", {}):
+        said.append(f"load/DCP {r['seconds'] / rows['dcp-1']['seconds']:.3f} (<= 0.8)")
+    if cat:
+        said.append(f"CPU/GB over {cat}'s {r['cpu_s_per_gb'] / rows[cat]['cpu_s_per_gb']:.3f} (<= 1.2)")
+    lines = [f"{name}: " + "; ".join(said)] if said else []
+    lines += _beside_host_memory(name, r, rows)
+    lines.append(
+        f"  {name}: reads {r['reads_s']:.2f} s ({r['reads_cpu_s']:.2f} CPU-s, slowest rank), set-up "
+        f"{r['setup_s']:.2f} s (slowest rank; the medians may be of different trials), minor faults "
+        f"{r['minor_faults']:,.0f}, NaN-code check {r['code_check_thread_s']:.2f} thread-s; reads: {r['reads']}"
+    )
+    return lines
+
+
+def _beside_host_memory(name: str, load: dict, rows: dict[str, dict]) -> list[str]:
+    """The load beside what any load into host memory pays (the fresh memory alone, ``fresh-N``)
+    and a buffered read into fresh memory (``readinto-N``)."""
     into = {m: r for m, r in rows.items() if m.startswith("readinto") and "error" not in r}
     fresh = {m: r for m, r in rows.items() if m.startswith("fresh") and "error" not in r}
     said = []
@@ -287,7 +302,7 @@ def _against_host_floor(name: str, load: dict, rows: dict[str, dict]) -> list[st
             f"fresh memory alone ({least}) {fresh[least]['cpu_s_per_gb']:.3f} CPU-s/GB, "
             f"{fresh[least]['cpu_s_per_gb'] / load['cpu_s_per_gb']:.0%} of the load's"
         )
-    return [f"  {name} against the host-memory floor: " + "; ".join(said)] if said else []
+    return [f"  {name} beside host memory: " + "; ".join(said)] if said else []
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -320,6 +335,8 @@ def main(argv=None) -> int:
     files = common.checkpoint_files(directory)
     nbytes = sum(f.stat().st_size for f in files)
     raw = [m for m in args.raw.split(",") if m and (not m.startswith("dd") or _direct_ok(files[0]))]
+    if args.host_memory == "settled" and host_memory.reported_mib() is None:
+        raise SystemExit("--host-memory settled: this kernel does not count what it hands back (no reported_kib)")
     host = [m for m in args.host.split(",") if m]
     loads = [m for m in args.load.split(",") + args.dcp.split(",") if m]
     unknown = [m for m in raw if m not in RAW] + [m for m in host if not _HOST_METHOD.fullmatch(m)]
