@@ -129,6 +129,7 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: R
             "sharding: every tensor Shard(0) (rows split like torch.chunk), 0-d scales replicated",
             "staging ring: host buffers that reads into an accelerator go through, budget "
             + bytes_and_mib(options.staging_bytes),
+            _bounce_words(ckpt, options, most),
             "prefetch: page-cache hints during the set-up, " + _prefetch_words(options.prefetch_bytes, prefetch, most),
         ],
         indent="  ",
@@ -145,6 +146,19 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: R
         )
 
     return [f"{world_words(world_size, replicas)}:", *lines, *per_shard_lines(groups, line)]
+
+
+def _bounce_words(ckpt: Checkpoint, options: ReadOptions, most: int) -> str:
+    """The O_DIRECT bounce buffers a load into host memory holds at most per rank (``most``: the
+    most a rank reads); a load into an accelerator reads into its staging ring instead."""
+    from fsdp_fp8.format.read_choice import bounce_forecast
+
+    buffers, each = bounce_forecast(options, list(ckpt.handles.values()), most)
+    return (
+        f"O_DIRECT bounce: a load into host memory that reads past the page cache holds at most {buffers} x "
+        f"{bytes_and_mib(each)} = {bytes_and_mib(buffers * each)} per rank (reader threads x the largest "
+        "request, at most what a rank reads; the device the files are on picks both unless ReadOptions fixes them)"
+    )
 
 
 def _prefetch_words(budget: int, capped: int, most: int) -> str:

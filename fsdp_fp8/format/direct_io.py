@@ -93,11 +93,17 @@ _libc = _c_library()
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+def bounce_bytes(request_bytes: int) -> int:
+    """One bounce buffer's bytes for requests of up to ``request_bytes``: a request's span,
+    widened to ``ALIGN`` at both ends."""
+    return -(-request_bytes // ALIGN) * ALIGN + ALIGN
+
+
 class Bounce:
-    """One aligned buffer of ``nbytes`` per reader thread, allocated on its first request."""
+    """One aligned buffer of ``bounce_bytes(nbytes)`` per reader thread, allocated on its first request."""
 
     def __init__(self, nbytes: int):
-        self.nbytes = -(-nbytes // ALIGN) * ALIGN + ALIGN  # a request's span, widened at both ends
+        self.nbytes = bounce_bytes(nbytes)
         self._local = threading.local()
 
     def buffer(self) -> tuple[torch.Tensor, memoryview]:

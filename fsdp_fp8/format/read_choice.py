@@ -104,13 +104,9 @@ def _direct(options: ReadOptions, handles: list[OpenFile], ranges, queue: BlockQ
     return True, "O_DIRECT" + (" (direct=True)" if options.direct else ""), []
 
 
-def choose_reads(
-    options: ReadOptions, handles: list[OpenFile], ranges: list[tuple[OpenFile, int, int]]
-) -> tuple[ReadChoice, list[str]]:
-    """This rank's reads of ``handles`` (the files it reads; ``ranges``: its (handle, offset,
-    bytes)), resolved from ``options``; and the problems (a forced O_DIRECT refused), one line each."""
-    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
-    direct, why, problems = _direct(options, handles, ranges, queue)
+def read_sizes(options: ReadOptions, queue: BlockQueue) -> tuple[int, int, list[str]]:
+    """(reader threads, largest request, what the device said that they came from): the values
+    ``options`` fixes, the rest from ``queue``."""
     threads, request = options.threads, options.request_bytes
     said = []
     if threads is None:
@@ -120,6 +116,26 @@ def choose_reads(
         request = DEFAULT_REQUEST if queue.max_transfer is None else 2 * queue.max_transfer
         request = min(max(request, MIN_REQUEST), MAX_REQUEST)
         said.append(f"max transfer {queue.max_transfer >> 10} KiB" if queue.max_transfer else "")
+    return threads, request, said
+
+
+def bounce_forecast(options: ReadOptions, handles: list[OpenFile], rank_bytes: int) -> tuple[int, int]:
+    """(buffers, bytes each): the most an O_DIRECT load into host memory holds in bounce buffers
+    (one per reader thread, sized for the largest request: never above the ``rank_bytes`` the
+    rank reads), for files on ``handles``' device."""
+    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
+    threads, request, _ = read_sizes(options, queue)
+    return threads, direct_io.bounce_bytes(min(request, max(rank_bytes, 1)))
+
+
+def choose_reads(
+    options: ReadOptions, handles: list[OpenFile], ranges: list[tuple[OpenFile, int, int]]
+) -> tuple[ReadChoice, list[str]]:
+    """This rank's reads of ``handles`` (the files it reads; ``ranges``: its (handle, offset,
+    bytes)), resolved from ``options``; and the problems (a forced O_DIRECT refused), one line each."""
+    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
+    direct, why, problems = _direct(options, handles, ranges, queue)
+    threads, request, said = read_sizes(options, queue)
     resolved = dataclasses.replace(options, direct=direct, threads=threads, request_bytes=request)
     device = ", ".join(s for s in said if s)
     line = f"{why}, {threads} threads, {request >> 10} KiB requests" + (f" (device: {device})" if device else "")

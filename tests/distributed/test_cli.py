@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,10 @@ def test_verify_and_inspect_wording(checkpoints, capsys):
     assert "k/v scale" not in out and "1 files" not in out
     assert all(len(line) <= 100 for line in out.splitlines() if ": reads " not in line), out
     assert "staging ring: host buffers" in out and "prefetch: page-cache hints" in out
+    bounce = re.search(r"O_DIRECT bounce: .* holds at most (\d+) x\s+([\d,]+)\s+bytes .*= ([\d,]+) bytes", out, re.S)
+    assert bounce, out
+    count, each, total = (int(g.replace(",", "")) for g in bounce.groups())
+    assert count * each == total and each % 4096 == 0 and 8192 <= each, bounce.group(0)
 
 
 # --- inspect: configs it divides by, a world size it can list, a user's words ------------------

@@ -85,6 +85,32 @@ def test_o_direct_and_the_page_cache_load_the_same_bytes_and_the_report_says_whi
         assert torch.equal(direct_bytes[key], value), key
 
 
+def test_an_o_direct_load_holds_at_most_the_bounce_buffers_inspect_forecasts(tmp_path, monkeypatch):
+    """Into host memory, each reader thread's bounce buffer is sized for the largest request;
+    ``read_choice.bounce_forecast`` (``inspect --world-size``'s line) is the most they add up to."""
+    d = write_uneven_checkpoint(tmp_path / "ckpt")
+    made: list[int] = []
+    real = direct_io.Bounce.buffer
+
+    def buffer(self):
+        if getattr(self._local, "buffer", None) is None:
+            made.append(self.nbytes)  # this thread's first request: its buffer is allocated now
+        return real(self)
+
+    monkeypatch.setattr(direct_io.Bounce, "buffer", buffer)
+    options = {"direct": True, "threads": 2, "request_bytes": 64}  # tensors of 112-192 bytes: split at 64
+    try:
+        loaded, _ = _load(d, **options)
+    except CheckpointError as exc:
+        pytest.skip(f"O_DIRECT refused here: {exc}")
+    with open_checkpoint(d) as ckpt:
+        buffers, each = read_choice.bounce_forecast(
+            ReadOptions(**options), list(ckpt.handles.values()), loaded.report.bytes_read
+        )
+    assert (buffers, each) == (2, direct_io.ALIGN * 2)  # 64 bytes widened to a page, and a page to spare
+    assert 1 <= len(made) <= buffers and set(made) == {each}, made
+
+
 def _local_or_skip(ckpt) -> None:
     if not read_choice.BlockQueue.of(next(iter(ckpt.handles.values()))).local:
         pytest.skip("the test files are not on a local block device")
