@@ -35,10 +35,11 @@ from fsdp_fp8.format.handles import OpenFile
 ALIGN = 4096
 
 
-def aligned(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of uint8 host memory whose first byte is ``ALIGN``-aligned (a view into a
-    slightly larger allocation)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+def aligned(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+    """``nbytes`` of uint8 host memory whose first byte is ``ALIGN``-aligned, pinned if asked (a
+    view into a slightly larger allocation: no allocator promises the alignment, and a pinned
+    block may come from ``cudaHostAlloc``, page-aligned, or from ``malloc`` + ``cudaHostRegister``)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     shift = -raw.data_ptr() % ALIGN
     return raw[shift : shift + nbytes]
 

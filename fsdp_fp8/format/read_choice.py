@@ -55,6 +55,11 @@ class BlockQueue:
                 return cls(spinning, sectors_kb and sectors_kb << 10)
         return cls(None, None, local=False)
 
+    @classmethod
+    def of_files(cls, handles: list[OpenFile]) -> BlockQueue:
+        """The queue of the device the first of ``handles`` is on (nothing known without one)."""
+        return cls.of(handles[0]) if handles else cls(None, None)
+
 
 def _read_int(path: Path) -> int | None:
     try:
@@ -123,8 +128,7 @@ def bounce_forecast(options: ReadOptions, handles: list[OpenFile], rank_bytes: i
     """(buffers, bytes each): the most an O_DIRECT load into host memory holds in bounce buffers
     (one per reader thread, sized for the largest request: never above the ``rank_bytes`` the
     rank reads), for files on ``handles``' device."""
-    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
-    threads, request, _ = read_sizes(options, queue)
+    threads, request, _ = read_sizes(options, BlockQueue.of_files(handles))
     return threads, direct_io.bounce_bytes(min(request, max(rank_bytes, 1)))
 
 
@@ -133,7 +137,7 @@ def choose_reads(
 ) -> tuple[ReadChoice, list[str]]:
     """This rank's reads of ``handles`` (the files it reads; ``ranges``: its (handle, offset,
     bytes)), resolved from ``options``; and the problems (a forced O_DIRECT refused), one line each."""
-    queue = BlockQueue.of(handles[0]) if handles else BlockQueue(None, None)
+    queue = BlockQueue.of_files(handles)
     direct, why, problems = _direct(options, handles, ranges, queue)
     threads, request, said = read_sizes(options, queue)
     resolved = dataclasses.replace(options, direct=direct, threads=threads, request_bytes=request)

@@ -54,15 +54,6 @@ def staging_ring(staged_bytes: int, budget: int, slots: int = STAGING_SLOTS) -> 
     return slot, min(slots, -(-staged_bytes // slot))
 
 
-def _aligned(nbytes: int, pinned: bool) -> torch.Tensor:
-    """``nbytes`` of host memory starting ``ALIGN``-aligned, pinned if asked: a view into a
-    slightly larger allocation, since no allocator promises the alignment (a pinned block may
-    come from ``cudaHostAlloc``, page-aligned, or from ``malloc`` + ``cudaHostRegister``)."""
-    raw = torch.empty(nbytes + direct_io.ALIGN, dtype=torch.uint8, pin_memory=pinned)
-    shift = -raw.data_ptr() % direct_io.ALIGN
-    return raw[shift : shift + nbytes]
-
-
 class StagingRing:
     """``slots`` host buffers of ``slot_bytes`` each (and the alignment's margin: ``landing``);
     the ``Stage`` of ``read_schedule.run``."""
@@ -73,7 +64,7 @@ class StagingRing:
         # Pinning makes a CUDA context on the *current* device: made on the load's own device, a
         # ring built before set_device (or for another GPU) does not put a context on GPU 0.
         with torch.cuda.device(device) if self.cuda else nullcontext():
-            self.buffers = [_aligned(slot_bytes + 2 * direct_io.ALIGN, self.cuda) for _ in range(slots)]
+            self.buffers = [direct_io.aligned(slot_bytes + 2 * direct_io.ALIGN, self.cuda) for _ in range(slots)]
         self.views = [slice_reader.writable(b) for b in self.buffers]
         self.events: list = [None] * slots
         self.free = deque(range(slots))
