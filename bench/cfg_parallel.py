@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=17)
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
-    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.generation.demo import demo_checkpoint
 
     args.root = str(demo_checkpoint())
     ctx = mp.get_context("spawn")

@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
-from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
 from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
 from fsdp_fp8.load.options import local_cuda_index  # noqa: E402
 from fsdp_fp8.runtime.collectives import AllGatherMeter  # noqa: E402
+from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
 
 
 def parse_args(argv=None):

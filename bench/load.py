@@ -42,8 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
+from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
 
 METHODS = ("a", "b", "c", "d", "p", "n", "h")
 CUDA_METHODS = "ancdh"

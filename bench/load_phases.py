@@ -21,7 +21,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.format import slice_reader  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
@@ -30,6 +29,7 @@ from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
 from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
 from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
+from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
 
 
 def main() -> int:

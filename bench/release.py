@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from fsdp_fp8 import load_model  # noqa: E402
-from fsdp_fp8.cli.shutdown import shutdown_distributed  # noqa: E402
 from fsdp_fp8.load import release  # noqa: E402
+from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
 
 MODES = ("drop", "close", "close-no-trim")
 

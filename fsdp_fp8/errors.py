@@ -101,6 +101,13 @@ class LoadFailedError(ProblemsError, RuntimeError):
     default_context = "checkpoint load failed"
 
 
+class GenerationError(ProblemsError, RuntimeError):
+    """Requests of a run failed; every rank of the world raises it alike (the engine's meetings
+    carried each failure to every rank)."""
+
+    default_context = "generation failed"
+
+
 class PeerLostError(RuntimeError):
     """A collective failed: a peer died, dropped out, or did not arrive within the timeout
     (the load's agreements: their own, on a gloo side group; see ``fsdp_fp8.collective``).

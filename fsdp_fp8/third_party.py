@@ -8,7 +8,7 @@ text; nothing else those loggers say is touched. Two users:
   removed after it, so ``import fsdp_fp8`` and a ``load_model`` call print none of them, while
   the user's own logging set-up (handlers, levels, ``warnings`` filters) is never changed;
 - the launcher and the CLI (an application, which may) quiet every entry for the whole process
-  (``fsdp_fp8.cli.noise``). docs/usage.md lists them.
+  (``fsdp_fp8.cli.quiet``). docs/usage.md lists them.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def demo_root(tmp_path_factory):
     import os
 
     pytest.importorskip("diffusers")
-    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.generation.demo import demo_checkpoint
 
     base = tmp_path_factory.getbasetemp()
     return demo_checkpoint((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared-demo-cache")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_fp8.cli.shutdown import shutdown_distributed
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 
 def main() -> None:

@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_fp8.cli import interrupts, noise
+from fsdp_fp8.cli import interrupts, quiet
 from fsdp_fp8.cli.arguments import RankZeroParser
-from fsdp_fp8.cli.inputs import checkpoint_problems
 from fsdp_fp8.cli.inspection import (
     MAX_WORLD_SIZE,
     bytes_and_mib,
@@ -32,6 +31,7 @@ from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.read_options import ALL_ROWS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
+from fsdp_fp8.generation.inputs import checkpoint_problems
 
 if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint
@@ -177,10 +177,10 @@ def _run(argv: list[str], prog: str) -> int:
 
         return launch_ranks(args.nproc_per_node, _without_nproc(argv))
     interrupts.install()
-    noise.quiet_third_party()
+    quiet.quiet_third_party()
     try:  # torch's import takes seconds: torchrun may stop this rank meanwhile (a peer failed)
         from fsdp_fp8.cli.runner import execute
-        from fsdp_fp8.cli.shutdown import shutdown_distributed
+        from fsdp_fp8.runtime.shutdown import shutdown_distributed
     except interrupts.Interrupted as stop:  # no process group yet: one line, no traceback
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {stop}", file=sys.stderr, flush=True)
@@ -233,9 +233,9 @@ def _save(args) -> int:
     import torch.distributed as dist
 
     from fsdp_fp8.cli.runner import init_distributed
-    from fsdp_fp8.cli.shutdown import shutdown_distributed
     from fsdp_fp8.collective import rank_and_world
     from fsdp_fp8.compose.model import load_model
+    from fsdp_fp8.runtime.shutdown import shutdown_distributed
     from fsdp_fp8.save.destination import check_destination
     from fsdp_fp8.save.save_checkpoint import save_checkpoint
 
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
                 f"--replicas {args.replicas} does not divide --world-size {args.world_size}: HSDP needs every "
                 "replica group to have the same number of ranks"
             )
-    noise.quiet_third_party()
+    quiet.quiet_third_party()
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "save":

@@ -2,7 +2,7 @@
 
 Three steps, each in its own module: parse (``fsdp_fp8.cli.arguments``: every option checked
 before torch loads), run (here: init the process group, load, run the kind of model the
-checkpoint holds; the pipeline run is ``fsdp_fp8.cli.generate``), print
+checkpoint holds; a pipeline runs on the library's engine, ``fsdp_fp8.generation``), print
 (``fsdp_fp8.cli.reports``: one dataclass per kind of run, with its own lines).
 """
 
@@ -20,10 +20,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fp8.cli import interrupts
-from fsdp_fp8.cli.arguments import parse_run_args
-from fsdp_fp8.cli.generate import is_pipeline_root, run_pipeline
-from fsdp_fp8.cli.options import unused_options
-from fsdp_fp8.cli.outputs import write_report
+from fsdp_fp8.cli.arguments import job_of, parse_run_args
+from fsdp_fp8.cli.outputs import check_output, write_report
 from fsdp_fp8.cli.platform import platform_info
 from fsdp_fp8.cli.reports import (
     CausalLMReport,
@@ -34,13 +32,19 @@ from fsdp_fp8.cli.reports import (
     Quantized,
     RankRow,
     Report,
+    plural,
 )
-from fsdp_fp8.cli.request import GenerationRequest, Job, RunSettings, job_of
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.model import load_model
-from fsdp_fp8.errors import ArgumentError, ProblemsError
+from fsdp_fp8.compose.pipeline import pipeline_name
+from fsdp_fp8.errors import ArgumentError, GenerationError, ProblemsError
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace
+from fsdp_fp8.generation.checks import unused_options
+from fsdp_fp8.generation.engine import LogObserver, tasks_of
+from fsdp_fp8.generation.loading import checkpoint_of, is_pipeline_root, load_engine
+from fsdp_fp8.generation.results import FAILED
+from fsdp_fp8.generation.values import GenerationRequest, Job, RunSettings
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.load.options import LoadOptions
 from fsdp_fp8.load.preflight import start_process_group
@@ -105,25 +109,11 @@ def _job(settings: RunSettings, path, device: torch.device, loaded, load_s: floa
     )
 
 
-def checkpoint_path(job: Job) -> tuple[object, Job]:
-    """``--checkpoint``, else the embedded demo (built once, then cached) with the job's unset
-    sizes taken from the demo's."""
-    if job.settings.checkpoint:
-        return job.settings.checkpoint, job
-    from fsdp_fp8.cli.demo import DEMO_CONDITIONED_FRAMES, DEMO_SIZE, demo_checkpoint
-
-    if rank_and_world()[0] == 0:
-        log.info("using the embedded demo checkpoint (built once, then cached)")
-    sizes = dict(DEMO_SIZE)
-    if job.request.image or job.request.video or job.request.sound:  # a video: the demo's shortest
-        sizes["num_frames"] = DEMO_CONDITIONED_FRAMES
-    return demo_checkpoint(), dataclasses.replace(job, request=job.request.with_default_sizes(sizes))
-
-
 def run(job: Job) -> Report:
     """Load the checkpoint and run what it holds: a pipeline, a transformers / diffusers model, or
     the reference MoT; the returned report is the same on every rank (rank 0 prints it)."""
-    path, job = checkpoint_path(job)
+    path, request = checkpoint_of(job.settings, job.request)
+    job = dataclasses.replace(job, request=request)
     settings = job.settings
     if settings.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
@@ -133,13 +123,55 @@ def run(job: Job) -> Report:
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(job, "pipeline", "a diffusers pipeline")
         with watch_peers(stall_s=stall_s_for(settings.timeout), what="during the pipeline's load or generation"):
-            fields, loaded = run_pipeline(job, path, options, mesh)
-        common = _job(settings, path, options.device, loaded, fields.pop("load_seconds"))
-        return _warn_no_fp8(PipelineReport(**common, **fields), path)
+            return _warn_no_fp8(_run_pipeline(job, path, options, mesh), path)
     if job.request.prompts or job.request.output:
         raise ArgumentError(f"--prompts / --output run a diffusers pipeline; {path} has no model_index.json")
     with watch_peers(stall_s=stall_s_for(settings.timeout), what="during the model's load or run"):
         return _run_model(job, path, options, t0)
+
+
+def _run_pipeline(job: Job, path, options: LoadOptions, mesh) -> PipelineReport:
+    """A diffusers pipeline root: loaded once, every prompt run by the library's engine."""
+    request, settings = job.request, job.settings
+    tasks = tasks_of(request)
+    check_output(request.output, sound=request.sound)
+    if request.frames == 1 and any(t.prompt.image or t.prompt.video for t in tasks):
+        raise ArgumentError("a request conditioned on an image or a video makes a video; pass --frames 5 or more")
+    rank, world = rank_and_world()
+    t0 = time.perf_counter()
+    engine = load_engine(path, settings, step_policy=request.step_policy, mesh=mesh, options=options, given=job.given)
+    load_s = time.perf_counter() - t0
+    if rank == 0:
+        log.info(
+            "loaded %s: %s; %s over %s, %s each",
+            pipeline_name(engine.pipe),
+            plural(len(engine.loaded.fp8_linears), "FP8 linear"),
+            plural(len(tasks), "prompt"),
+            plural(world, "rank"),
+            plural(request.steps, "step"),
+        )
+    t1 = time.perf_counter()
+    results = engine.generate(tasks, LogObserver(engine.routing))
+    sample_s = time.perf_counter() - t1
+    failed = [r for r in results if r.status == FAILED]
+    if failed:  # every rank has the same results: one agreed error
+        raise GenerationError([f"prompt {r.index}: {r.error}" for r in failed])
+    first = results[0]
+    return PipelineReport(
+        **_job(settings, path, options.device, engine.loaded, load_s),
+        pipeline=pipeline_name(engine.pipe),
+        steps=request.steps,
+        cfg_parallel=engine.layout.cfg_parallel,
+        parallelism=engine.layout.describe(),
+        sample_seconds=round(sample_s, 3),
+        residency=engine.residency.as_dict(),
+        step_policy="checkpoint" if engine.routing.policy is not None else "none",
+        precision_trace=first.precision_trace,
+        latent_shape=first.latent_shape,
+        latent_sha256=first.latent_sha256,
+        outputs=results,
+        mode=" + ".join(sorted({r.mode for r in results})),
+    )
 
 
 def _run_model(job: Job, path, options: LoadOptions, t0: float) -> Report:

@@ -7,7 +7,8 @@
     -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
     -> the pipeline's from_pretrained    every other component, by diffusers, from local files only
     -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
-       (mesh["cfg"]), Ulysses group (mesh["ulysses"]), the scheduler that marks each request
+       (mesh["cfg"]), Ulysses group (mesh["ulysses"]); the pipeline's request gate
+       (interop.request_agreement): each call one request, its ranks meeting at its first forward
 
 Every component but the transformer is loaded by diffusers itself, from local files only
 (``local_files_only=True``, ``trust_remote_code=False``): nothing is downloaded and no code from
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.collective import distributed, rank_and_world
 from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.errors import ArgumentError, LayoutError
@@ -43,8 +44,8 @@ from fsdp_fp8.interop.diffusers_pipeline import (
     pipeline_class,
     read_model_index,
 )
-from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state, scheduler_problems
-from fsdp_fp8.interop.request_agreement import attach_request_agreement, library_class, request_teams
+from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -57,6 +58,8 @@ from fsdp_fp8.third_party import quiet_imports, quiet_warnings
 # A pipeline's transformer's LoadedModel, kept by ``load_pipeline``; read by ``loaded_of``
 # (docs/design.md, "State kept on other libraries' objects").
 LOADED: Attachment[LoadedModel] = Attachment("the LoadedModel of a pipeline's transformer")
+# The layout a pipeline was loaded for and its mesh (None in one process); read by ``work_of``.
+WORK: Attachment[tuple[ParallelLayout, ParallelMesh | None]] = Attachment("the layout and mesh of a pipeline")
 
 
 def load_pipeline(
@@ -141,21 +144,21 @@ def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
 
 
 def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) -> None:
-    """The transformer's per-forward state (step routing, the scheduler that marks each request,
-    the CFG pair on ``mesh["cfg"]``, the Ulysses group on ``mesh["ulysses"]``) and, when a request
-    spans several ranks, their agreement on it before each call's first forward."""
-    state = PipelineState(routing, scheduler=getattr(pipe, "scheduler", None))
-    if state.scheduler is not None and (problems := scheduler_problems(state.scheduler)):
-        raise ArgumentError(problems, "the pipeline's scheduler")
+    """The transformer's per-forward state (step routing, the CFG pair on ``mesh["cfg"]``, the
+    Ulysses group on ``mesh["ulysses"]``) and the pipeline's request gate: each call one request,
+    its ranks meeting before its first forward (compared when a request spans several ranks)."""
+    team = layout.cfg * layout.ulysses
+    teams = request_teams(layout.world, team, timeout_s) if distributed() else None
+    gate = RequestGate(teams, compares=team > 1)
+    state = PipelineState(routing, gate=gate)
     if layout.ulysses > 1:
         state.ulysses = Ulysses.of(mesh)
         install_ulysses(pipe.transformer, state.ulysses)
     if layout.cfg_parallel:
         state.cfg = CfgPair.of(mesh)
     attach_pipeline_state(pipe.transformer, state)
-    team = layout.cfg * layout.ulysses
-    if team > 1:
-        attach_request_agreement(pipe, request_teams(layout.world, team, timeout_s))
+    attach_request_gate(pipe, gate)
+    WORK.set(pipe, (layout, mesh if isinstance(mesh, ParallelMesh) else None))
 
 
 def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
@@ -218,6 +221,15 @@ def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: b
 def pipeline_name(pipe) -> str:
     """The name of the pipeline's diffusers class (under fsdp_fp8's subclass, when it has one)."""
     return library_class(pipe).__name__
+
+
+def work_of(pipe) -> tuple[ParallelLayout, ParallelMesh | None]:
+    """The layout ``pipe`` (from ``load_pipeline``) was loaded for, and its mesh (None without a
+    process group, or when the caller gave a plain ``DeviceMesh`` for the weights)."""
+    work = WORK.get(pipe)
+    if work is None:
+        raise ArgumentError(f"this {type(pipe).__name__} was not loaded by fsdp_fp8.load_pipeline")
+    return work
 
 
 def loaded_of(pipe) -> LoadedModel:

@@ -10,18 +10,20 @@ transformer's ``PipelineState`` (kept in ``PIPELINE_STATE``, weakly, by the tran
 - ``cache_context``: the generation tower at the step's precision (``runtime.precision``) for
   the pass, W8A8 again on exit; the trace records each step once; under CFG-parallel the pair
   learns which pass runs (``interop.cfg_parallel``).
-- ``__call__``: with a step policy installed, a forward outside a step is refused (before
-  FSDP's own pre-forward hook gathers anything); under CFG-parallel the pair decides whether to
-  run the model or hand back the partner's prediction.
+- ``__call__``: the first forward of a request first meets the request's peers
+  (``interop.request_agreement``: its gate); with a step policy installed, a forward outside a
+  step is refused (before FSDP's own pre-forward hook gathers anything); under CFG-parallel the
+  pair decides whether to run the model or hand back the partner's prediction.
 - ``_cp_shard_fn`` / ``_cp_gather_fn`` (the seams ``Cosmos3OmniTransformer.forward`` offers
   around its decoder stack): under Ulysses the state's Ulysses group splits and re-joins the
   generation tokens (``interop.ulysses``); otherwise they return their inputs.
 
 The precision is a pure function of ``(i, n)``, so both guidance passes of one step, and every
-rank, agree. A step begins at a new ``(i, n)`` or when the pipeline's scheduler was set to new
-timesteps (``set_timesteps``, once per request: the next request at the same ``(i, n)``, as two
-one-step requests are); ``scheduler_problems`` states what that relies on. Nothing is set on the instance: the class is swapped once, at load, and the state
-is the one value every per-forward behaviour reads.
+rank, agree. A step begins at a new ``(i, n)`` or with a new request: the pipeline's own
+``__call__`` opens each request on the gate (its serial), so the next request at the same
+``(i, n)`` (two one-step requests) is a new step whatever scheduler the pipeline holds. Nothing
+is set on the instance: the class is swapped once, at load, and the state is the one value every
+per-forward behaviour reads.
 """
 
 from __future__ import annotations
@@ -33,21 +35,22 @@ from torch import nn
 
 from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.interop.cfg_parallel import CfgPair
+from fsdp_fp8.interop.request_agreement import RequestGate
 from fsdp_fp8.runtime.precision import PrecisionRouting, set_step_precision
 
 
 @dataclass
 class PipelineState:
     """What a pipeline transformer's forwards read: the step routing, the optional CFG pair, the
-    optional Ulysses group (an object with ``shard`` and ``gather``) and the pipeline's scheduler
-    (its ``timesteps``, new per request, tell the next request from the step running)."""
+    optional Ulysses group (an object with ``shard`` and ``gather``) and the pipeline's request
+    gate (its serial tells the next request from the step running; its ranks meet at the first
+    forward)."""
 
     routing: PrecisionRouting
     cfg: CfgPair | None = None
     ulysses: object | None = None
-    scheduler: object | None = None
-    step: tuple[int, int] | None = None  # (i, n) of the step running
-    timesteps: object | None = None  # the scheduler's timesteps of the request running (held: never reused)
+    gate: RequestGate | None = None
+    step: tuple[int, int, int] | None = None  # (request serial, i, n) of the step running
 
     @contextlib.contextmanager
     def pass_context(self, inner, name: str, kwargs: dict):
@@ -63,10 +66,10 @@ class PipelineState:
             with inner(name, **kwargs), self._naming(name, step):
                 yield
             return
-        timesteps = getattr(self.scheduler, "timesteps", None)
-        new_step = (step, steps) != self.step or timesteps is not self.timesteps
+        serial = self.gate.serial if self.gate is not None else 0
+        new_step = (serial, step, steps) != self.step
         if new_step:
-            self.step, self.timesteps = (step, steps), timesteps
+            self.step = (serial, step, steps)
         with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
             with self._naming(name, step):
                 yield
@@ -83,8 +86,10 @@ class PipelineState:
             self.cfg.current = None
 
     def call(self, run, args: tuple, kwargs: dict):
-        """One ``transformer(...)`` call: refused outside a step under a policy; else the CFG
-        pair's decision, or ``run`` itself."""
+        """One ``transformer(...)`` call: a request's first meets its peers; refused outside a step
+        under a policy; else the CFG pair's decision, or ``run`` itself."""
+        if self.gate is not None and not self.gate.met:
+            self.gate.meet()
         if self.routing.policy is not None and self.routing.active == 0:
             raise RuntimeError(
                 "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
@@ -147,23 +152,3 @@ def attach_pipeline_state(model: nn.Module, state: PipelineState) -> None:
     """Give ``model`` (a loaded pipeline transformer) its state and its one subclass of ours."""
     PIPELINE_STATE.set(model, state)
     model.__class__ = pipelined_class(type(model))
-
-
-def scheduler_problems(scheduler) -> list[str]:
-    """What in ``scheduler`` (a copy is set twice; the pipeline's own is not touched) differs from
-    what the step boundary relies on: ``set_timesteps`` gives a new ``timesteps`` object each time."""
-    import copy
-
-    trial = copy.deepcopy(scheduler)
-    try:
-        trial.set_timesteps(2)
-        first = trial.timesteps
-        trial.set_timesteps(2)
-    except Exception as exc:  # a scheduler whose set_timesteps wants more: name it
-        return [f"{type(scheduler).__name__}.set_timesteps(2) failed ({exc})"]
-    if trial.timesteps is first:
-        return [
-            f"{type(scheduler).__name__}.set_timesteps keeps its `timesteps` object: fsdp_fp8 could not tell "
-            "a new request from the step running"
-        ]
-    return []

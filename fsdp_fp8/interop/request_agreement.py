@@ -1,24 +1,28 @@
-"""One request, agreed: the ranks that share a request (a CFG pair, a sequence group, or both)
-compare its fingerprint before its first forward.
+"""One request, agreed: every call of a pipeline ``load_pipeline`` returned is one request, and
+its ranks meet once before its first transformer forward.
 
-Under CFG-parallel or Ulysses the ranks of one request each call the pipeline and are trusted to
-pass it the same request. A rank given another prompt, seed, size or step count does not fail by
-itself: the two latents blend silently, or one rank runs a step its partner does not and the next
-collective hangs or aborts on a size mismatch (gloo's "Received data size doesn't match"). So the
-pipeline ``load_pipeline`` returns under such a layout is of one subclass of ours
-(``Agreeing<Class>``, made once per class, as ``fully_shard`` makes ``FSDP<Class>``) whose
-``__call__`` first fingerprints the call and exchanges the fingerprints over the gloo agreement
-group (``fsdp_fp8.collective.exchange``):
+The pipeline ``load_pipeline`` returns is of one subclass of ours (``Agreeing<Class>``, made once
+per class, as ``fully_shard`` makes ``FSDP<Class>``) whose ``__call__`` opens a request on the
+pipeline's ``RequestGate``: a new serial (what tells the transformer's per-forward state that a
+new request begins: ``interop.forward_state``; a scheduler swapped between calls changes
+nothing) and, under CFG-parallel or Ulysses, the call's fingerprint. The ranks then meet at the
+request's first transformer forward, before FSDP gathers anything, in one exchange over the gloo
+agreement group (``fsdp_fp8.collective.exchange``):
 
-- every argument of the pipeline's ``__call__``, defaults applied, is one field; each field is a
-  16-byte BLAKE2b digest of its value (text, numbers, tensors' and images' bytes, a generator's
-  state: its seed) and a short form for messages (``SHOWN`` bytes), so every rank sends the same
-  number of bytes, before any collective whose size depends on the request;
-- the arguments that only say what this rank hands back (``LOCAL``: the output type, the step
-  callback) are not compared: a CFG pair's second rank asks for latents only;
-- a difference in any request is one ``RequestMismatchError`` on every rank of the world (each
-  rank sees every fingerprint), naming each field that differs and the ranks on each side, raised
-  before any step runs: no rank goes on into a collective its peers never reach.
+- under CFG-parallel or Ulysses the ranks of one request are trusted to pass it the same request.
+  A rank given another prompt, seed, size or step count does not fail by itself: the latents blend
+  silently, or one rank runs a step its partner does not and a collective hangs. So every argument
+  of the pipeline's ``__call__``, defaults applied, is one field of a fingerprint: a 16-byte BLAKE2b
+  digest of its value (text, numbers, tensors' and images' bytes, a generator's state) and a short
+  form for messages (``SHOWN`` bytes). The arguments that only say what this rank hands back
+  (``LOCAL``: the output type, the step callback) are not compared. A difference is one
+  ``RequestMismatchError`` on every rank of the world, naming each field and the ranks on each side;
+- a rank whose call failed before its first forward (a bad input, an error in the pipeline's own
+  preparation) meets the others with its error instead: every rank raises one
+  ``RequestAbortedError`` naming it, and nobody goes on into a collective its peers never reach.
+
+Everything before the first forward (checking inputs, encoding conditioning, drawing noise) is each
+rank's own: the meeting is the first thing the ranks of a request do together.
 """
 
 from __future__ import annotations
@@ -157,49 +161,107 @@ def mismatch_problems(names: list[str], prints: list[bytes], teams: RequestTeams
     return problems
 
 
-def agree_on_request(teams: RequestTeams, fields: dict) -> None:
-    """Exchange this rank's fingerprint with every rank; ``RequestMismatchError`` on every rank
-    when the ranks of any request differ (collective)."""
-    names = sorted(fields)
-    prints = exchange(
-        fingerprint(fields),
-        timeout_s=teams.timeout_s,
-        stage="agreement on the request",
-        context="before the pipeline's first step",
-        before_changes=True,
-    )
-    problems = mismatch_problems(names, prints, teams)
-    if problems:
-        raise RequestMismatchError(problems)
+class RequestAbortedError(ProblemsError, RuntimeError):
+    """A rank's request failed before its first forward; every rank stopped before any step."""
+
+    default_context = "a rank's request failed before its first step; no rank ran a step of it"
 
 
-# The request teams of a pipeline from ``load_pipeline`` under CFG-parallel or Ulysses
-# (docs/design.md, "State kept on other libraries' objects").
-REQUEST_TEAMS: Attachment[RequestTeams] = Attachment("the request teams of a pipeline")
+@dataclass
+class RequestGate:
+    """The requests of one pipeline: the serial of the call running (new per call), its
+    fingerprint, and whether its ranks have met. ``teams`` is None in one process (nothing to
+    meet); ``compares``: the ranks of a request are several, so their calls are fingerprinted."""
+
+    teams: RequestTeams | None
+    compares: bool = False
+    serial: int = 0
+    met: bool = True  # no request open, or its ranks have met
+    aborted: bool = False  # a rank's request failed before the first forward: none went on
+    names: list[str] = dataclasses.field(default_factory=list)
+    print_: bytes = b""
+
+    def begin(self, fields: dict | None) -> None:
+        """A new request: its serial, and its fingerprint when the ranks of a request compare."""
+        self.serial += 1
+        self.met, self.aborted = False, False
+        self.names = sorted(fields) if fields is not None else []
+        self.print_ = fingerprint(fields) if fields is not None else b""
+
+    def meet(self, failure: str | None = None) -> list[tuple[int, str]]:
+        """The ranks' one meeting of this request (collective; once per request): ``failure`` is
+        this rank's error, if its request failed before its first forward. A well rank raises
+        ``RequestAbortedError`` when a peer failed, ``RequestMismatchError`` when the ranks of a
+        request differ; a failed rank gets every failure back (``(rank, message)``)."""
+        if self.met or self.teams is None:
+            self.met = True
+            self.aborted = self.aborted or failure is not None
+            return [(0, failure)] if failure is not None else []
+        self.met = True
+        met = exchange(
+            (failure, self.print_),
+            timeout_s=self.teams.timeout_s,
+            stage="meeting before the request's first forward",
+            context="before the pipeline's first step",
+            before_changes=True,
+        )
+        failures = [(rank, message) for rank, (message, _) in enumerate(met) if message is not None]
+        self.aborted = bool(failures)
+        if failure is not None:
+            return failures
+        if failures:
+            world = len(met)
+            raise RequestAbortedError([f"{ranks_label([rank], world)}: {message}" for rank, message in failures])
+        if self.compares and (problems := mismatch_problems(self.names, [p for _, p in met], self.teams)):
+            raise RequestMismatchError(problems)
+        return []
+
+    def fail(self, failure: str) -> list[tuple[int, str]]:
+        """This rank's request failed before it could call the pipeline: open it and meet with
+        ``failure`` (collective, as ``meet``)."""
+        self.begin(None)
+        return self.meet(failure)
+
+
+# The request gate of a pipeline from ``load_pipeline`` (docs/design.md, "State kept on other
+# libraries' objects").
+REQUEST_GATE: Attachment[RequestGate] = Attachment("the request gate of a pipeline")
 _AGREEING: dict[type, type] = {}  # a pipeline class -> its one subclass of ours
 
 
 def agreeing_class(cls: type) -> type:
-    """``cls`` whose ``__call__`` agrees on the request first; one subclass per class, made once."""
+    """``cls`` whose ``__call__`` opens a request on the pipeline's gate (and meets its peers with
+    its error if it fails before the first forward); one subclass per class, made once."""
     if cls not in _AGREEING:
         signature = inspect.signature(cls.__call__)
 
         class Agreeing(cls):
             def __call__(self, *args, **kwargs):
-                teams = REQUEST_TEAMS.get(self)
-                if teams is not None:
-                    agree_on_request(teams, request_fields(signature, self, args, kwargs))
-                return super().__call__(*args, **kwargs)
+                gate = REQUEST_GATE.get(self)
+                if gate is None:
+                    return super().__call__(*args, **kwargs)
+                gate.begin(request_fields(signature, self, args, kwargs) if gate.compares else None)
+                try:
+                    return super().__call__(*args, **kwargs)
+                except Exception as exc:
+                    if not gate.met:  # failed before the first forward: the peers learn it now
+                        gate.meet(f"{type(exc).__name__}: {exc}")
+                    raise
 
         Agreeing.__name__ = Agreeing.__qualname__ = f"Agreeing{cls.__name__}"
         _AGREEING[cls] = Agreeing
     return _AGREEING[cls]
 
 
-def attach_request_agreement(pipe, teams: RequestTeams) -> None:
-    """Make every call of ``pipe`` agree on its request among ``teams`` first."""
-    REQUEST_TEAMS.set(pipe, teams)
+def attach_request_gate(pipe, gate: RequestGate) -> None:
+    """Make every call of ``pipe`` one request of ``gate``."""
+    REQUEST_GATE.set(pipe, gate)
     pipe.__class__ = agreeing_class(type(pipe))
+
+
+def request_gate(pipe) -> RequestGate | None:
+    """The gate of a pipeline from ``load_pipeline`` (None for any other)."""
+    return REQUEST_GATE.get(pipe)
 
 
 def library_class(pipe) -> type:
@@ -208,13 +270,15 @@ def library_class(pipe) -> type:
 
 
 __all__ = [
+    "RequestAbortedError",
+    "RequestGate",
     "RequestMismatchError",
     "RequestTeams",
-    "agree_on_request",
-    "attach_request_agreement",
+    "attach_request_gate",
     "fingerprint",
     "library_class",
     "mismatch_problems",
     "request_fields",
+    "request_gate",
     "request_teams",
 ]

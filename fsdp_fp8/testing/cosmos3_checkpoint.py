@@ -1,6 +1,6 @@
 """A random-weight diffusers Cosmos 3 transformer of any size, exported to ModelOpt static FP8.
 
-The demo pipeline (``fsdp_fp8.cli.demo``) fixes one small transformer; the Ulysses
+The demo pipeline (``fsdp_fp8.generation.demo``) fixes one small transformer; the Ulysses
 tests and bench need others: heads that a group of 4 can share, a long generation sequence.
 This builds ``Cosmos3OmniTransformer(**config)`` from a seed (BF16, its time embedder in
 float32 as diffusers keeps it), calibrates its input scales on a few seeded forwards of the

@@ -1,6 +1,6 @@
 """A small deterministic FP8 checkpoint of the reference MoT (diffusers-free), for tests and checks.
 
-The embedded demo is a Cosmos 3 pipeline (``fsdp_fp8.cli.demo``); where a check needs a model
+The embedded demo is a Cosmos 3 pipeline (``fsdp_fp8.generation.demo``); where a check needs a model
 without diffusers (the GPU checks, the reference-model path of the launcher), this writes
 the reference MoT's ``demo`` preset: random seeded weights, calibrated on its own sampler,
 exported with the published first/last-3 step policy.

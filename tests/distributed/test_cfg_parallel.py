@@ -38,7 +38,7 @@ def small_tokenizer():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from fsdp_fp8.cli.demo import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from fsdp_fp8.generation.demo import CHAT_TEMPLATE, SPECIAL_TOKENS
 
     chars = ["?"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(" \n,.:")
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="?"))

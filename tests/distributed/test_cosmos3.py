@@ -5,7 +5,7 @@ The fixture (tests/fixtures/make_hf_fixtures.py, ``cosmos3-transformer``) is Mod
 export with ``FP8_DEFAULT_CFG``: besides both towers, ``proj_in`` and ``time_embedder.*`` are
 FP8 too, so "never switched" is tested on real FP8 linears. ModelOpt writes no step policy;
 the tests that need one add the published policy to a copy of ``config.json`` (as the
-official builds carry it). The pipeline is the embedded demo's (``fsdp_fp8.cli.demo``).
+official builds carry it). The pipeline is the embedded demo's (``fsdp_fp8.generation.demo``).
 
 One spawn per world size (world size 1: this process) records what the tests judge.
 """

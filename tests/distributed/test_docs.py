@@ -102,8 +102,8 @@ def test_the_option_table_test_sees_an_option_added_to_help_only(monkeypatch):
 def test_fsdp_fp8_cache_has_the_codes_one_meaning_everywhere(tmp_path, monkeypatch):
     """``FSDP_FP8_CACHE`` is the demo directory's parent (the code's meaning); every doc that
     names it says so: ``$FSDP_FP8_CACHE/cosmos3-demo-<version>``, default ``~/.cache/fsdp_fp8``."""
-    from fsdp_fp8.cli.demo import demo_checkpoint
     from fsdp_fp8.export import cache
+    from fsdp_fp8.generation.demo import demo_checkpoint
 
     monkeypatch.setattr(cache, "build_once", lambda path, build, complete: path)  # the path, nothing built
     monkeypatch.setenv("FSDP_FP8_CACHE", str(tmp_path))
@@ -375,7 +375,7 @@ def snippets_under_torchrun(tmp_path_factory, demo_cache):
 
     from calibration import bound
 
-    from fsdp_fp8.cli.demo import demo_checkpoint
+    from fsdp_fp8.generation.demo import demo_checkpoint
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     tmp = tmp_path_factory.mktemp("snippets")

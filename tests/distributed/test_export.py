@@ -14,8 +14,8 @@ import torch
 from calibration import bound
 from safetensors import safe_open
 
-from fsdp_fp8.cli.demo import DEMO_STEP_POLICY, demo_checkpoint
 from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_bf16, export_fp8
+from fsdp_fp8.generation.demo import DEMO_STEP_POLICY, demo_checkpoint
 from fsdp_fp8.models import PRESETS, build_model, init_weights, linear_towers
 from fsdp_fp8.runtime.sampler import sample
 

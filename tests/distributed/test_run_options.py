@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_fp8.cli.arguments import parse_run_args as parse_args
-from fsdp_fp8.cli.options import file_problems, unused_options
+from fsdp_fp8.generation.checks import file_problems, unused_options
 
 
 def _usage_error(argv, capsys) -> str:
@@ -331,7 +331,7 @@ def test_a_rank_waits_for_rank_0_under_torchrun_only(monkeypatch):
 
 
 def test_the_choices_parsed_without_torch_are_the_librarys():
-    from fsdp_fp8.cli.arguments import QUANTIZE_METHODS, RESIDENT_POLICIES
+    from fsdp_fp8.generation.values import QUANTIZE_METHODS, RESIDENT_POLICIES
     from fsdp_fp8.runtime.ptq import METHODS
     from fsdp_fp8.runtime.residency import POLICIES
 

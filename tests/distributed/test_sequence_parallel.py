@@ -316,7 +316,7 @@ def _transformer_outputs(rank: int, world: int, paths: dict, degree: int) -> dic
 
 @pytest.fixture(scope="module")
 def transformers(tmp_path_factory):
-    from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG
+    from fsdp_fp8.generation.demo import TRANSFORMER_CONFIG
     from fsdp_fp8.testing.cosmos3_checkpoint import write_cosmos3_checkpoint
 
     paths = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from calibration import bound
 
-from fsdp_fp8.cli.shutdown import shutdown_distributed
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 WORKER = Path(__file__).parents[1] / "shutdown_worker.py"
 RUNS = 3

@@ -129,7 +129,7 @@ def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
 
 
 def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(capsys):
-    from fsdp_fp8.cli.arguments import VAE_TILING, parse_run_args
+    from fsdp_fp8.generation.values import VAE_TILING, parse_run_args
     from fsdp_fp8.runtime.vae_forecast import MODES
 
     assert VAE_TILING == MODES

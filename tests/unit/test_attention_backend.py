@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 
 
 def test_the_launchers_names_are_diffusers_registry():
-    from fsdp_fp8.cli.arguments import ATTENTION_BACKENDS
+    from fsdp_fp8.generation.values import ATTENTION_BACKENDS
     from fsdp_fp8.interop.attention_backend import backend_names
 
     assert ATTENTION_BACKENDS == backend_names()

@@ -18,7 +18,6 @@ from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultiste
 from diffusers.models.transformers import transformer_cosmos3  # noqa: E402
 
 from fsdp_fp8.interop import cfg_parallel, ulysses  # noqa: E402
-from fsdp_fp8.interop.forward_state import scheduler_problems  # noqa: E402
 
 
 def _cosmos3_copy(**changes) -> types.SimpleNamespace:
@@ -114,33 +113,53 @@ def test_a_new_transformer_keyword_or_a_lost_pipeline_latents_is_named():
     assert "NoSound.__call__ takes no `sound_latents`" in problem
 
 
-# --- the step boundary: the scheduler's timesteps, new per request
+# --- the step boundary: each call of the pipeline is one request, whatever its scheduler
 
 
-def test_the_demo_scheduler_makes_new_timesteps_per_request():
-    from fsdp_fp8.cli.demo import SCHEDULER_CONFIG
+class _KeepsTimesteps(UniPCMultistepScheduler):
+    """A scheduler whose ``set_timesteps`` refills one ``timesteps`` tensor in place: nothing in
+    it tells one request from the next."""
 
-    scheduler = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
-    assert scheduler_problems(scheduler) == []
-
-
-def test_a_scheduler_that_keeps_its_timesteps_object_is_named():
-    from fsdp_fp8.cli.demo import SCHEDULER_CONFIG
-
-    class Keeps(UniPCMultistepScheduler):
-        def set_timesteps(self, *args, **kwargs):
-            kept = getattr(self, "timesteps", None)
-            super().set_timesteps(*args, **kwargs)
-            if isinstance(kept, torch.Tensor) and kept.shape == self.timesteps.shape:
-                self.timesteps = kept.copy_(self.timesteps)
-
-    (problem,) = scheduler_problems(Keeps(**SCHEDULER_CONFIG))
-    assert "Keeps.set_timesteps keeps its `timesteps` object" in problem
+    def set_timesteps(self, *args, **kwargs):
+        kept = getattr(self, "timesteps", None)
+        super().set_timesteps(*args, **kwargs)
+        if isinstance(kept, torch.Tensor) and kept.shape == self.timesteps.shape:
+            self.timesteps = kept.copy_(self.timesteps)
 
 
-def test_two_one_step_requests_are_two_steps_by_the_schedulers_new_timesteps(demo_root):
-    """Both requests run step (0, 1): only the scheduler's new timesteps tell the second from the
-    first, so the trace records two steps, the step policy's precision for each."""
+def _run(pipe, steps: int, seed: int = 0) -> torch.Tensor:
+    out = pipe(
+        "a red fox",
+        num_frames=1,
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
+    )
+    return out.video
+
+
+def test_a_scheduler_swapped_after_loading_is_followed(demo_root):
+    """The diffusers idiom ``pipe.scheduler = X.from_config(pipe.scheduler.config, flow_shift=...)``
+    after the load: each call is still one request (its step's precision recorded once), even with
+    a scheduler that reuses its timesteps object, and the new shift is the one that runs."""
+    from fsdp_fp8 import load_pipeline, routing_of
+
+    pipe = load_pipeline(demo_root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    before = _run(pipe, 3)
+    pipe.scheduler = _KeepsTimesteps.from_config(pipe.scheduler.config, flow_shift=5.0)
+    trace = routing_of(pipe.transformer).trace
+    start = len(trace)
+    _run(pipe, 1, seed=0), _run(pipe, 1, seed=1)
+    assert len(trace) - start == 2  # two requests of one step each: two steps
+    assert not torch.equal(before, _run(pipe, 3))  # the shifted schedule ran
+
+
+def test_two_one_step_requests_are_two_steps(demo_root):
+    """Both requests run step (0, 1): the pipeline's own call tells the second from the first,
+    so the trace records two steps, the step policy's precision for each."""
     from fsdp_fp8 import load_pipeline, routing_of
 
     pipe = load_pipeline(demo_root, device=torch.device("cpu"))

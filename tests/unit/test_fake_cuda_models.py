@@ -91,7 +91,7 @@ def recorded(tmp_path_factory):
     pytest.importorskip("diffusers")
     import json
 
-    from fsdp_fp8.cli.demo import demo_components
+    from fsdp_fp8.generation.demo import demo_components
     from fsdp_fp8.testing.mot_checkpoint import mot_model
 
     out = {name: _loaded(FIXTURES / name, lambda _l: _causal) for name in CAUSAL}

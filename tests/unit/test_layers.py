@@ -26,8 +26,9 @@ ALLOWED = {
     "save": {"errors", "format", "collective", "fp8", "load", "models", "export"},
     "interop": _COMPOSED - {"interop"},
     "compose": _COMPOSED,
-    "cli": _TOP,
-    "testing": _TOP,
+    "generation": _TOP,
+    "cli": _TOP | {"generation"},
+    "testing": _TOP | {"generation"},
 }
 # The bottom every layer may use: error types, FSDP2's row arithmetic (which raises them), the
 # quieting of other libraries' import-time notices

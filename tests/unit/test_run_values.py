@@ -1,4 +1,4 @@
-"""The launcher's options become frozen values once (``fsdp_fp8.cli.request``): every option is one
+"""The launcher's options become frozen values once (``fsdp_fp8.generation.values``): every option is one
 field of one value, classified in the "used by" table and documented; nothing below ``cli/``
 takes an argparse ``Namespace``; a pipeline's transformer config is read once by the checks."""
 
@@ -12,6 +12,8 @@ from unittest import mock
 
 import pytest
 
+from fsdp_fp8.generation.declare import option
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fsdp_fp8"
 
@@ -22,51 +24,56 @@ def _dests() -> set[str]:
     return {a.dest for a in build_run_parser()._actions if a.dest != "help"}
 
 
-def unclassified_options() -> list[str]:
-    """Options of ``launch/infer.py`` missing from a value, the "used by" table or docs/usage.md."""
-    from fsdp_fp8.cli.options import EVERY_KIND, USES
-    from fsdp_fp8.cli.request import value_fields
+def test_every_option_is_one_declared_field():
+    from fsdp_fp8.generation.declare import declared
+    from fsdp_fp8.generation.values import VALUE_CLASSES, value_fields
 
-    used = set().union(*USES.values()) | EVERY_KIND
+    assert _dests() == set(value_fields()) == {name for name, _, _ in declared(*VALUE_CLASSES)}
+
+
+def _usage_reference() -> str:
     usage = (ROOT / "docs" / "usage.md").read_text()
-    problems = []
-    for dest in sorted(_dests()):
-        flag = "--" + dest.replace("_", "-")
-        if dest not in value_fields():
-            problems.append(f"{flag}: no field of GenerationRequest / RunSettings (fsdp_fp8/cli/request.py)")
-        if dest not in used:
-            problems.append(f"{flag}: in neither options.USES nor options.EVERY_KIND")
-        if f"`{flag}" not in usage:
-            problems.append(f"{flag}: not in docs/usage.md")
-    return problems
+    begin, end = "<!-- options:begin -->\n", "<!-- options:end -->"
+    return usage[usage.index(begin) + len(begin) : usage.index(end)]
 
 
-def test_every_option_is_a_field_classified_and_documented():
-    assert unclassified_options() == []
+def test_the_option_reference_of_usage_md_is_made_from_the_declarations():
+    from fsdp_fp8.cli.arguments import option_reference
+
+    assert _usage_reference().strip() == option_reference().strip(), (
+        "docs/usage.md's option reference differs from the declarations (fsdp_fp8/generation/values.py); "
+        "paste `python -c 'from fsdp_fp8.cli.arguments import option_reference; print(option_reference())'` "
+        "between its options markers"
+    )
 
 
-def test_an_option_added_to_the_parser_alone_is_named(monkeypatch):
-    from fsdp_fp8.cli import arguments
+@dataclasses.dataclass(frozen=True)
+class _WithANewOption:
+    """A value class with one option more, declared the one way (a field)."""
 
-    group = dict(arguments.OPTIONS)
-    group["reporting"] = [*group["reporting"], (("--brand-new",), dict(help="x"))]
-    monkeypatch.setattr(arguments, "OPTIONS", group)
-    assert unclassified_options() == [
-        "--brand-new: no field of GenerationRequest / RunSettings (fsdp_fp8/cli/request.py)",
-        "--brand-new: in neither options.USES nor options.EVERY_KIND",
-        "--brand-new: not in docs/usage.md",
-    ]
+    brand_new: int = option(3, "a brand-new knob (default 3)", "reporting", "pipeline", bound=(1, 5), type=int)
 
 
-def test_the_values_have_no_field_that_is_no_option():
-    from fsdp_fp8.cli.request import value_fields
+def test_one_declared_field_is_an_option_everywhere(tmp_path):
+    """The parser, the bounds check, --help's bounds, the "used by" table and the doc's reference
+    all take a new option from its field alone."""
+    from fsdp_fp8.cli.arguments import build_run_parser, option_reference
+    from fsdp_fp8.generation.declare import bound_problems, bounds_text, uses
+    from fsdp_fp8.generation.values import VALUE_CLASSES
 
-    assert set(value_fields()) == _dests()
+    classes = (*VALUE_CLASSES, _WithANewOption)
+    parser = build_run_parser(classes=classes)
+    args = parser.parse_args(["--brand-new", "9"])
+    assert args.brand_new == 9 and parser.parse_args([]).brand_new == 3
+    assert bound_problems(args, *classes) == ["--brand-new must be <= 5, got 9"]
+    assert "--brand-new 1..5" in bounds_text(*classes) and "--brand-new 1..5" in parser.format_help()
+    assert "brand_new" in uses("pipeline", *classes) and "brand_new" not in uses("mot", *classes)
+    assert "| `--brand-new` | `3` | a brand-new knob (default 3) |" in option_reference(classes)
+    assert "brand-new" not in option_reference()
 
 
 def test_the_job_is_frozen_and_carries_every_value(tmp_path):
-    from fsdp_fp8.cli.arguments import parse_run_args
-    from fsdp_fp8.cli.request import job_of
+    from fsdp_fp8.cli.arguments import job_of, parse_run_args
 
     args = parse_run_args(["--steps", "3", "--prompt-ids", "1,2", "--report", str(tmp_path / "r.json")])
     job = job_of(args)

@@ -14,7 +14,7 @@ builds it once under a file lock, into a temporary directory renamed into place;
 cache fails its manifest check and is rebuilt.
 
 Importing this module imports no torch (each function imports what it builds with): the
-launcher checks sizes against the demo's VAE before torch loads (``fsdp_fp8.cli.inputs``).
+launcher checks sizes against the demo's VAE before torch loads (``fsdp_fp8.generation.inputs``).
 """
 
 from __future__ import annotations

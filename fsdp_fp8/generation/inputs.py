@@ -11,16 +11,16 @@ before any process group (docs/usage.md). What is inside the files is checked by
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
-from fsdp_fp8.cli.options import BOUNDS
 from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
+from fsdp_fp8.generation.declare import bounds
+from fsdp_fp8.generation.values import VALUE_CLASSES
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, guardrail_problem  # imports no torch
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
 
@@ -44,7 +44,7 @@ def checkpoint_problems(option: str, path: str) -> tuple[Path | None, list[str]]
 
 def demo_factors() -> PipelineFactors:
     """The embedded demo's factors (its VAE and transformer configs, known before it is built)."""
-    from fsdp_fp8.cli.demo import TRANSFORMER_CONFIG, VAE_CONFIG
+    from fsdp_fp8.generation.demo import TRANSFORMER_CONFIG, VAE_CONFIG
 
     return PipelineFactors(
         VAE_CONFIG["scale_factor_spatial"],
@@ -56,15 +56,15 @@ def demo_factors() -> PipelineFactors:
     )
 
 
-def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
-    """What the pipeline at ``root`` (None: the demo) cannot do of what ``args`` ask, from its
+def pipeline_problems(values, root: Path | None) -> list[str]:
+    """What the pipeline at ``root`` (None: the demo) cannot do of what ``values`` ask, from its
     configs read once: ``--height`` / ``--width`` / ``--frames`` it cannot make, factors no size
     can be divided by, and a ``--ulysses`` degree its attention heads cannot take.
     For a model that is no pipeline: only ``--ulysses`` (its run ignores the sizes, with
     a warning; only a pipeline's transformer is split)."""
-    degree = getattr(args, "ulysses", 1)
+    degree = getattr(values, "ulysses", 1)
     if root is not None and not (root / MODEL_INDEX).is_file():
-        problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if args.sound else []
+        problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if values.sound else []
         if degree == 1:
             return problems
         return problems + [
@@ -77,14 +77,14 @@ def pipeline_problems(args: argparse.Namespace, root: Path | None) -> list[str]:
     else:
         factors = read_pipeline_factors(root, problems)
         problems = [f"--checkpoint: {p}" for p in problems]
-    problems += _size_problems(args, factors)
+    problems += _size_problems(values, factors)
     if degree != 1:  # the degree against the world: options.value_problems
         heads = AttentionHeads.of(dict(factors.transformer), str(factors.transformer_config))
         problems += [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]
     index = _model_index(root) if root is not None else {}
-    if args.sound:
+    if values.sound:
         problems += _sound_problems(root, index, factors)
-    if getattr(args, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
+    if getattr(values, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
         problems.append(f"--checkpoint {root}: {guardrail}; or run without it: --safety-check off")
     return problems
 
@@ -113,7 +113,7 @@ def _sound_problems(root: Path | None, index: dict, factors: PipelineFactors) ->
     return problems
 
 
-def _size_problems(args: argparse.Namespace, factors: PipelineFactors) -> list[str]:
+def _size_problems(values, factors: PipelineFactors) -> list[str]:
     """``--height`` / ``--width`` / ``--frames`` that ``factors`` do not divide."""
     problems: list[str] = []
 
@@ -121,12 +121,12 @@ def _size_problems(args: argparse.Namespace, factors: PipelineFactors) -> list[s
         return f"`{key}` {step} in {factors.vae_config}"
 
     for name in ("height", "width"):
-        value, step = _in_bounds(args, name), factors.spatial
+        value, step = _in_bounds(values, name), factors.spatial
         if value is not None and step and value % step:
             below = value - value % step
             nearest = f"{below} or {below + step}" if below else f"{step}"
             problems.append(f"--{name} {value} is not a multiple of {step} ({source(SPATIAL, step)}): use {nearest}")
-    frames, step = _in_bounds(args, "frames"), factors.temporal
+    frames, step = _in_bounds(values, "frames"), factors.temporal
     if frames is not None and step and (frames - 1) % step:
         below = frames - (frames - 1) % step
         problems.append(
@@ -136,8 +136,7 @@ def _size_problems(args: argparse.Namespace, factors: PipelineFactors) -> list[s
     return problems
 
 
-def _in_bounds(args: argparse.Namespace, name: str) -> int | None:
+def _in_bounds(values, name: str) -> int | None:
     """The option's value when it is inside its bounds (outside, that is the problem reported)."""
-    value = getattr(args, name, None)
-    low, high = BOUNDS[name]
-    return value if value is not None and low <= value <= high else None
+    value = getattr(values, name, None)
+    return value if value is not None and bounds(*VALUE_CLASSES)[name].problem(name, value) is None else None
