@@ -94,6 +94,16 @@ _PUBLIC = {
     "quantize_model": "fsdp_fp8.runtime.ptq",
     "prepare_for_inference": "fsdp_fp8.runtime.inference",
     "load_pipeline": "fsdp_fp8.compose.pipeline",
+    "Engine": "fsdp_fp8.generation.engine",
+    "Observer": "fsdp_fp8.generation.engine",
+    "Task": "fsdp_fp8.generation.engine",
+    "tasks_of": "fsdp_fp8.generation.engine",
+    "generate": "fsdp_fp8.generation.engine",
+    "GenerationRequest": "fsdp_fp8.generation.values",
+    "Prompt": "fsdp_fp8.generation.values",
+    "RunSettings": "fsdp_fp8.generation.values",
+    "TaskResult": "fsdp_fp8.generation.results",
+    "GenerationError": "fsdp_fp8.errors",
     "loaded_of": "fsdp_fp8.compose.pipeline",
 }
 

@@ -359,6 +359,15 @@ class Engine:
         return results
 
 
+def generate(
+    pipe, request: GenerationRequest, settings: RunSettings | None = None, observer: Observer | None = None
+) -> list[TaskResult]:
+    """Every prompt of ``request`` on ``pipe`` (from ``load_pipeline``), decoded: one
+    ``Engine(pipe, settings)`` for this call (residency applied, the split decode's group made).
+    Collective, like the engine; a caller running many requests keeps one ``Engine`` instead."""
+    return Engine(pipe, settings).generate(tasks_of(request, decode=True), observer)
+
+
 def _conditioning(task: Task) -> dict:
     """The pipeline's conditioning keywords for ``task``, its image or video read by diffusers."""
     prompt, request = task.prompt, task.request
@@ -402,4 +411,4 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["Engine", "LogObserver", "Observer", "Task", "output_path", "save_frames", "tasks_of"]
+__all__ = ["Engine", "LogObserver", "Observer", "Task", "generate", "output_path", "save_frames", "tasks_of"]
