@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
+
 
 def _rank(rank: int, world: int, store: str, args, queue) -> None:
     torch.set_num_threads(1)
@@ -54,7 +56,7 @@ def _rank(rank: int, world: int, store: str, args, queue) -> None:
         digest = hashlib.sha256(result.video.float().contiguous().numpy().tobytes()).hexdigest()
         out["cfg" if cfg else "sequential"] = (statistics.median(steps), digest)
     queue.put((rank, out))
-    dist.destroy_process_group()
+    shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
 
 
 def main() -> None:

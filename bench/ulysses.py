@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import default_cache
 
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
+
 CONFIG = dict(
     head_dim=64,
     hidden_size=256,
@@ -111,7 +113,7 @@ def _rank(rank: int, world: int, sp_degree: int, store: str, args, queue) -> Non
     digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
     queue.put((rank, seconds, digest))
     if world > 1:
-        dist.destroy_process_group()
+        shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
 
 
 def run_way(world: int, sp_degree: int, args) -> dict[int, tuple[list[float], str]]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 from fsdp_fp8.testing.wan22_vae import wan22_config
 
 WAN22 = wan22_config(16, 32, 1)  # the Wan 2.2 shape, narrow enough for a CPU bench
@@ -63,7 +64,7 @@ def _rank(rank: int, world: int, store: str, args, queue) -> None:
             split.append(seconds)
             same = same and (out is None or torch.equal(out, reference))
     queue.put((rank, dict(one=one, split=split, floor=floor, same=same, tiles=len(plan.tiles), owned=owned)))
-    dist.destroy_process_group()
+    shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 from fsdp_fp8.testing.wan22_vae import WAN22_TI2V_5B, wan22_config
 
 # Wan2.2-TI2V-5B's VAE shape (random weights, BF16); --dry: narrow layers, float32, a small frame.
@@ -86,8 +87,14 @@ def main() -> None:
         size = dict(height=height, width=width, frames=frames, dtype=str(dtype), backend=dist.get_backend())
         with open(args.report, "w") as f:
             json.dump(dict(size, world=world, ranks=every), f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        shutdown_distributed(failed=True)  # keep the traceback and Python's exit status
+        raise
+    # not a normal exit: gloo's worker threads can abort an interpreter that is finalizing
+    # ("terminate called without an active exception"; docs/shutdown.md)
+    shutdown_distributed(0)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
+from fsdp_fp8.generation.results import output_path
 
 OUTPUT_SUFFIXES = (".png", ".mp4")
 
@@ -50,16 +51,10 @@ def check_output(output: str | None, sound: bool = False) -> None:
         )
 
 
-def output_path(output: str, index: int, many: bool) -> Path:
-    """Where prompt ``index``'s result goes: ``out.png`` itself, or ``out-007.png`` with ``--prompts``."""
-    path = Path(output)
-    return path.with_name(f"{path.stem}-{index:03d}{path.suffix}") if many else path
-
-
 def planned_outputs(args, prompt_count: int) -> list[str]:
     """Problems with the files ``--output`` will write (one per prompt with ``--prompts``): each
     must be writable and none may be ``--report`` (the report would replace the image); the
-    report itself is checked with the prompts file (``options.file_problems``)."""
+    report itself is checked with the prompts file (``arguments.file_problems``)."""
     if not getattr(args, "output", None):
         return []
     many = args.prompts is not None

@@ -38,7 +38,7 @@ from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.generation.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_at_end
 from fsdp_fp8.generation.prompts import read_prompts
-from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult
+from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, output_path
 from fsdp_fp8.generation.values import GenerationRequest, Prompt, RunSettings
 from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, request_gate
 from fsdp_fp8.interop.vae_decode import decode_request, decode_video, request_decode
@@ -68,12 +68,6 @@ class Task:
     @property
     def mode(self) -> str:
         return self.prompt.mode(self.request.frames, self.request.sound)
-
-
-def output_path(output: str, index: int, many: bool) -> Path:
-    """Where prompt ``index``'s result goes: ``out.png`` itself, or ``out-007.png`` with ``--prompts``."""
-    path = Path(output)
-    return path.with_name(f"{path.stem}-{index:03d}{path.suffix}") if many else path
 
 
 def tasks_of(request: GenerationRequest, *, decode: bool = False, key: str = "") -> list[Task]:
@@ -411,4 +405,4 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["Engine", "LogObserver", "Observer", "Task", "generate", "output_path", "save_frames", "tasks_of"]
+__all__ = ["Engine", "LogObserver", "Observer", "Task", "generate", "save_frames", "tasks_of"]

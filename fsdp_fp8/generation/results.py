@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
+
+
+def output_path(output: str, index: int, many: bool) -> Path:
+    """Where prompt ``index``'s result goes: ``out.png`` itself, or ``out-007.png`` with ``--prompts``."""
+    path = Path(output)
+    return path.with_name(f"{path.stem}-{index:03d}{path.suffix}") if many else path
 
 
 @dataclass
@@ -68,4 +75,4 @@ class TaskResult:
         return {k: v for k, v in out.items() if k not in optional or v}
 
 
-__all__ = ["CANCELLED", "COMPLETED", "FAILED", "PhaseSeconds", "TaskResult"]
+__all__ = ["CANCELLED", "COMPLETED", "FAILED", "PhaseSeconds", "TaskResult", "output_path"]

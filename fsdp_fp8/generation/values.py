@@ -395,6 +395,24 @@ class Job:
 VALUE_CLASSES = (GenerationRequest, RunSettings)
 
 
+@dataclass(frozen=True)
+class OptionValues:
+    """A request and the settings read as one set of options: what the checks take (every option
+    an attribute, as on the command line)."""
+
+    request: GenerationRequest
+    settings: RunSettings
+
+    def __getattr__(self, name: str):
+        for part in (self.request, self.settings):
+            if name in _NAMES[type(part)]:
+                return getattr(part, name)
+        raise AttributeError(name)
+
+
+_NAMES = {cls: {f.name for f in dataclasses.fields(cls)} for cls in VALUE_CLASSES}
+
+
 def value_fields() -> dict[str, str]:
     """Every option ``dest`` the values hold -> the value class holding it."""
     return {f.name: cls.__name__ for cls in VALUE_CLASSES for f in dataclasses.fields(cls)}
@@ -405,6 +423,7 @@ __all__ = [
     "GROUPS",
     "GenerationRequest",
     "Job",
+    "OptionValues",
     "Prompt",
     "RunSettings",
     "VALUE_CLASSES",

@@ -1,8 +1,8 @@
 """One request, agreed: every call of a pipeline ``load_pipeline`` returned is one request, and
 its ranks meet once before its first transformer forward.
 
-The pipeline ``load_pipeline`` returns is of one subclass of ours (``Agreeing<Class>``, made once
-per class, as ``fully_shard`` makes ``FSDP<Class>``) whose ``__call__`` opens a request on the
+The pipeline ``load_pipeline`` returns is of one subclass of ours (made once per class, as
+``fully_shard`` makes ``FSDP<Class>``, but keeping the class's name) whose ``__call__`` opens a request on the
 pipeline's ``RequestGate``: a new serial (what tells the transformer's per-forward state that a
 new request begins: ``interop.forward_state``; a scheduler swapped between calls changes
 nothing) and, under CFG-parallel or Ulysses, the call's fingerprint. The ranks then meet at the
@@ -248,7 +248,8 @@ def agreeing_class(cls: type) -> type:
                         gate.meet(f"{type(exc).__name__}: {exc}")
                     raise
 
-        Agreeing.__name__ = Agreeing.__qualname__ = f"Agreeing{cls.__name__}"
+        # the user's class name, as printed by ``type(pipe).__name__`` and diffusers' messages
+        Agreeing.__name__, Agreeing.__qualname__ = cls.__name__, cls.__qualname__
         _AGREEING[cls] = Agreeing
     return _AGREEING[cls]
 

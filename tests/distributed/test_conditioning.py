@@ -348,7 +348,7 @@ def test_an_mp4_without_imageio_or_its_ffmpeg_names_both_and_the_extra(inputs, c
 
 @pytest.mark.skipif(not MP4_READABLE, reason="imageio / imageio-ffmpeg not installed (the media extra)")
 def test_an_mp4_whose_frames_are_over_the_pixel_bound_is_refused(inputs, capsys):
-    from fsdp_fp8.cli import media
+    from fsdp_fp8.generation import media
 
     with mock.patch.object(media, "MAX_IMAGE_PIXELS", 48 * 40 - 1):  # the clip's frames: 48 x 40
         err = _refusal(capsys, "--video", str(inputs / "clip.mp4"))

@@ -442,7 +442,9 @@ def test_a_loaded_pipeline_carries_no_attribute_of_ours_and_is_freed_when_droppe
 def test_outputs_are_files_an_image_or_video_reader_opens(tmp_path):
     from PIL import Image
 
-    from fsdp_fp8.cli.generate import check_output, output_path, save_frames
+    from fsdp_fp8.cli.outputs import check_output
+    from fsdp_fp8.generation.engine import save_frames
+    from fsdp_fp8.generation.results import output_path
 
     frames = [Image.new("RGB", (16, 16), (40 * i, 255 - 40 * i, 90)) for i in range(3)]
     save_frames(frames[:1], tmp_path / "one.png", fps=24)

@@ -92,9 +92,14 @@ def test_every_option_is_in_usage_md(command):
 def test_the_option_table_test_sees_an_option_added_to_help_only(monkeypatch):
     from fsdp_fp8.cli import arguments
 
-    group = dict(arguments.OPTIONS)
-    group["reporting"] = [*group["reporting"], (("--brand-new",), dict(action="store_true", help="new"))]
-    monkeypatch.setattr(arguments, "OPTIONS", group)
+    build = arguments.build_run_parser
+
+    def with_one_more(*args, **kwargs):
+        parser = build(*args, **kwargs)
+        parser.add_argument("--brand-new", action="store_true", help="new")
+        return parser
+
+    monkeypatch.setattr(arguments, "build_run_parser", with_one_more)
     with pytest.raises(AssertionError, match="--brand-new"):
         test_every_option_is_in_usage_md("run")
 

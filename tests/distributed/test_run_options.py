@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_fp8.cli.arguments import file_problems
 from fsdp_fp8.cli.arguments import parse_run_args as parse_args
-from fsdp_fp8.generation.checks import file_problems, unused_options
+from fsdp_fp8.generation.checks import unused_options
 
 
 def _usage_error(argv, capsys) -> str:

@@ -65,7 +65,7 @@ def _shutdown_after_a_peer_failed(rank, world, failed):
     import torch
     import torch.distributed as dist
 
-    from fsdp_fp8.cli import shutdown
+    from fsdp_fp8.runtime import shutdown
 
     destroyed = []
     real = dist.destroy_process_group

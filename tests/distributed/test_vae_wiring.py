@@ -67,7 +67,7 @@ def _launch(rank: int, world: int, root: str, fixture_root: str, base: str) -> d
 def _reference(root: str, out: Path) -> bytes:
     """The pipeline's own tiled decode on this process, saved as the launcher saves."""
     from fsdp_fp8 import load_pipeline
-    from fsdp_fp8.cli.generate import save_frames
+    from fsdp_fp8.generation.engine import save_frames
 
     pipe = load_pipeline(root, device=torch.device("cpu"))
     pipe.set_progress_bar_config(disable=True)
@@ -129,7 +129,8 @@ def test_auto_where_the_untiled_decode_fits_gives_the_same_bytes_as_off(runs):
 
 
 def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(capsys):
-    from fsdp_fp8.generation.values import VAE_TILING, parse_run_args
+    from fsdp_fp8.cli.arguments import parse_run_args
+    from fsdp_fp8.generation.values import VAE_TILING
     from fsdp_fp8.runtime.vae_forecast import MODES
 
     assert VAE_TILING == MODES
