@@ -1,4 +1,5 @@
-"""``fsdp-fp8`` / ``python -m fsdp_fp8``: ``run`` (the launcher), ``inspect``, ``verify`` and ``save``.
+"""``fsdp-fp8`` / ``python -m fsdp_fp8``: ``run`` (the launcher), ``serve`` (the server: ``cli.serving``),
+``inspect``, ``verify`` and ``save``.
 
 ``inspect`` and ``verify`` look at a checkpoint without loading it: ``inspect`` summarises
 headers and scales; ``verify`` decides as ``load_model`` would (docs/usage.md). ``save``
@@ -271,6 +272,12 @@ def build_parser(prog: str = "fsdp-fp8") -> argparse.ArgumentParser:
         help="load a checkpoint sharded over the ranks and sample (torchrun ... -m fsdp_fp8 run, or "
         "fsdp-fp8 run --nproc-per-node N); 'run --help' lists its options",
     )
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="load a pipeline once over the ranks and serve it over HTTP, the OpenAI Videos API "
+        "(torchrun ... -m fsdp_fp8 serve); 'serve --help' lists its options",
+    )
     _add_inspect(sub.add_parser("inspect", help="summarise a checkpoint (reads headers and scales only)"))
     _add_verify(
         sub.add_parser(
@@ -370,6 +377,10 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # the launcher parses its own options
         return _run(argv[1:], prog if prog.endswith(".py") else f"{prog} run")
+    if argv[:1] == ["serve"]:  # the server too (fsdp_fp8.cli.serving)
+        from fsdp_fp8.cli.serving import main as serve_main
+
+        return serve_main(argv[1:], f"{prog} serve")
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if getattr(args, "replicas", 1) > 1:

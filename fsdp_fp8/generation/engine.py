@@ -88,6 +88,13 @@ def tasks_of(request: GenerationRequest, *, decode: bool = False, key: str = "")
     return tasks
 
 
+def round_key(request: GenerationRequest) -> tuple:
+    """What the tasks of one round share: their ranks' FSDP all-gathers must pair up, so every
+    request group calls the same transformer modules as often (steps; the unconditional pass when
+    guidance is on; the sound tower). Frames, sizes and conditioning may differ."""
+    return (request.steps, request.guidance != 1.0, bool(request.sound))
+
+
 class Observer:
     """What a caller learns while a round runs and what it may say back. ``on_step`` is called on
     rank 0 at every step of every request (all groups'); ``cancelled`` is asked on rank 0 at every
@@ -184,9 +191,11 @@ class Engine:
         real = [t for t in assignment if t is not None]
         if not real:
             return []
-        if len({t.request.steps for t in real}) > 1:
+        if len({round_key(t.request) for t in real}) > 1:
             raise ArgumentError(
-                f"a round's tasks run as many steps each; got {sorted({t.request.steps for t in real})}"
+                "a round's tasks run the same transformer calls (FSDP gathers every block on every rank "
+                "at once): as many steps, guidance on or off, sound or not; got "
+                + ", ".join(sorted({str(round_key(t.request)) for t in real}))
             )
         group = self.layout.coordinates(self.rank).request
         mine = assignment[group] if group < len(assignment) else None
@@ -405,4 +414,4 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["Engine", "LogObserver", "Observer", "Task", "generate", "save_frames", "tasks_of"]
+__all__ = ["Engine", "LogObserver", "Observer", "Task", "generate", "round_key", "save_frames", "tasks_of"]

@@ -118,7 +118,7 @@ def test_the_fixture_pipelines_split_decode_equals_its_own_tiled_decode(runs):
 
 def test_off_keeps_the_pipelines_own_untiled_decode(runs):
     off = runs["one"]["off"]
-    assert "vae_decode" not in off["row"]  # the pipeline decoded, as before
+    assert off["row"]["vae_decode"] == "untiled, on the writing rank"  # the pipeline's own untiled decode
     assert off["png"] != runs["reference"]  # untiled and tiled frames differ: the test can tell them apart
 
 

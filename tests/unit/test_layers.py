@@ -27,7 +27,8 @@ ALLOWED = {
     "interop": _COMPOSED - {"interop"},
     "compose": _COMPOSED,
     "generation": _TOP,
-    "cli": _TOP | {"generation"},
+    "serve": _TOP | {"generation"},
+    "cli": _TOP | {"generation", "serve"},
     "testing": _TOP | {"generation"},
 }
 # The bottom every layer may use: error types, FSDP2's row arithmetic (which raises them), the

@@ -1,0 +1,195 @@
+"""An HTTP request's fields as the launcher's values, checked with the launcher's own checks.
+
+The OpenAI Videos API's fields (``prompt``, ``size`` "WxH", ``seconds``, ``model``,
+``input_reference``) and the field's common extras (``negative_prompt``, ``width``, ``height``,
+``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
+``generate_sound``) and the launcher's Cosmos 3 conditioning (``condition_frames``,
+``condition_keep``, ``flow_shift``) become one ``GenerationRequest``; then the checks the launcher
+makes before its load (bounds, sizes the VAE can make, sound without a sound tokenizer, image and
+clip headers, their combinations) run on it, and every problem is one line of the 400 answer.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_fp8.generation.checks import conditioning_problems, value_problems
+from fsdp_fp8.generation.inputs import pipeline_problems
+from fsdp_fp8.generation.media import IMAGE_FORMATS
+from fsdp_fp8.generation.values import GenerationRequest, OptionValues, RunSettings
+
+# request field -> (GenerationRequest field, its type); the API's names, then ours
+FIELDS = {
+    "prompt": ("prompt", str),
+    "negative_prompt": ("negative_prompt", str),
+    "num_inference_steps": ("steps", int),
+    "steps": ("steps", int),
+    "guidance_scale": ("guidance", float),
+    "seed": ("seed", int),
+    "width": ("width", int),
+    "height": ("height", int),
+    "num_frames": ("frames", int),
+    "fps": ("fps", float),
+    "generate_sound": ("sound", bool),
+    "condition_frames": ("condition_frames", "indexes"),
+    "condition_keep": ("condition_keep", str),
+    "flow_shift": ("flow_shift", float),
+}
+OTHER_FIELDS = ("size", "seconds", "model", "input_reference")
+CONTAINER_MAGIC = {b"ftyp": ".mp4", b"\x1aE\xdf\xa3": ".webm"}
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An ``input_reference``: its bytes, the name it came with, its kind (image or video) and the
+    suffix it is kept with (what diffusers' readers go by)."""
+
+    data: bytes
+    filename: str
+    kind: str
+    suffix: str
+
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+KIND_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", "indexes": "frame indexes"}
+
+
+def _typed(name: str, value, kind) -> tuple[object, str | None]:
+    """``value`` as ``kind`` (form fields arrive as text), or the problem."""
+    if value is None:
+        return None, None
+    converted = _converted(value, kind)
+    if converted is _REFUSED:
+        return None, f"`{name}` must be {KIND_WORDS.get(kind, 'text')}, got {value!r}"
+    return converted, None
+
+
+_REFUSED = object()
+
+
+def _converted(value, kind):
+    """``value`` as ``kind``, or ``_REFUSED``."""
+    if kind is str:
+        return str(value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        word = str(value).lower()
+        return word in TRUE if word in TRUE + FALSE else _REFUSED
+    if isinstance(value, bool):
+        return _REFUSED  # JSON's true is no number
+    if kind == "indexes":
+        items = value if isinstance(value, list) else str(value).split(",")
+        numbers = [_converted(i, int) for i in items if str(i).strip()]
+        return _REFUSED if _REFUSED in numbers else tuple(numbers)
+    try:
+        number = float(value) if kind is float or isinstance(value, float) else int(str(value).strip())
+    except (TypeError, ValueError):
+        return _REFUSED
+    if not math.isfinite(number):
+        return _REFUSED
+    if kind is int:
+        return int(number) if float(number).is_integer() else _REFUSED
+    return number
+
+
+def sniff_upload(data: bytes, filename: str) -> Upload | str:
+    """What an ``input_reference`` is, from its bytes: an image (PNG, JPEG, WebP; one frame), a
+    clip (an animated GIF or PNG, an mp4, a WebM), or the problem."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            fmt, frames = image.format, getattr(image, "n_frames", 1)
+    except Exception:  # noqa: BLE001 - not an image PIL knows: perhaps a container
+        fmt, frames = None, 0
+    if fmt is not None and frames > 1 and fmt in ("GIF", "PNG"):
+        return Upload(data, filename, "video", ".gif" if fmt == "GIF" else ".png")
+    if fmt in IMAGE_FORMATS:
+        return Upload(data, filename, "image", {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp"}[fmt])
+    for magic, suffix in CONTAINER_MAGIC.items():
+        if magic in data[:64]:
+            return Upload(data, filename, "video", suffix)
+    return (
+        f"`input_reference` ({filename or 'the upload'}) is neither an image (PNG, JPEG, WebP) nor a clip "
+        "(an mp4, a WebM, an animated GIF or PNG)"
+    )
+
+
+def request_of(fields: dict, upload: Upload | None, temporal: int) -> tuple[GenerationRequest | None, list[str]]:
+    """The ``GenerationRequest`` of a request's fields (None with the problems found)."""
+    problems = [f"unknown field `{k}`; this server takes {', '.join([*FIELDS, *OTHER_FIELDS])}" for k in fields if
+                k not in FIELDS and k not in OTHER_FIELDS]  # fmt: skip
+    values = {}
+    for name, (target, kind) in FIELDS.items():
+        value, problem = _typed(name, fields.get(name), kind)
+        if problem:
+            problems.append(problem)
+        elif value is not None:
+            if target in values and values[target] != value:
+                problems.append(f"`{name}` {value!r} and another name of it ({values[target]!r}) disagree; give one")
+            values[target] = value
+    if not isinstance(values.get("prompt"), str) or not values["prompt"].strip():
+        problems.append("`prompt` is required: the text to generate from")
+    problems += _size(fields.get("size"), values)
+    problems += _seconds(fields.get("seconds"), values, temporal)
+    if isinstance(fields.get("input_reference"), dict | str):
+        problems.append("`input_reference` must be a file uploaded as multipart/form-data (an image or a clip)")
+    if problems:
+        return None, problems
+    if upload is not None:
+        values[upload.kind] = upload.filename or f"upload{upload.suffix}"
+    return dataclasses.replace(GenerationRequest(), **values), []
+
+
+def _size(size, values: dict) -> list[str]:
+    """``size`` "WxH" into width and height (each, if also given, must agree)."""
+    if size is None:
+        return []
+    parts = str(size).lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return [f"`size` must be WIDTHxHEIGHT in pixels (such as 1280x720), got {size!r}"]
+    width, height = (int(p) for p in parts)
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        if values.get(name, value) != value:
+            problems.append(f"`size` {size} and `{name}` {values[name]} disagree; give one")
+        values[name] = value
+    return problems
+
+
+def _seconds(seconds, values: dict, temporal: int) -> list[str]:
+    """``seconds`` into frames at the request's fps: the VAE's nearest frame count (1 + a
+    multiple of its temporal factor), unless ``num_frames`` says otherwise."""
+    if seconds is None:
+        return []
+    length = _converted(seconds, float)
+    if length is _REFUSED or length <= 0:
+        return [f"`seconds` must be a number above 0, got {seconds!r}"]
+    fps = values.get("fps", GenerationRequest.fps)
+    frames = 1 + max(1, round(length * fps / temporal)) * temporal
+    if "frames" in values and values["frames"] != frames:
+        return [f"`seconds` {seconds} ({frames} frames at {fps:g} fps) and `num_frames` {values['frames']} disagree"]
+    values["frames"] = frames
+    return []
+
+
+def request_problems(request: GenerationRequest, settings: RunSettings, root: Path | None, upload_path) -> list[str]:
+    """The launcher's checks of ``request`` against the served pipeline (``root``; None: the
+    demo), the upload read at ``upload_path``."""
+    if upload_path is not None:
+        kind = "image" if request.image else "video"
+        request = dataclasses.replace(request, **{kind: str(upload_path)})
+    values = OptionValues(request, settings)
+    problems = value_problems(values) + pipeline_problems(values, root)
+    problems += conditioning_problems(values, [])  # the upload's header and frames too
+    return sorted(set(problems))
+
+
+__all__ = ["FIELDS", "Upload", "request_of", "request_problems", "sniff_upload"]
