@@ -461,11 +461,11 @@ def test_careless_inputs_are_one_usage_error(tmp_path, capsys, case):
 
 
 def test_a_prompts_file_above_its_bound_is_refused_unread(tmp_path, capsys, monkeypatch):
-    from fsdp_fp8.cli import outputs
+    from fsdp_fp8.generation import prompts as reader
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox\n" * 100)
-    monkeypatch.setattr(outputs, "MAX_PROMPTS_FILE_BYTES", 999)
+    monkeypatch.setattr(reader, "MAX_PROMPTS_FILE_BYTES", 999)
     err = _usage_error(["--prompts", str(prompts)], capsys)
     assert f"--prompts {prompts} is 1,000 bytes; a prompts file is at most 999 bytes" in err
 
