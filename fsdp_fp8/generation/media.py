@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
+from fsdp_fp8.format.handles import broken_link
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -34,6 +35,8 @@ CONDITIONING = "conditioning input"  # the context of a run-time failure to read
 def _file_problem(option: str, path: str) -> str | None:
     if not os.path.lexists(path):
         return f"{option} {path}: no such file"
+    if link := broken_link(path):
+        return f"{option} {path} is {link}"
     if os.path.isdir(path):
         return f"{option} {path} is a directory; name an image file"
     if not os.path.isfile(path):

@@ -219,3 +219,60 @@ def test_a_corrupt_mp4_is_one_error_line_without_ffmpegs_banner(tmp_path, capsys
     with pytest.raises(ArgumentError) as failed:
         load_conditioning_video(str(clip))
     assert "ffmpeg version" not in str(failed.value) and str(clip) in str(failed.value)
+
+
+# --- wording: what the thing is, and every problem of a file ------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--image", "--video", "--prompts", "--report"])
+def test_a_symlink_loop_is_called_a_symlink_loop(tmp_path, capsys, option):
+    """It was "not a regular file (a device, pipe or socket)" (and, for --prompts, "no such file")."""
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop)
+    err = _refusal(capsys, option, str(loop), "--frames", "5", "--overwrite")
+    assert f"{option} {loop} is a symlink loop (a link that leads back to itself)" in err, err
+    assert "device, pipe or socket" not in err and "no such file" not in err, err
+
+
+@pytest.mark.parametrize("option", ["--image", "--video", "--prompts"])
+def test_a_dangling_link_names_where_it_leads(tmp_path, capsys, option):
+    link = tmp_path / "gone.png"
+    link.symlink_to(tmp_path / "nowhere.png")
+    err = _refusal(capsys, option, str(link), "--frames", "5")
+    assert f"{option} {link} is a symbolic link to {tmp_path / 'nowhere.png'}, which does not exist" in err, err
+
+
+def test_a_seed_that_is_no_integer_says_an_integer(tmp_path, capsys):
+    """A float seed in a JSON line got "it takes a int"; on the command line argparse's
+    "invalid int value"."""
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text('{"prompt": "a", "seed": 1.5}\n{"prompt": "b", "negative_prompt": 4}\n')
+    err = _refusal(capsys, "--prompts", str(lines))
+    assert "line 1: 'seed' is 1.5; it takes an integer" in err and "a int" not in err, err
+    assert "line 2: 'negative_prompt' is 4; it takes a string or null" in err, err
+    err = _refusal(capsys, "--seed", "1.5")
+    assert "argument --seed: expected an integer, got '1.5'" in err and "invalid int value" not in err, err
+
+
+def test_a_prompts_file_with_several_bad_lines_lists_every_problem(tmp_path, capsys):
+    """It showed the first and "(and 4 more)" where the docs promise every problem at once."""
+    lines = tmp_path / "requests.jsonl"
+    bad = [
+        '{"prompt": "a", "seed": -1}',
+        '{"prompt": "b", "colour": "red"}',
+        "a plain line is fine",
+        '{"prompt": 3}',
+        '{"prompt": "c", "image": 7}',
+        "{not json",
+    ]
+    lines.write_text("\n".join(bad) + "\n")
+    err = _refusal(capsys, "--prompts", str(lines))
+    for needle in (
+        "line 1: 'seed' -1 is outside 0 .. 2**63 - 1",
+        "line 2: unknown key 'colour'",
+        'line 4: a JSON line is an object with a "prompt" string',
+        "line 5: 'image' is 7; it takes a string",
+        "line 6 is not a JSON object",
+    ):
+        assert f"--prompts {lines}: {needle}" in err, (needle, err)
+    assert "more)" not in err and "line 3" not in err, err
