@@ -17,6 +17,7 @@ import textwrap
 from fsdp_fp8.cli import interrupts
 from fsdp_fp8.cli.outputs import check_output, planned_outputs, writable_file
 from fsdp_fp8.errors import ProblemsError
+from fsdp_fp8.format.handles import broken_link
 from fsdp_fp8.format.timeouts import MAX_TIMEOUT_S
 from fsdp_fp8.generation.checks import conditioning_problems, value_problems
 from fsdp_fp8.generation.declare import bounds_text, declared, flags_of, reference_rows, take
@@ -51,6 +52,14 @@ def epilog(classes: tuple[type, ...] = VALUE_CLASSES) -> str:
 
 Exit status: 0 success, 1 a failure while loading or running (one "error:" line),
 2 a usage error, 128 + N when ended by signal N (130 for Ctrl-C, 143 for SIGTERM)."""
+
+
+def integer(text: str) -> int:
+    """``12`` -> 12 (every option declared ``type=int``): argparse's own words would be "invalid int value"."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def token_ids(text: str) -> list[int]:
@@ -126,6 +135,8 @@ def add_option(parser_or_group, name: str, classes: tuple[type, ...] = VALUE_CLA
             keywords = dict(meta.cli)
             if isinstance(keywords.get("type"), str):
                 keywords["type"] = TEXT_PARSERS[keywords["type"]]
+            elif keywords.get("type") is int:
+                keywords["type"] = integer
             parser_or_group.add_argument(*flags_of(name, meta), dest=name, default=default, help=meta.help, **keywords)
             return
     raise KeyError(name)
@@ -208,7 +219,9 @@ def file_problems(args: argparse.Namespace) -> list[str]:
     if getattr(args, "report", None) is not None:
         problems += writable_file("--report", args.report, getattr(args, "overwrite", False))
     prompts = getattr(args, "prompts", None)
-    if prompts is not None and not os.path.exists(prompts):
+    if prompts is not None and (link := broken_link(prompts)):
+        problems.append(f"--prompts {prompts} is {link}")
+    elif prompts is not None and not os.path.exists(prompts):
         problems.append(f"--prompts {prompts}: no such file")
     elif prompts is not None and not os.path.isfile(prompts):
         problems.append(f"--prompts {prompts} is not a regular file (a directory, pipe or device); name a text file")

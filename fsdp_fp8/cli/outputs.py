@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
+from fsdp_fp8.format.handles import SYMLINK_LOOP, broken_link
 from fsdp_fp8.generation.results import output_path
 
 OUTPUT_SUFFIXES = (".png", ".mp4")
@@ -90,6 +91,8 @@ def writable_file(option: str, path: Path, overwrite: bool) -> list[str]:
     parent = path.absolute().parent
     if path.is_dir():
         return [f"{option} {path} is a directory; name a file"]
+    if broken_link(path) == SYMLINK_LOOP:  # a dangling link is written through (with --overwrite)
+        return [f"{option} {path} is {SYMLINK_LOOP}; name a file"]
     if path.exists() and not path.is_file():  # /dev/full, a pipe (its open would block), a socket
         return [f"{option} {path} is not a regular file (a device, pipe or socket); name a file"]
     if not parent.is_dir():

@@ -40,11 +40,11 @@ from fsdp_fp8.compose.pipeline import pipeline_name
 from fsdp_fp8.errors import ArgumentError, GenerationError, ProblemsError
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace
-from fsdp_fp8.generation.checks import unused_options
+from fsdp_fp8.generation.checks import ignored_options, unused_options
 from fsdp_fp8.generation.engine import LogObserver, tasks_of
 from fsdp_fp8.generation.loading import checkpoint_of, is_pipeline_root, load_engine
 from fsdp_fp8.generation.results import FAILED
-from fsdp_fp8.generation.values import GenerationRequest, Job, RunSettings
+from fsdp_fp8.generation.values import GenerationRequest, Job, OptionValues, RunSettings
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
 from fsdp_fp8.load.options import LoadOptions
 from fsdp_fp8.load.preflight import start_process_group
@@ -122,6 +122,7 @@ def run(job: Job) -> Report:
     t0 = time.perf_counter()
     if is_pipeline_root(path):  # a diffusers pipeline: fsdp_fp8.cli.generate
         _warn_unused(job, "pipeline", "a diffusers pipeline")
+        _warn_ignored(job)
         with watch_peers(stall_s=stall_s_for(settings.timeout), what="during the pipeline's load or generation"):
             return _warn_no_fp8(_run_pipeline(job, path, options, mesh), path)
     if job.request.prompts or job.request.output:
@@ -289,6 +290,13 @@ def _warn_unused(job: Job, kind: str, what: str) -> None:
             what,
             "is" if len(unused) == 1 else "are",
         )
+
+
+def _warn_ignored(job: Job) -> None:
+    """Options given whose effect this pipeline run never reaches are said once, on rank 0."""
+    if rank_and_world()[0] == 0:
+        for note in ignored_options(OptionValues(job.request, job.settings), set(job.given)):
+            log.warning("%s", note)
 
 
 def _warn_no_fp8(report: Report, path) -> Report:

@@ -41,6 +41,7 @@ from fsdp_fp8.interop.diffusers_pipeline import (
     MODEL_INDEX,
     TRANSFORMER,
     guardrail_problem,
+    missing_components,
     pipeline_class,
     read_model_index,
 )
@@ -162,9 +163,10 @@ def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) 
 
 
 def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
-    """What would fail after the load, refused before it: a guardrail the pipeline builds whose
-    package is missing (not a traceback from diffusers), an attention backend that cannot run."""
-    problems = []
+    """What would fail after the load, refused before it: a component folder ``model_index.json``
+    names that is missing, a guardrail the pipeline builds whose package is missing (not a
+    traceback from diffusers), an attention backend that cannot run."""
+    problems = missing_components(root, index, components)
     if guardrail := guardrail_problem(index, components):
         problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
     if attention_backend is not None:

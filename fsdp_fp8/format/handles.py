@@ -14,6 +14,7 @@ device, socket, directory), and a JSON file is read only up to ``MAX_JSON_BYTES`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import reprlib
@@ -313,3 +314,22 @@ def present(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+SYMLINK_LOOP = "a symlink loop (a link that leads back to itself)"
+
+
+def broken_link(path: str | Path) -> str | None:
+    """What a symbolic link at ``path`` that leads nowhere is, in words ("a symlink loop", "a
+    symbolic link to ``target``, which does not exist"), or None (no link, or one that resolves)."""
+    try:
+        os.stat(path)
+        return None
+    except ValueError:  # a NUL in the path: no link either
+        return None
+    except OSError as exc:
+        if not os.path.islink(path):
+            return None
+        if exc.errno == errno.ELOOP:
+            return SYMLINK_LOOP
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"

@@ -89,6 +89,19 @@ def _world_size() -> int:
         return 1
 
 
+def ignored_options(values, given: set[str]) -> list[str]:
+    """Options given that this run of a pipeline never reaches, each a warning (the run goes on):
+    ``--vae-tiling`` without ``--output`` (only an output's frames are decoded; a run without one
+    keeps latents, and a sound track, only). ``values``: the options as attributes."""
+    notes = []
+    if "vae_tiling" in given and not getattr(values, "output", None):
+        notes.append(
+            f"--vae-tiling {values.vae_tiling} chooses how an --output's frames are decoded; without --output "
+            "nothing is decoded (the latents are digested as they are), so it is ignored"
+        )
+    return notes
+
+
 def unused_options(given: set[str], kind: str) -> list[str]:
     """The given options a run of ``kind`` ignores, as ``--option`` names (sorted)."""
     used = USES.get(kind)

@@ -21,7 +21,11 @@ from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
 from fsdp_fp8.generation.declare import bounds
 from fsdp_fp8.generation.values import VALUE_CLASSES
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX, guardrail_problem  # imports no torch
+from fsdp_fp8.interop.diffusers_pipeline import (  # imports no torch
+    MODEL_INDEX,
+    guardrail_problem,
+    missing_components,
+)
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
 
 
@@ -81,7 +85,10 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
     if degree != 1:  # the degree against the world: options.value_problems
         heads = AttentionHeads.of(dict(factors.transformer), str(factors.transformer_config))
         problems += [f"--ulysses {degree}: {p}" for p in head_problems(heads, degree)]
+    problems += _condition_frame_problems(values, factors, demo=root is None)
     index = _model_index(root) if root is not None else {}
+    if root is not None:
+        problems += [f"--checkpoint: {p}" for p in missing_components(root, index)]
     if values.sound:
         problems += _sound_problems(root, index, factors)
     if getattr(values, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
@@ -134,6 +141,31 @@ def _size_problems(values, factors: PipelineFactors) -> list[str]:
             f"1, {1 + step}, {1 + 2 * step}, ... frames): use {below} or {below + step}"
         )
     return problems
+
+
+def _condition_frame_problems(values, factors: PipelineFactors, demo: bool) -> list[str]:
+    """``--condition-frames`` against the latent timeline of the frames generated: ``1 + (frames -
+    1) // scale_factor_temporal`` latent frames (the pipeline's own count). Unchecked when the frame
+    count is the pipeline's own default (not known here) or its VAE does not say its factor."""
+    indexes = getattr(values, "condition_frames", None)
+    frames, step = _in_bounds(values, "frames"), factors.temporal
+    if frames is None and demo:  # the demo's video: generation.loading.demo_sizes
+        from fsdp_fp8.generation.demo import DEMO_CONDITIONED_FRAMES
+
+        frames = DEMO_CONDITIONED_FRAMES if (values.image or values.video or values.sound) else None
+    if not indexes or frames is None or frames == 1 or not step:  # frames 1: refused on its own
+        return []
+    latent = 1 + (frames - 1) // step
+    outside = [i for i in indexes if isinstance(i, int) and i >= latent]
+    if not outside:
+        return []
+    given = f"--frames {frames}" if getattr(values, "frames", None) is not None else f"the demo's {frames} frames"
+    named = f"latent frame {outside[0]} is" if len(outside) == 1 else f"latent frames {outside} are"
+    return [
+        f"--condition-frames {','.join(str(i) for i in indexes)}: {named} outside the latent timeline of "
+        f"{given}: {latent} latent frames, 0..{latent - 1} (1 + ({frames} - 1) // {step}, `{TEMPORAL}` {step} "
+        f"in {factors.vae_config})"
+    ]
 
 
 def _in_bounds(values, name: str) -> int | None:

@@ -43,9 +43,8 @@ def read_prompts(prompts: str | None, prompt: str) -> list[Prompt]:
     read = [_prompt_of(number, line, Path(prompts).parent, problems) for number, line in lines]
     long = [f"line {p.line} {problem}" for p in read if (problem := prompt_problem(p.text))]
     problems += long
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ArgumentError(f"--prompts {prompts}: {problems[0]}{more}", "launcher options")
+    if problems:  # every line's problems at once, as every other usage error
+        raise ArgumentError([f"--prompts {prompts}: {p}" for p in problems], "launcher options")
     return read
 
 
@@ -74,6 +73,7 @@ def _prompt_lines(prompts: str) -> list[tuple[int, str]]:
 
 # A JSON line's keys and the types each takes (None: the command line's value)
 JSON_KEYS = {"prompt": (str,), "negative_prompt": (str, type(None)), "image": (str,), "video": (str,), "seed": (int,)}
+TYPE_WORDS = {str: "a string", int: "an integer", type(None): "null"}  # JSON's words for them
 
 
 def _prompt_of(number: int, line: str, directory: Path, problems: list[str]) -> Prompt:
@@ -93,7 +93,9 @@ def _prompt_of(number: int, line: str, directory: Path, problems: list[str]) -> 
     for key, types in JSON_KEYS.items():
         value = fields.get(key)
         if key in fields and (not isinstance(value, types) or isinstance(value, bool)):
-            problems.append(f"line {number}: {key!r} is {value!r}; it takes a {' or '.join(t.__name__ for t in types)}")
+            problems.append(
+                f"line {number}: {key!r} is {value!r}; it takes {' or '.join(TYPE_WORDS[t] for t in types)}"
+            )
     seed = fields.get("seed")
     if isinstance(seed, int) and not 0 <= seed < 2**63:
         problems.append(f"line {number}: 'seed' {seed} is outside 0 .. 2**63 - 1")

@@ -53,6 +53,19 @@ WHAT, PIPELINES, CONDITIONING, LM, SHARDING, QUANTIZING, REPORTING = (
 GROUPS = (WHAT, PIPELINES, CONDITIONING, LM, SHARDING, QUANTIZING, REPORTING)
 
 
+def frame_index_problems(indexes) -> list[str]:
+    """Why ``indexes`` (``--condition-frames``) are no latent frame indexes: none, or one below 0
+    (the timeline's end is the pipeline's: ``generation.inputs``)."""
+    shown = ",".join(str(i) for i in indexes)
+    if not indexes:
+        return ["--condition-frames lists no latent frame index; give one or more, e.g. 0,1"]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in indexes):
+        return [f"--condition-frames takes latent frame indexes (integers such as 0,1), got {tuple(indexes)!r}"]
+    if min(indexes) < 0:
+        return [f"--condition-frames {shown}: a latent frame index is >= 0, got {min(indexes)}"]
+    return []
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One request of a run: ``--prompt`` (with ``--image`` / ``--video``), or one line of
@@ -199,12 +212,14 @@ class GenerationRequest:
     )
     condition_frames: tuple[int, ...] | None = option(
         None,
-        "with --video: the latent frames kept clean (default: the pipeline's, 0,1)",
+        "with --video: the latent frames kept clean, each >= 0 and inside the latent timeline (1 + (--frames - 1) / "
+        "the VAE's `scale_factor_temporal` latent frames; default: the pipeline's, 0,1)",
         CONDITIONING,
         PIPELINE,
         type="frame_indexes",
         metavar="I,J",
         per_request=True,
+        check=frame_index_problems,
     )
     condition_keep: str | None = option(
         None,

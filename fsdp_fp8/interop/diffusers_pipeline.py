@@ -51,6 +51,31 @@ def read_model_index(root: Path) -> dict:
     return index
 
 
+# The libraries whose components ``from_pretrained`` reads from a folder of the root's own name
+FOLDER_LIBRARIES = ("diffusers", "transformers")
+SAFETY_CHECKER = "safety_checker"  # the guardrail: its own package, checked by ``guardrail_problem``
+
+
+def missing_components(root: Path, index: dict, components: dict | None = None) -> list[str]:
+    """The components ``model_index.json`` (``index``) names whose folder under ``root`` is
+    missing, each naming the component and the folder (sorted); ``components``: those the caller
+    hands ``from_pretrained`` itself (not read from a folder). Without this a missing folder is
+    diffusers' "no file named config.json" after the transformer's whole load."""
+    components = components or {}
+    problems = []
+    for name, entry in sorted(index.items()):
+        if name.startswith("_") or name in (TRANSFORMER, SAFETY_CHECKER) or name in components:
+            continue
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in FOLDER_LIBRARIES and entry[1]):
+            continue  # [null, null]: a component the pipeline goes without
+        if not (root / name).is_dir():
+            problems.append(
+                f"{root / MODEL_INDEX} names the component `{name}` ({entry[0]}.{entry[1]}), but its folder "
+                f"{root / name} does not exist"
+            )
+    return problems
+
+
 GUARDRAIL_PACKAGE = "cosmos_guardrail"  # diffusers' Cosmos pipelines: from cosmos_guardrail import CosmosSafetyChecker
 
 

@@ -401,7 +401,8 @@ def _careless(tmp_path: Path, case: str) -> tuple[list[str], str]:
         huge = tmp_path / "huge.txt"
         huge.write_text("a red fox\n" + "x" * (1 << 20) + "\nanother\n" + "y" * 20_000 + "\n")
         return ["--prompts", str(huge)], (
-            f"--prompts {huge}: line 2 is 1,048,576 bytes; a prompt is at most 16,384 bytes (UTF-8) (and 1 more)"
+            f"--prompts {huge}: line 2 is 1,048,576 bytes; a prompt is at most 16,384 bytes (UTF-8); "
+            f"--prompts {huge}: line 4 is 20,000 bytes"
         )
     if case == "device":
         return ["--report", "/dev/full", "--overwrite"], "--report /dev/full is not a regular file"

@@ -137,3 +137,33 @@ def test_vae_tiling_takes_its_three_words_and_refuses_others_before_the_load(cap
     with pytest.raises(SystemExit) as exit_:
         parse_run_args(["--vae-tiling", "always"])
     assert exit_.value.code == 2 and "--vae-tiling: invalid choice: 'always'" in capsys.readouterr().err
+
+
+def _run_one(argv: list[str], report: Path, caplog) -> dict:
+    from fsdp_fp8.cli.runner import main
+
+    with caplog.at_level("WARNING", logger="fsdp_fp8"):
+        assert main([*argv, "--report", str(report)]) == 0
+    return json.loads(report.read_text())
+
+
+def test_sound_with_tiling_on_decodes_the_frames_as_asked_and_the_report_names_it(demo_root, tmp_path, caplog, capsys):
+    """``--sound --vae-tiling on`` (issue 49): the split decode takes the frames, the pipeline the
+    track, and the report names the decode that ran; ``--vae-tiling`` without ``--output`` (nothing
+    decoded) is said to be ignored, once."""
+    size = ["--checkpoint", str(demo_root), "--frames", "5", "--height", "32", "--width", "32", "--steps", "1"]
+    out = tmp_path / "fox.mp4"
+    result = _run_one([*size, "--sound", "--vae-tiling", "on", "--output", str(out)], tmp_path / "a.json", caplog)
+    row = result["outputs"][0]
+    assert row["sound_sha256"] and out.stat().st_size > 0
+    assert row["vae_decode"].startswith("untiled (--vae-tiling on: the latent fits one"), row  # 32 x 32: one tile
+    assert f"(VAE decode {row['vae_decode']})" in capsys.readouterr().out
+    assert "ignored" not in caplog.text
+    caplog.clear()
+    result = _run_one([*size, "--sound", "--vae-tiling", "on"], tmp_path / "b.json", caplog)
+    assert "vae_decode" not in result["outputs"][0]
+    notes = [r.getMessage() for r in caplog.records if "--vae-tiling" in r.getMessage()]
+    assert notes == [
+        "--vae-tiling on chooses how an --output's frames are decoded; without --output nothing is decoded (the "
+        "latents are digested as they are), so it is ignored"
+    ]
