@@ -128,3 +128,19 @@ def test_a_round_mixing_sound_and_silent_requests_is_refused_before_any_call(eng
     loud = Task(1, Prompt("b"), GenerationRequest(steps=2, frames=5, width=32, height=32, sound=True))
     with pytest.raises(ArgumentError, match="sound or not"):
         engine.run_round([silent, loud])
+
+
+def test_a_restarted_store_serves_finished_jobs_again_and_fails_the_unfinished(tmp_path):
+    """Records are files: a new store on the directory finds them (a server restart)."""
+    from fsdp_fp8.serve.jobs import JobStore
+
+    before = JobStore(tmp_path, max_queue=4)
+    done, waiting = _job(before, "done", steps=2), _job(before, "waiting", steps=2)
+    before.take(1, lambda a, b: False)
+    before.finish(done, "completed", latent_sha256="ab" * 32)
+    (tmp_path / "video_not-an-id.json").write_text("{}")  # not one of ours: left alone
+    after = JobStore(tmp_path, max_queue=4)
+    assert after.restore() == 2
+    assert after.get(done).status == "completed" and after.get(done).latent_sha256 == "ab" * 32
+    assert after.get(waiting).status == "failed" and after.get(waiting).error["code"] == "server_restarted"
+    assert after.queue == [] and after.get("../video_not-an-id") is None
