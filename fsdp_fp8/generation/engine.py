@@ -88,6 +88,13 @@ def tasks_of(request: GenerationRequest, *, decode: bool = False, key: str = "")
     return tasks
 
 
+def failure_line(exc: BaseException) -> str:
+    """A request's failure as one line: the type and, for our errors, every problem joined."""
+    problems = getattr(exc, "problems", None)
+    text = "; ".join(problems) if isinstance(problems, list) and problems else str(exc)
+    return f"{type(exc).__name__}: {' '.join(text.split())}"
+
+
 def round_key(request: GenerationRequest) -> tuple:
     """What the tasks of one round share: their ranks' FSDP all-gathers must pair up, so every
     request group calls the same transformer modules as often (steps; the unconditional pass when
@@ -210,7 +217,7 @@ class Engine:
         except RequestAbortedError:  # a peer failed before the first forward: its end note says how
             pass
         except Exception as exc:  # this rank's own: its peers learn it at the next meeting
-            failure = f"{type(exc).__name__}: {exc}"
+            failure = failure_line(exc)
             self._meet_after_failure(meeting, failure, serial)
         if failure is not None or agreed is not None or meeting.stopped:
             _release_memory(self.device)

@@ -151,8 +151,13 @@ def test_every_rank_ends_with_the_same_results(faults):
 
 def test_a_failure_before_the_first_forward_fails_its_request_on_every_rank_and_stops_its_round(faults):
     (neighbour, error), (failed, message) = faults[0]["before"]
-    assert failed == "failed" and message.startswith("rank 1: OSError") and "truncated" in message
-    assert neighbour == "failed" and faults[0]["stopped_with_round"] and "rank 1: OSError" in error
+    assert (
+        failed == "failed"
+        and message.startswith("rank 1: ArgumentError: image ")
+        and "truncated.png cannot be read" in message
+    )
+    assert "\n" not in message
+    assert neighbour == "failed" and faults[0]["stopped_with_round"] and "rank 1: ArgumentError: image " in error
     assert faults[0]["after_before"] == faults[0]["alone"]  # the next round runs, to its own digest
 
 

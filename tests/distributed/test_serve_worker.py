@@ -102,17 +102,20 @@ def test_twenty_requests_failing_in_the_pipeline_leave_memory_where_one_left_it(
     held = held_bytes(engine.device)
     store = WatchedStore(tmp_path)
 
-    def failing():
-        job = _job(store, "fails", steps=2, frames=5)
-        (tmp_path / store.get(job).output).mkdir()
-        _serve_until_done(engine, store, tmp_path, [job])
-        record = store.get(job)
-        assert record.status == "failed" and "IsADirectoryError" in record.error["message"], record
+    def failing(count: int) -> int:
+        """``count`` failing jobs, queued at once and served; the bytes held after them."""
+        jobs = [_job(store, "fails", steps=2, frames=5) for _ in range(count)]
+        for job in jobs:
+            (tmp_path / store.get(job).output).mkdir()
+        _serve_until_done(engine, store, tmp_path, jobs)
+        for job in jobs:
+            record = store.get(job)
+            assert record.status == "failed" and "IsADirectoryError" in record.error["message"], record
         return held()
 
-    after_one = failing()
-    after = [failing() for _ in range(19)]
-    assert after[-1] <= after_one, (after_one, after)
+    after_one = failing(1)
+    after_twenty = failing(19)
+    assert after_twenty <= after_one, (after_one, after_twenty)
     ok = _job(store, "still serving", steps=2)
     _serve_until_done(engine, store, tmp_path, [ok])
     assert store.get(ok).status == "completed"
