@@ -199,6 +199,19 @@ def test_the_openai_client_runs_every_job_kind_and_each_gives_the_one_process_di
     assert server.get(f"/v1/videos/{done['text'].id}")[0] == 404
 
 
+def test_the_openai_example_of_usage_md_runs_as_written(server, inputs, tmp_path, monkeypatch):
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "usage.md").read_text(), re.S)
+                if "openai.OpenAI(" in b]  # fmt: skip
+    block = block.replace("http://127.0.0.1:8000", server.url)
+    for name, path in (("still.png", inputs["still"]), ("clip.mp4", inputs["clip"])):
+        block = block.replace(f'"{name}"', repr(str(path)))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block, namespace)
+    assert namespace["video"].status == "completed"
+    assert (tmp_path / "rain.mp4").read_bytes()[4:8] == b"ftyp"
+
+
 def test_two_jobs_queued_at_once_run_on_the_two_request_groups_together(server):
     """Both are in progress at once (one per group) and each keeps the digest it has alone."""
     client = _client(server)
