@@ -171,11 +171,16 @@ def inputs(tmp_path_factory):
     return _inputs(tmp_path_factory.mktemp("serve-inputs"))
 
 
+@pytest.fixture(scope="module")
+def expected(demo_root, inputs):
+    return _reference(demo_root, inputs)
+
+
 def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_the_openai_client_runs_every_job_kind_and_each_gives_the_one_process_digests(server, inputs, demo_root):
+def test_the_openai_client_runs_every_job_kind_and_each_gives_the_one_process_digests(server, inputs, expected):
     client = _client(server)
     created = {}
     for name, (fields, upload) in JOBS.items():
@@ -185,7 +190,6 @@ def test_the_openai_client_runs_every_job_kind_and_each_gives_the_one_process_di
         assert created[name].status == "queued" and created[name].object == "video"
     done = {name: client.videos.poll(video.id, poll_interval_ms=200) for name, video in created.items()}
     records = {name: server.get(f"/v1/videos/{video.id}")[1] for name, video in done.items()}
-    expected = _reference(demo_root, inputs)
     for name, record in records.items():
         assert record["status"] == "completed", record
         assert record["progress"] == 100 and record["steps_run"] == STEPS
@@ -346,5 +350,18 @@ def test_a_lost_rank_fails_the_jobs_naming_it_and_every_process_exits_non_zero(d
         for job in (running, queued):
             record = json.loads((tmp_path / "out" / f"{job.id}.json").read_text())
             assert record["status"] == "failed" and "rank 1" in record["error"]["message"], record
+    finally:
+        ranks.stop()
+
+
+@pytest.mark.parametrize("layout", [["--cfg-parallel"], ["--ulysses", "2"]], ids=["cfg2", "ulysses2"])
+def test_a_request_on_two_ranks_of_one_request_gives_the_one_process_digests(demo_root, tmp_path, expected, layout):
+    ranks = Ranks(2, tmp_path, str(demo_root.parent), *layout)
+    try:
+        client = _client(ranks)
+        video = client.videos.create(prompt="a text job", extra_body={"num_inference_steps": STEPS, "seed": 3})
+        assert client.videos.poll(video.id, poll_interval_ms=200).status == "completed"
+        record = ranks.get(f"/v1/videos/{video.id}")[1]
+        assert {k: record[k] for k in expected["text"]} == expected["text"]
     finally:
         ranks.stop()
