@@ -55,7 +55,7 @@ def serve_ranks(settings: RunSettings, serve_settings: ServeSettings, on_listeni
         restored = store.restore()
         if restored:
             log.info("%d job record(s) found in %s, served again", restored, output_dir)
-    previous = _on_sigterm(lambda: _drain(state, store))
+    previous = _on_sigterm(lambda: _drain(state))
     try:
         with watch_peers(stall_s=stall_s_for(settings.timeout), what="while serving"):
             engine, root = _load(settings)
@@ -170,12 +170,12 @@ def held_bytes(device):
     return held
 
 
-def _drain(state, store) -> None:
-    """SIGTERM: stop admitting; the queued jobs are cancelled, the running ones get the grace."""
+def _drain(state) -> None:
+    """SIGTERM: stop admitting (``/health`` and ``POST`` answer 503); rank 0's loop cancels the
+    queued jobs and gives the running round its grace. A signal handler takes no lock: it may
+    run while this thread holds the job store's."""
     if state.draining_since is None:
         state.draining_since = time.monotonic()
-        if store is not None:
-            store.drop_queued("the server is stopping (SIGTERM)")
 
 
 __all__ = ["held_bytes", "serve", "serve_ranks"]

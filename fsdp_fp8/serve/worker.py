@@ -128,6 +128,7 @@ class Worker:
     def _next_command(self) -> Command:
         state, store = self.state, self.store
         if state.draining_since is not None:
+            store.drop_queued("the server is stopping (SIGTERM)")
             return Command(STOP)
         with store.lock:
             if not store.queue:

@@ -98,4 +98,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fsdp_fp8.runtime.shutdown import shutdown_distributed
+
+    # not a finalizing exit: gloo's worker threads can abort it after the results (docs/shutdown.md)
+    shutdown_distributed(main())
