@@ -1,7 +1,8 @@
 """Settings every rank must share, agreed at load: two ranks handed ``load_pipeline`` different
 settings each raise the same ``ArgumentError`` naming the setting and both values, before the
 pipeline's files are read or a mesh is built (no hang, no run apart). An agreed load:
-test_request_agreement.py and test_launcher.py."""
+test_request_agreement.py and test_launcher.py. The launcher's and serve's agreement of their run
+settings (before their mesh) is the same exchange, checked here on its own."""
 
 from __future__ import annotations
 
@@ -37,7 +38,22 @@ def _refusals(rank: int, world: int, root: str) -> dict:
         except ArgumentError as exc:
             out[setting] = (type(exc).__name__, str(exc))
     out["read"], out["built"] = len(read), len(built)
+    out["run"] = _run_settings(rank, root)
     return out
+
+
+def _run_settings(rank: int, root: str) -> tuple[str, str | None]:
+    """The launcher's and serve's agreement (before their mesh): rank 1 given other run settings."""
+    from fsdp_fp8.errors import ArgumentError
+    from fsdp_fp8.generation.loading import agree_on_run_settings
+    from fsdp_fp8.generation.values import RunSettings
+
+    settings = RunSettings(vae_tiling="on", resident="all") if rank else RunSettings()
+    try:
+        agree_on_run_settings(settings, root, "auto")
+        return ("agreed", None)
+    except ArgumentError as exc:
+        return (type(exc).__name__, str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +75,15 @@ def test_the_error_shows_both_values(refusals):
     text = refusals[0]["attention_backend"][1]
     assert "attention_backend differs between ranks: rank 0 'native'; rank 1 'flex'" in text
     assert "cfg_parallel differs between ranks: rank 0 False; rank 1 True" in refusals[1]["cfg_parallel"][1]
+
+
+def test_the_launchers_run_settings_are_agreed_the_same_way(refusals):
+    assert refusals[0]["run"] == refusals[1]["run"]
+    kind, text = refusals[0]["run"]
+    assert kind == "ArgumentError", text
+    assert "vae_tiling differs between ranks: rank 0 'auto'; rank 1 'on'" in text
+    assert "resident differs between ranks: rank 0 'none'; rank 1 'all'" in text
+    assert text.count("differs between ranks") == 2, text
 
 
 def test_nothing_is_read_and_no_mesh_is_built_before_the_refusal(refusals):
