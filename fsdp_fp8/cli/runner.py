@@ -42,7 +42,7 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.generation.checks import ignored_options, unused_options
 from fsdp_fp8.generation.engine import LogObserver, tasks_of
-from fsdp_fp8.generation.loading import checkpoint_of, is_pipeline_root, load_engine
+from fsdp_fp8.generation.loading import agree_on_run_settings, checkpoint_of, is_pipeline_root, load_engine
 from fsdp_fp8.generation.results import FAILED
 from fsdp_fp8.generation.values import GenerationRequest, Job, OptionValues, RunSettings
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
@@ -117,6 +117,7 @@ def run(job: Job) -> Report:
     settings = job.settings
     if settings.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building
         check_ptq_checkpoint(open_checkpoint(path))
+    agree_on_run_settings(settings, path, job.request.step_policy)  # before the mesh: else ranks hang apart
     mesh = parallel_mesh_of(settings)
     options = load_options_of(settings, mesh)
     t0 = time.perf_counter()

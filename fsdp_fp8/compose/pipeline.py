@@ -1,7 +1,9 @@
 """``load_pipeline``: a diffusers pipeline whose transformer fsdp_fp8 loaded, sharded, with its step policy.
 
-    check model_index.json, the pipeline class and the parallel layout (world, degrees, the
-      transformer's heads, the diffusers facts CFG-parallel and Ulysses rely on), before any collective
+    agree_on_settings                    every rank given the same checkpoint, layout, backend, step policy,
+                                         timeout (else one ArgumentError on every rank, naming them)
+    -> check model_index.json, the pipeline class and the parallel layout (world, degrees, the
+      transformer's heads, the diffusers facts CFG-parallel and Ulysses rely on), alike on every rank
     -> build_mesh(layout)                one mesh: weights (replicate, shard), work (request, cfg, ulysses)
     -> load_model(transformer/)          the load over the mesh's weight dims (compose.model)
     -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
@@ -27,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_fp8.collective import distributed, rank_and_world
+from fsdp_fp8.collective import agree_on_settings, distributed, rank_and_world
 from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.compose.model import load_model
 from fsdp_fp8.errors import ArgumentError, LayoutError
-from fsdp_fp8.format.hub import resolve_hub_path
+from fsdp_fp8.format.hub import checkpoint_identity, resolve_hub_path
 from fsdp_fp8.format.remote_code import safe_pretrained_kwargs
 from fsdp_fp8.interop import cfg_parallel as cfg_facts
 from fsdp_fp8.interop import ulysses as ulysses_facts
@@ -81,16 +83,16 @@ def load_pipeline(
     ``mesh`` (a ``DeviceMesh`` for the weights; default: every rank), or over the weight dims of a
     ``ParallelMesh`` (``fsdp_fp8.build_mesh``), whose layout then gives the work dims too.
 
-    ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy dict.
-    ``towers`` overrides the tower map. ``options`` (``LoadOptions``) and keyword arguments named
-    like its fields (``device``, ``read_options``, ``timeout_s``, ...) go to ``load_model``; every
-    other keyword argument goes to the pipeline's ``from_pretrained`` (e.g.
-    ``safety_checker=None``); a ``transformer``, ``trust_remote_code`` or ``custom_pipeline`` is
-    refused, and ``local_files_only`` is always set. Collective under a process group, like
-    ``load_model``. ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and
-    ``fsdp_fp8.routing_of(pipe.transformer)`` the routing (its ``trace``: one precision per step
-    run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``); ``fsdp_fp8.loaded_of(pipe).close()``
-    lets the transformer go at once (its storage freed; the other components are diffusers').
+    ``step_policy``: ``"auto"`` (the checkpoint's), ``"off"`` (every step W8A8) or a policy dict. ``towers``
+    overrides the tower map. ``options`` (``LoadOptions``) and keyword arguments named like its fields (``device``,
+    ``read_options``, ``timeout_s``, ...) go to ``load_model``; every other keyword argument goes to the pipeline's
+    ``from_pretrained`` (e.g. ``safety_checker=None``); a ``transformer``, ``trust_remote_code`` or
+    ``custom_pipeline`` is refused, and ``local_files_only`` is always set. Collective under a process group, like
+    ``load_model``, its ranks given the same settings (else one ``ArgumentError`` on every rank).
+    ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and ``fsdp_fp8.routing_of(pipe.transformer)`` the routing
+    (its ``trace``: one precision per step run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``);
+    ``fsdp_fp8.loaded_of(pipe).close()`` lets the transformer go at once (its storage freed; the other components
+    are diffusers').
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``). ``ulysses`` (``sequence_parallel``: the same, its older
@@ -110,16 +112,16 @@ def load_pipeline(
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     given = mesh.layout if isinstance(mesh, ParallelMesh) else None
     layout_args = _work_degrees(given, cfg_parallel, ulysses, sequence_parallel)
-    weights = mesh.weights if isinstance(mesh, ParallelMesh) else mesh
-    options = load_options(options, mesh=weights, **settings)
+    options = load_options(options, mesh=mesh.weights if isinstance(mesh, ParallelMesh) else mesh, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
+    _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options)  # before any read
     index = read_model_index(root)
     with quiet_imports():
         cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
     if TRANSFORMER in kwargs:
         raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
-    layout = _layout(root, cls, given, *layout_args)  # before the first collective: alike on every rank
+    layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
     _refuse_before_load(root, index, components, attention_backend, options.device)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
@@ -133,6 +135,23 @@ def load_pipeline(
     _attach_work(pipe, routing, layout, mesh, options.timeout_s)
     LOADED.set(pipe, loaded)
     return pipe
+
+
+def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options) -> None:
+    """Before anything is read: every rank given the same checkpoint (``format.hub.checkpoint_identity``),
+    layout, attention backend, step policy and timeout (the device is each rank's own); a difference is
+    one ``ArgumentError`` on every rank naming the setting and which ranks hold which value."""
+    cfg_parallel, ulysses = layout_args
+    settings = {
+        "checkpoint": checkpoint_identity(root),
+        "cfg_parallel": cfg_parallel,
+        "ulysses": ulysses,
+        "replicas": given.replicas if given is not None else 1,
+        "attention_backend": attention_backend,
+        "step_policy": step_policy,
+        "timeout_s": options.timeout_s,
+    }
+    agree_on_settings(settings, timeout_s=options.timeout_s, context="load_pipeline")
 
 
 def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):

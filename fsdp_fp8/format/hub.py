@@ -92,6 +92,19 @@ def resolve_hub_path(path: str | os.PathLike) -> Path:
     return _snapshot(match["repo"], match["revision"], None, text, f"{text!r}: no such directory{where}, and")
 
 
+def checkpoint_identity(path: str | os.PathLike) -> str:
+    """What ranks compare to know they load one checkpoint: a hub snapshot's repository folder and
+    commit (``models--org--name/snapshots/<commit>``, wherever each node's cache is), any other
+    directory its absolute path; a name that resolves to nothing, as given (the load says why)."""
+    try:
+        root = resolve_hub_path(path)
+    except (CheckpointPathError, FileNotFoundError):
+        return os.fspath(path)
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(_ROOT_PREFIX):
+        return "/".join(root.parts[-3:])
+    return os.path.abspath(root)
+
+
 def _snapshot(repo: str, revision: str | None, cache_dir: str | None, name: str, what: str) -> Path:
     if revision is not None:
         _check_revision(name, revision)

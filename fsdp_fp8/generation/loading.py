@@ -1,5 +1,5 @@
 """From run settings to a ready engine: which checkpoint (the given one, or the embedded demo),
-``load_pipeline`` with the settings' layout, backend and guardrail, then the ``Engine``.
+the settings every rank must share agreed before the mesh is built, ``load_pipeline`` with the settings' layout, backend and guardrail, then the ``Engine``.
 
 The launcher and the server call the same function; the Python API calls ``load_pipeline`` and
 ``Engine`` itself with the same values.
@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import logging
 
-from fsdp_fp8.collective import rank_and_world
+from fsdp_fp8.collective import agree_on_settings, rank_and_world
 from fsdp_fp8.compose.pipeline import load_pipeline
-from fsdp_fp8.format.hub import resolve_hub_path
+from fsdp_fp8.format.hub import checkpoint_identity, resolve_hub_path
 from fsdp_fp8.generation.engine import Engine
 from fsdp_fp8.generation.values import GenerationRequest, RunSettings
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
 
 log = logging.getLogger("fsdp_fp8")
+
+# What every rank must be given alike, besides the checkpoint and the step policy
+RUN_SETTINGS_TO_AGREE = (
+    "cfg_parallel",
+    "ulysses",
+    "replicas",
+    "attention_backend",
+    "vae_tiling",
+    "resident",
+    "resident_budget",
+    "safety_check",
+    "timeout",
+)
 
 
 def is_pipeline_root(path) -> bool:
@@ -50,6 +63,20 @@ def demo_sizes(request: GenerationRequest) -> GenerationRequest:
     return request.with_default_sizes(sizes)
 
 
+def agree_on_run_settings(settings: RunSettings, path, step_policy: str = "auto") -> None:
+    """Every rank given the same run settings (``collective.settings``), agreed before the mesh is
+    built: the checkpoint (its resolved directory), the layout, the attention backend, the decode,
+    residency, the step policy, the guardrail and the timeout. A difference is one ``ArgumentError``
+    on every rank naming each setting and which ranks hold which value. Nothing without a process
+    group of several ranks."""
+    agreed = {
+        "checkpoint": checkpoint_identity(path),
+        **{name: getattr(settings, name) for name in RUN_SETTINGS_TO_AGREE},
+        "step_policy": step_policy,
+    }
+    agree_on_settings(agreed, timeout_s=settings.timeout, context="cannot start the run")
+
+
 def load_engine(path, settings: RunSettings, *, step_policy: str = "auto", mesh=None, options=None, given=()) -> Engine:
     """``load_pipeline(path)`` as ``settings`` ask (over ``mesh``, the launcher's ``ParallelMesh``;
     or, in one process, the settings' degrees), then its ``Engine``. ``given``: the options set
@@ -73,4 +100,11 @@ def load_engine(path, settings: RunSettings, *, step_policy: str = "auto", mesh=
     return Engine(pipe, settings)
 
 
-__all__ = ["checkpoint_of", "demo_sizes", "is_pipeline_root", "load_engine"]
+__all__ = [
+    "RUN_SETTINGS_TO_AGREE",
+    "agree_on_run_settings",
+    "checkpoint_of",
+    "demo_sizes",
+    "is_pipeline_root",
+    "load_engine",
+]

@@ -100,18 +100,19 @@ def _load(settings: RunSettings):
     from fsdp_fp8.collective import distributed, rank_and_world
     from fsdp_fp8.format.hub import resolve_hub_path
     from fsdp_fp8.generation.demo import demo_checkpoint
-    from fsdp_fp8.generation.loading import load_engine
+    from fsdp_fp8.generation.loading import agree_on_run_settings, load_engine
     from fsdp_fp8.load.options import LoadOptions
     from fsdp_fp8.runtime.parallel_layout import ParallelLayout
     from fsdp_fp8.runtime.parallel_mesh import build_mesh
 
+    path = settings.checkpoint or demo_checkpoint()
+    agree_on_run_settings(settings, path)  # before the mesh: ranks given different settings stop here
     mesh = None
     if distributed():
         layout = ParallelLayout(rank_and_world()[1], settings.cfg_parallel, settings.ulysses, settings.replicas)
         mesh = build_mesh(layout, LoadOptions().device.type)
     options = LoadOptions(mesh=mesh.weights if mesh is not None else None, timeout_s=settings.timeout)
     given = {"attention_backend"} if settings.attention_backend != "native" else set()
-    path = settings.checkpoint or demo_checkpoint()
     engine = load_engine(path, settings, mesh=mesh, options=options, given=given)
     return engine, (resolve_hub_path(settings.checkpoint) if settings.checkpoint else None)
 
