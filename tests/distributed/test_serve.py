@@ -210,6 +210,14 @@ def test_the_openai_example_of_usage_md_runs_as_written(server, inputs, tmp_path
     for name, path in (("still.png", inputs["still"]), ("clip.mp4", inputs["clip"])):
         block = block.replace(f'"{name}"', repr(str(path)))
     monkeypatch.chdir(tmp_path)
+    create = openai.resources.videos.Videos.create
+
+    def at_demo_steps(self, **kwargs):  # the demo's 2 steps for every job, not a real model's default
+        return create(
+            self, **{**kwargs, "extra_body": {"num_inference_steps": STEPS, **(kwargs.get("extra_body") or {})}}
+        )
+
+    monkeypatch.setattr(openai.resources.videos.Videos, "create", at_demo_steps)
     namespace: dict = {}
     exec(block, namespace)
     assert namespace["video"].status == "completed"
