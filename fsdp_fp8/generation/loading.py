@@ -13,23 +13,10 @@ from fsdp_fp8.collective import agree_on_settings, rank_and_world
 from fsdp_fp8.compose.pipeline import load_pipeline
 from fsdp_fp8.format.hub import checkpoint_identity, resolve_hub_path
 from fsdp_fp8.generation.engine import Engine
-from fsdp_fp8.generation.values import GenerationRequest, RunSettings
+from fsdp_fp8.generation.values import RUN_SETTINGS_TO_AGREE, GenerationRequest, RunSettings
 from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
 
 log = logging.getLogger("fsdp_fp8")
-
-# What every rank must be given alike, besides the checkpoint and the step policy
-RUN_SETTINGS_TO_AGREE = (
-    "cfg_parallel",
-    "ulysses",
-    "replicas",
-    "attention_backend",
-    "vae_tiling",
-    "resident",
-    "resident_budget",
-    "safety_check",
-    "timeout",
-)
 
 
 def is_pipeline_root(path) -> bool:

@@ -409,6 +409,19 @@ class Job:
 
 VALUE_CLASSES = (GenerationRequest, RunSettings)
 
+# What every rank must be given alike, besides the checkpoint and the step policy
+RUN_SETTINGS_TO_AGREE = (
+    "cfg_parallel",
+    "ulysses",
+    "replicas",
+    "attention_backend",
+    "vae_tiling",
+    "resident",
+    "resident_budget",
+    "safety_check",
+    "timeout",
+)
+
 
 @dataclass(frozen=True)
 class OptionValues:
@@ -439,6 +452,7 @@ __all__ = [
     "GenerationRequest",
     "Job",
     "OptionValues",
+    "RUN_SETTINGS_TO_AGREE",
     "Prompt",
     "RunSettings",
     "VALUE_CLASSES",

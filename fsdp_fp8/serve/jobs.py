@@ -130,12 +130,8 @@ class JobStore:
     def update(self, job_id: str, **changes) -> None:
         with self.lock:
             record = self.jobs.get(job_id)
-            if record is None:
-                return
-            for key, value in changes.items():
-                setattr(record, key, value)
-            self._write(record)
-            self.changed.notify_all()
+            if record is not None:
+                self._apply(record, changes)
 
     def take(self, count: int, same_round) -> list[JobRecord]:
         """Up to ``count`` queued jobs that can share a round (``same_round(a, b)``), first in
@@ -195,26 +191,17 @@ class JobStore:
     def fail_unfinished(self, code: str, message: str) -> None:
         """Every queued and running job fails with ``message`` (a rank was lost)."""
         with self.lock:
-            for record in self.jobs.values():
+            for record in list(self.jobs.values()):
                 if record.status in (QUEUED, IN_PROGRESS):
-                    record.status, record.phase = FAILED, FAILED
-                    record.error = {"code": code, "message": message}
-                    record.completed_at = int(time.time())
-                    self._write(record)
+                    self._end(record, FAILED, error={"code": code, "message": message})
             self.queue.clear()
-            self.changed.notify_all()
 
     def drop_queued(self, message: str) -> None:
         """Every queued job is cancelled with ``message`` (the server is stopping)."""
         with self.lock:
-            for job_id in self.queue:
-                record = self.jobs[job_id]
-                record.status, record.phase, record.completed_at = CANCELLED, CANCELLED, int(time.time())
-                record.error = {"code": "server_stopping", "message": message}
-                self._remove_upload(record)
-                self._write(record)
+            for job_id in list(self.queue):
+                self._end(self.jobs[job_id], CANCELLED, error={"code": "server_stopping", "message": message})
             self.queue.clear()
-            self.changed.notify_all()
 
     def counts(self) -> dict[str, int]:
         with self.lock:
@@ -227,18 +214,24 @@ class JobStore:
         """A job ends: its status, its fields, its upload removed, its cancel forgotten."""
         with self.lock:
             record = self.jobs.get(job_id)
-            if record is None:
-                return
-            for key, value in changes.items():
-                setattr(record, key, value)
-            record.status, record.phase = status, status
-            record.completed_at = int(time.time())
-            if status == COMPLETED:
-                record.progress = 100
-            self.cancels.discard(job_id)
-            self._remove_upload(record)
-            self._write(record)
-            self.changed.notify_all()
+            if record is not None:
+                self._end(record, status, **changes)
+
+    def _end(self, record: JobRecord, status: str, **changes) -> None:
+        """(lock held) ``record`` ends as ``status`` with ``changes``; written, waiters told."""
+        record.status, record.phase, record.completed_at = status, status, int(time.time())
+        if status == COMPLETED:
+            record.progress = 100
+        self.cancels.discard(record.id)
+        self._remove_upload(record)
+        self._apply(record, changes)
+
+    def _apply(self, record: JobRecord, changes: dict) -> None:
+        """(lock held) ``changes`` into ``record``; written, waiters told."""
+        for key, value in changes.items():
+            setattr(record, key, value)
+        self._write(record)
+        self.changed.notify_all()
 
     def _remove_upload(self, record: JobRecord) -> None:
         if record.upload:

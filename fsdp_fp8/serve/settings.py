@@ -8,21 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_fp8.generation.declare import EVERY, option
+from fsdp_fp8.generation.values import RUN_SETTINGS_TO_AGREE
 
 SERVING = "serving"
-# The launcher's options a server takes as they are (fsdp_fp8.generation.values.RunSettings)
-SHARED = (
-    "checkpoint",
-    "cfg_parallel",
-    "ulysses",
-    "replicas",
-    "attention_backend",
-    "vae_tiling",
-    "resident",
-    "resident_budget",
-    "safety_check",
-    "timeout",
-)
+# The launcher's options a server takes as they are: the checkpoint and what every rank must be
+# given alike (fsdp_fp8.generation.values.RunSettings)
+SHARED = ("checkpoint", *RUN_SETTINGS_TO_AGREE)
 MAX_UPLOAD_BYTES = 64 << 20  # an input_reference, at most (an image or a short clip)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # addresses only this machine reaches
 MIN_KEY_CHARACTERS = 16
