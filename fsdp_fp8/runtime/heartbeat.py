@@ -86,11 +86,14 @@ class _Watch:
 
     # --- the beat and the look, on one thread, over the watch's own store client ---
 
+    def _publish(self, beat: int) -> None:
+        self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid} {self.namespace}")
+
     def _beat_and_look(self) -> None:
-        beat = 0
+        beat = 1  # beat 0 was published by ``start``, before the block
         while not self.stop.is_set():
             try:
-                self.store.set(f"{self.prefix}/{self.rank}", f"{beat} {self.host} {self.pid} {self.namespace}")
+                self._publish(beat)
                 beat += 1
                 for peer in list(self.seen):
                     self._look(peer)
@@ -141,6 +144,14 @@ class _Watch:
                 )
         return None
 
+    def look_at_everyone(self) -> None:
+        """Read every peer's latest beat now, from the calling thread (once the beat has stopped,
+        or where a starved beat thread may not have read a peer yet): who each peer is must be
+        known before a gone one can be named."""
+        for peer in list(self.seen):
+            with contextlib.suppress(Exception):
+                self._look(peer)
+
     def gone(self) -> str | None:
         """A peer whose process has ended, seen at once where it can be: on this host and in this
         PID namespace (torchrun's ranks of one node), where its pid is absent or a zombie. Not a
@@ -160,12 +171,13 @@ class _Watch:
         last word tells its peers the same), then reads its gone peers' keys for up to
         ``SIGNAL_WORD_BEATS`` intervals; one still without a "done" (killed outright) is named."""
         self.finish()
+        # A beat thread starved on a busy machine may not have read a peer yet: read them all
+        # here first (torchrun's SIGTERM can come within 0.1 s of a peer's death).
+        self.look_at_everyone()
         deadline = time.monotonic() + SIGNAL_WORD_BEATS * self.interval_s
         while (verdict := self.gone()) is not None and time.monotonic() < deadline:
             time.sleep(min(self.interval_s, 0.1))
-            for peer in list(self.seen):  # from this thread: the beat has stopped
-                with contextlib.suppress(Exception):
-                    self._look(peer)
+            self.look_at_everyone()  # from this thread: the beat has stopped
         return verdict
 
     def _judge(self) -> None:
@@ -181,6 +193,11 @@ class _Watch:
             os._exit(EXIT_CODE)
 
     def start(self) -> None:
+        """Publish the first beat from the calling thread, before the block: once any rank is
+        inside, every peer that entered can be named by host and pid, however late the beat
+        threads run (a store that fails now is judged by the beat thread, as any later beat)."""
+        with contextlib.suppress(Exception):
+            self._publish(0)
         self.beater = threading.Thread(target=self._beat_and_look, name="fsdp_fp8-heartbeat-beat", daemon=True)
         self.beater.start()
         threading.Thread(target=self._judge, name="fsdp_fp8-heartbeat-judge", daemon=True).start()
@@ -228,6 +245,7 @@ class _Watch:
         try:
             return self.wait_for_verdict()
         except BaseException:
+            self.look_at_everyone()
             verdict = self.gone()
             if verdict is None:
                 raise

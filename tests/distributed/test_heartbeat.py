@@ -51,10 +51,12 @@ def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow
     return "finished"
 
 
-def _signalled_while_watched(rank: int, settle_s: float, interval_s: float, kill_rank_1: bool, signum: int):
+def _signalled_while_watched(
+    rank: int, settle_s: float, interval_s: float, kill_rank_1: bool, signum: int, rank_1_late_s: float = 0.0
+):
     """Both ranks in a watch with signal handlers installed (as the launcher's ranks are), past
     their first beats; rank 1 first killed (SIGKILL) or sent ``signum``; rank 0 sent ``signum``
-    once rank 1's process is gone."""
+    once rank 1's process is gone. ``rank_1_late_s``: rank 1 enters the watch that much later."""
     import time
 
     import torch
@@ -66,6 +68,8 @@ def _signalled_while_watched(rank: int, settle_s: float, interval_s: float, kill
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
     interrupts.install()
+    if rank == 1:
+        time.sleep(rank_1_late_s)
     with watch_peers(stall_s=bound(30.0), interval_s=interval_s):
         dist.all_reduce(torch.ones(1))
         time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
@@ -82,6 +86,13 @@ def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
     """Rank 1 dies between two collectives; rank 0, inside no collective, is then sent SIGTERM,
     as torchrun sends it to the other ranks once one has died."""
     return _signalled_while_watched(rank, settle_s, INTERVAL_S, True, signal.SIGTERM)
+
+
+def _stopped_before_its_beat_thread_read_the_peer(rank: int, world: int):
+    """As ``_stopped_after_the_peer_died``, but rank 0's beat thread never read rank 1's beat
+    (a thread starved on a busy machine, here: its only look came before rank 1 entered, and the
+    next is 3 s away) when torchrun's SIGTERM comes, within 0.1 s of rank 1's death."""
+    return _signalled_while_watched(rank, 0.0, 3.0, True, signal.SIGTERM, rank_1_late_s=1.0)
 
 
 def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
@@ -158,6 +169,21 @@ def test_a_rank_stopped_after_a_peer_died_names_the_peer(monkeypatch):
     assert "rank 0 raised:" in message and "PeerLostError: " in message, message
     _gone(message, 1)
     assert "this rank was then stopped by SIGTERM" in message, message
+
+
+def test_a_peer_killed_before_the_beat_thread_read_it_is_named(monkeypatch):
+    """CI once printed only `stopped by SIGTERM` for a rank killed under the launcher's
+    --cfg-parallel: the survivor's beat thread, starved, had not read the peer's beat, so it knew
+    no pid to find gone. The first beat is now published before the block, and the signalled
+    rank reads every peer itself before it judges."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_stopped_before_its_beat_thread_read_the_peer, 2, timeout=300)
+    message = str(info.value)
+    assert "rank 0 raised:" in message and "PeerLostError: " in message, message
+    _gone(message, 1)
 
 
 def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
