@@ -161,6 +161,13 @@ class _Watch:
             processes = {p: v for p, v in self.processes.items() if p not in self.done}
         for peer, (host, pid, namespace) in sorted(processes.items()):
             if host == self.host and namespace and namespace == self.namespace and _process_gone(pid):
+                # Its last word may have come since the beat thread looked: a peer that left the
+                # block itself (with its own error, which it reports) said "done" before it ended.
+                with contextlib.suppress(Exception):
+                    self._look(peer)
+                with self.lock:
+                    if peer in self.done:
+                        continue
                 return f"rank {peer} ({self.who[peer]}) ended {self.what}: its process is gone"
         return None
 

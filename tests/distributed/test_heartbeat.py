@@ -95,6 +95,25 @@ def _stopped_before_its_beat_thread_read_the_peer(rank: int, world: int):
     return _signalled_while_watched(rank, 0.0, 3.0, True, signal.SIGTERM, rank_1_late_s=1.0)
 
 
+def _the_same_error_one_after_the_other(rank: int, world: int):
+    """Every rank fails on the same input inside the watch: rank 0 at once (it waits for rank 1's
+    beats, says its last word and exits, as the launcher's rank 0 does once it has printed), rank
+    1 once rank 0's process is gone, its beat thread not having looked since (a 3 s interval)."""
+    import time
+
+    import torch.distributed as dist
+
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    with watch_peers(stall_s=bound(30.0), interval_s=3.0):
+        if rank == 1:
+            while _alive(pids[0]):
+                time.sleep(0.02)
+        raise ValueError("the same bad input on every rank")
+
+
 def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
     """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
     leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
@@ -184,6 +203,20 @@ def test_a_peer_killed_before_the_beat_thread_read_it_is_named(monkeypatch):
     message = str(info.value)
     assert "rank 0 raised:" in message and "PeerLostError: " in message, message
     _gone(message, 1)
+
+
+def test_a_peer_that_failed_on_the_same_input_and_ended_is_not_named(monkeypatch):
+    """Issue 49: a truncated image failed every rank, and rank 1 once reported rank 0 as "ended
+    during the pipeline's load or generation" (rank 0 had printed the error and exited). A peer
+    whose last word is in the store left the block itself: each rank raises its own error."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_the_same_error_one_after_the_other, 2, timeout=300)
+    message = str(info.value)
+    assert message.count("ValueError: the same bad input on every rank") == 2, message
+    assert "PeerLostError" not in message and "its process is gone" not in message, message
 
 
 def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
