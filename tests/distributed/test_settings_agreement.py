@@ -39,6 +39,46 @@ def _refusals(rank: int, world: int, root: str) -> dict:
             out[setting] = (type(exc).__name__, str(exc))
     out["read"], out["built"] = len(read), len(built)
     out["run"] = _run_settings(rank, root)
+    out["each"] = _each_run_setting(rank, root)
+    return out
+
+
+# Rank 1's value of each setting the launcher and serve agree on (rank 0 keeps the defaults).
+RANK_1_VALUES = {
+    "cfg_parallel": True,
+    "ulysses": 2,
+    "replicas": 2,
+    "attention_backend": "flex",
+    "vae_tiling": "on",
+    "resident": "all",
+    "resident_budget": 10**9,
+    "safety_check": "off",
+    "timeout": 123.0,
+}
+
+
+def _each_run_setting(rank: int, root: str) -> dict:
+    """Each agreed setting in turn differing on rank 1 alone (the run settings, the step policy and
+    the checkpoint): what each rank raised."""
+    import dataclasses
+    import tempfile
+
+    from fsdp_fp8.errors import ArgumentError
+    from fsdp_fp8.generation.loading import agree_on_run_settings
+    from fsdp_fp8.generation.values import RunSettings
+
+    cases = {name: ({name: value} if rank else {}, root, "auto") for name, value in RANK_1_VALUES.items()}
+    cases["step_policy"] = ({}, root, "off" if rank else "auto")
+    with tempfile.TemporaryDirectory() as elsewhere:
+        cases["checkpoint"] = ({}, elsewhere if rank else root, "auto")
+        out = {}
+        for name, (changed, path, policy) in cases.items():
+            settings = dataclasses.replace(RunSettings(), **changed)
+            try:
+                agree_on_run_settings(settings, path, policy)
+                out[name] = ("agreed", None)
+            except ArgumentError as exc:
+                out[name] = (type(exc).__name__, str(exc))
     return out
 
 
@@ -88,3 +128,18 @@ def test_the_launchers_run_settings_are_agreed_the_same_way(refusals):
 
 def test_nothing_is_read_and_no_mesh_is_built_before_the_refusal(refusals):
     assert [(refusals[rank]["read"], refusals[rank]["built"]) for rank in (0, 1)] == [(0, 0), (0, 0)]
+
+
+def test_the_values_cover_every_setting_the_ranks_agree_on():
+    """A setting added to the agreement needs its case here."""
+    from fsdp_fp8.generation.values import RUN_SETTINGS_TO_AGREE
+
+    assert sorted(RANK_1_VALUES) == sorted(RUN_SETTINGS_TO_AGREE)
+
+
+@pytest.mark.parametrize("setting", [*RANK_1_VALUES, "step_policy", "checkpoint"])
+def test_each_agreed_setting_differing_on_one_rank_is_refused_on_both_naming_it(refusals, setting):
+    outcomes = [refusals[rank]["each"][setting] for rank in (0, 1)]
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ArgumentError", outcomes
+    text = outcomes[0][1]
+    assert f"{setting} differs between ranks: rank 0 " in text and text.count("differs between ranks") == 1, text
