@@ -1,6 +1,6 @@
 """torch 2.10 through 2.13: the older-torch paths, forced on whatever torch runs the suite.
 
-What differs across the range and what we do (README "Supported torch"):
+What differs across the range and what we do (docs/compatibility.md):
 - ``torch.distributed.all_gather_single`` exists from 2.13 (FSDP2 calls it there); 2.10-2.12
   have only ``all_gather_into_tensor`` (FSDP2 calls that): ``fsdp_fp8.runtime.collectives``.
 - the CPU ``torch._scaled_mm`` takes per-row scales from 2.13 only: tests/distributed/test_ptq.py.
