@@ -22,10 +22,15 @@ bfloat16; NCCL takes the same calls).
 diffusers' private seams this relies on (``clear_cache``, ``_feat_map``, ``_conv_idx``,
 ``tile_sample_*``, ``blend_v`` / ``blend_h``, ``unpatchify``) are guarded by
 tests/distributed/test_vae_decode.py: the split result equals ``vae.decode`` with tiling on, byte for byte.
+
+On CPU the decode runs on one intra-op thread (``one_thread_on_cpu``): oneDNN's convolutions
+round by how their work is split over threads, so a one-rank run on every core would give other
+frames than ranks of one thread each (torchrun's default), while the latent is the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -306,6 +311,22 @@ def request_decode(mesh) -> RequestDecode | None:
     return RequestDecode(team.get_group(), team.get_local_rank(), team.size())
 
 
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device):
+    """On a CPU device, run the block on one intra-op thread (the count is put back after): the
+    decoded frames are then the same bytes at any world size and thread count. On CUDA nothing
+    changes."""
+    if device.type != "cpu" or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def decode_video(pipe, latents: torch.Tensor, request: RequestDecode | None):
     """The frames (PIL images) ``Cosmos3OmniPipeline`` makes of its final ``latents`` (what it
     returns with ``output_type="latent"``): the same un-normalization, ``vae.decode`` split over
@@ -318,7 +339,7 @@ def decode_video(pipe, latents: torch.Tensor, request: RequestDecode | None):
     mean = pipe._vae_latents_mean.to(device=latents.device, dtype=dtype)
     inv_std = pipe._vae_latents_inv_std.to(device=latents.device, dtype=dtype)
     z_raw = latents.to(dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
-    with torch.no_grad():
+    with torch.no_grad(), one_thread_on_cpu(latents.device):
         decoded = pipe.vae.decode(z_raw).sample if request is None else request.decode(pipe.vae, z_raw)
     if decoded is None:
         return None
