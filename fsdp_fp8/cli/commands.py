@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, quiet
-from fsdp_fp8.cli.arguments import RankZeroParser
+from fsdp_fp8.cli.arguments import RankZeroParser, byte_count
 from fsdp_fp8.cli.inspection import (
     MAX_WORLD_SIZE,
     bytes_and_mib,
@@ -32,7 +32,9 @@ from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.read_options import ALL_ROWS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
+from fsdp_fp8.generation.declare import declared
 from fsdp_fp8.generation.inputs import checkpoint_problems
+from fsdp_fp8.generation.values import RESIDENT_POLICIES, RunSettings
 
 if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint
@@ -86,6 +88,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 args.world_size or 1,
                 **size,
                 resident=args.resident,
+                resident_budget=args.resident_budget,
                 offload=args.offload,
                 cfg_parallel=args.cfg_parallel,
                 ulysses=args.ulysses,
@@ -315,7 +318,20 @@ def _add_inspect(inspect: argparse.ArgumentParser) -> None:
     inspect.add_argument("--height", type=_positive, help="with --width / --frames: forecast per-GPU peak memory")
     inspect.add_argument("--width", type=_positive, help="pixels (forecast; default 1280)")
     inspect.add_argument("--frames", type=_positive, help="frames (forecast; default 1: an image)")
-    inspect.add_argument("--resident", choices=("none", "all"), default="none", help="forecast: layers kept gathered")
+    # The run's own declarations of --resident and --resident-budget (one choice list, one help).
+    run_options = {name: meta for name, _, meta in declared(RunSettings)}
+    inspect.add_argument(
+        "--resident",
+        choices=RESIDENT_POLICIES,
+        default="none",
+        help=f"forecast: {run_options['resident'].help} (here no device reports its free memory)",
+    )
+    inspect.add_argument(
+        "--resident-budget",
+        type=byte_count,
+        metavar="BYTES",
+        help=f"forecast: {run_options['resident_budget'].help}; --resident auto needs it here",
+    )
     inspect.add_argument("--offload", choices=("cpu",), help="forecast: FP8 shards in host memory")
     inspect.add_argument("--cfg-parallel", action="store_true", help="forecast: guidance passes on rank pairs")
     inspect.add_argument(
@@ -393,6 +409,10 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
             )
     quiet.quiet_third_party()
     if args.command == "inspect":
+        if args.resident == "auto" and args.resident_budget is None:
+            parser.error("--resident auto needs --resident-budget BYTES here: inspect has no device to ask")
+        if args.resident_budget is not None and args.resident != "auto":
+            parser.error("--resident-budget applies to --resident auto; pass that too")
         return _inspect(args)
     if args.command == "save":
         if args.clean and args.destination is not None:

@@ -294,6 +294,7 @@ def forecast(
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     components_bytes: int = 0,
     resident: str | int = "none",
+    resident_budget: int | None = None,
     offload: str | None = None,
     cfg_parallel: bool = False,
     ulysses: int = 1,
@@ -301,17 +302,29 @@ def forecast(
 ) -> MemoryForecast:
     """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks;
     ``cfg_parallel`` / ``ulysses``: the ranks of one request (``runtime.parallel_layout``, checked
-    there: a ``LayoutError``)."""
+    there: a ``LayoutError``). ``resident``: none, all, a layer count, or auto: the layers the run's
+    ``--resident auto`` keeps gathered within ``resident_budget`` bytes (``choose_resident``; the
+    run also caps it at the free device memory, which a forecast does not know)."""
     ParallelLayout(world_size, cfg_parallel=cfg_parallel, ulysses=ulysses)
     if offload not in (None, "cpu"):
         raise ArgumentError(f"offload must be None or 'cpu', got {offload!r}")
+    if (resident == "auto") != (resident_budget is not None):
+        raise ArgumentError(
+            f"resident 'auto' needs resident_budget (the bytes the gathered layers may take), and only it "
+            f"takes one: got resident {resident!r}, resident_budget {resident_budget!r}"
+        )
     groups = units(tensors)
     layers = sorted((k for k in groups if k.startswith("layers.")), key=lambda k: int(k.split(".")[1]))
     full = {k: sum(_nbytes(t) for t in v) for k, v in groups.items()}
     shard = {k: sum(_shard_bytes(t, world_size) for t in v) for k, v in groups.items()}
-    n_resident = len(layers) if resident == "all" else 0 if resident == "none" else int(resident)
+    if resident == "auto":
+        from fsdp_fp8.runtime.residency import choose_resident
+
+        n_resident = len(choose_resident([full[k] for k in layers], resident_budget, prefetch))
+    else:
+        n_resident = len(layers) if resident == "all" else 0 if resident == "none" else int(resident)
     if not 0 <= n_resident <= len(layers):
-        raise ArgumentError(f"resident must be 'none', 'all' or 0..{len(layers)} layers, got {resident!r}")
+        raise ArgumentError(f"resident must be 'none', 'auto', 'all' or 0..{len(layers)} layers, got {resident!r}")
     streamed = layers[n_resident:]
     biggest = max((full[k] for k in streamed), default=0)
     in_flight = (2 if prefetch else 1) * biggest if world_size > 1 else 0

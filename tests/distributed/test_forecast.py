@@ -115,6 +115,41 @@ def test_a_sequence_groups_decoder_stack_holds_less_than_one_ranks(measured):
         assert split["stack"] < alone["stack"], (split["stack"], alone["stack"])
 
 
+@pytest.mark.parametrize(("budget_layers", "kept"), [(4, 0), (5, 1), (6, 3)])
+def test_resident_auto_keeps_what_the_runs_rule_keeps_within_the_budget(budget_layers, kept):
+    """inspect's --resident auto: the run's own choice (``choose_resident``) within the budget. Three
+    layers of S bytes, prefetch on: a layer is kept while the kept ones, it and room for the two
+    largest still streamed (each twice: the flat buffer and its copy) fit, so layer 0 needs 5 S,
+    layer 1 6 S, and layer 2, the last, nothing more: 4 S keeps none, 5 S one, 6 S all three."""
+    from fsdp_fp8.runtime.forecast import Tensor, TransformerShape, VideoSize, forecast
+
+    shape = TransformerShape(64, 128, 4, 2, 16, 2, 4, 2)
+    tensors = [Tensor(f"layers.{i}.mlp.up_proj.weight", (128, 64), 1) for i in range(3)]
+    layer = 128 * 64
+    auto = forecast(
+        tensors, shape, VideoSize(64, 64, 1, 4, 4), 2, resident="auto", resident_budget=budget_layers * layer
+    )
+    terms = {t.name: t for t in auto.terms}
+    assert terms["resident layers"].device_bytes == kept * layer if kept else "resident layers" not in terms
+    with pytest.raises(ValueError, match="resident 'auto' needs resident_budget"):
+        forecast(tensors, shape, VideoSize(64, 64, 1, 4, 4), 2, resident="auto")
+
+
+def test_inspect_takes_the_runs_resident_choices_and_asks_auto_for_a_budget(demo_root, capsys):
+    from fsdp_fp8.cli.commands import main
+
+    base = ["inspect", str(demo_root), "--world-size", "2", "--height", "64", "--width", "64"]
+    for extra, said in (
+        (["--resident", "auto"], "--resident auto needs --resident-budget BYTES"),
+        (["--resident-budget", "1GiB"], "--resident-budget applies to --resident auto"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, *extra])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert main([*base, "--resident", "auto", "--resident-budget", "1GiB"]) == 0
+    assert "kept gathered" in capsys.readouterr().out  # 1 GiB holds the demo's two layers
+
+
 def test_the_terms_are_named_and_add_up():
     from fsdp_fp8.runtime.forecast import Tensor, TransformerShape, VideoSize, forecast
 
