@@ -285,6 +285,24 @@ def ulysses_terms(shape: TransformerShape, text: int, vision: int, rows: int, sp
     return exchange + shares + output
 
 
+def _resident_layers(layer_bytes: list[int], resident: str | int, budget: int | None, prefetch: bool) -> int:
+    """How many layers ``resident`` keeps gathered: none, all, a count, or auto: what the run's
+    rule (``choose_resident``) keeps within ``budget`` bytes."""
+    if (resident == "auto") != (budget is not None):
+        raise ArgumentError(
+            f"resident 'auto' needs resident_budget (the bytes the gathered layers may take), and only it "
+            f"takes one: got resident {resident!r}, resident_budget {budget!r}"
+        )
+    if resident == "auto":
+        from fsdp_fp8.runtime.residency import choose_resident
+
+        return len(choose_resident(layer_bytes, budget, prefetch))
+    n_resident = len(layer_bytes) if resident == "all" else 0 if resident == "none" else int(resident)
+    if not 0 <= n_resident <= len(layer_bytes):
+        raise ArgumentError(f"resident must be 'none', 'auto', 'all' or 0..{len(layer_bytes)} layers, got {resident!r}")
+    return n_resident
+
+
 def forecast(
     tensors: list[Tensor],
     shape: TransformerShape,
@@ -308,23 +326,11 @@ def forecast(
     ParallelLayout(world_size, cfg_parallel=cfg_parallel, ulysses=ulysses)
     if offload not in (None, "cpu"):
         raise ArgumentError(f"offload must be None or 'cpu', got {offload!r}")
-    if (resident == "auto") != (resident_budget is not None):
-        raise ArgumentError(
-            f"resident 'auto' needs resident_budget (the bytes the gathered layers may take), and only it "
-            f"takes one: got resident {resident!r}, resident_budget {resident_budget!r}"
-        )
     groups = units(tensors)
     layers = sorted((k for k in groups if k.startswith("layers.")), key=lambda k: int(k.split(".")[1]))
     full = {k: sum(_nbytes(t) for t in v) for k, v in groups.items()}
     shard = {k: sum(_shard_bytes(t, world_size) for t in v) for k, v in groups.items()}
-    if resident == "auto":
-        from fsdp_fp8.runtime.residency import choose_resident
-
-        n_resident = len(choose_resident([full[k] for k in layers], resident_budget, prefetch))
-    else:
-        n_resident = len(layers) if resident == "all" else 0 if resident == "none" else int(resident)
-    if not 0 <= n_resident <= len(layers):
-        raise ArgumentError(f"resident must be 'none', 'auto', 'all' or 0..{len(layers)} layers, got {resident!r}")
+    n_resident = _resident_layers([full[k] for k in layers], resident, resident_budget, prefetch)
     streamed = layers[n_resident:]
     biggest = max((full[k] for k in streamed), default=0)
     in_flight = (2 if prefetch else 1) * biggest if world_size > 1 else 0
