@@ -49,6 +49,7 @@ from fsdp_fp8.interop.diffusers_pipeline import (
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
+from fsdp_fp8.interop.step_cache import StepCache, Voters, cache_config, cache_problems, describe_config
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -75,6 +76,7 @@ def load_pipeline(
     ulysses: int | None = None,
     sequence_parallel: int | None = None,
     attention_backend: str | None = None,
+    cache=None,
     options: LoadOptions | None = None,
     **kwargs,
 ):
@@ -108,13 +110,24 @@ def load_pipeline(
     ``"flash"``, ...; ``interop.attention_backend``) for every attention layer, the CFG and
     Ulysses paths included; one that is not installed or cannot run on the device is refused
     before the load, naming those that can. ``None``: diffusers' default.
+
+    ``cache``: ``None`` / ``"off"`` (default), ``"seacache"`` or ``"seacache:THRESHOLD"``, or a
+    diffusers ``SeaCacheConfig``: diffusers' SeaCache step cache on a Cosmos 3 transformer, its
+    decisions agreed by the ranks of each request and its shard group (``fsdp_fp8.interop.step_cache``);
+    ``fsdp_fp8.interop.step_cache`` documents what it trades. A request's output is its one-rank
+    cached output at any layout.
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     given = mesh.layout if isinstance(mesh, ParallelMesh) else None
     layout_args = _work_degrees(given, cfg_parallel, ulysses, sequence_parallel)
     options = load_options(options, mesh=mesh.weights if isinstance(mesh, ParallelMesh) else mesh, **settings)
+    try:
+        cache = cache_config(cache)
+    except ValueError as exc:
+        raise ArgumentError(str(exc), "load_pipeline") from None
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
-    _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options)  # before any read
+    described = describe_config(cache) if cache is not None else None
+    _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options, described)  # before any read
     index = read_model_index(root)
     with quiet_imports():
         cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
@@ -122,7 +135,7 @@ def load_pipeline(
         raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
-    _refuse_before_load(root, index, components, attention_backend, options.device)
+    _refuse_before_load(root, index, components, attention_backend, options.device, cache)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
@@ -132,12 +145,12 @@ def load_pipeline(
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
         component.to(options.device)
-    _attach_work(pipe, routing, layout, mesh, options.timeout_s)
+    _attach_work(pipe, routing, layout, mesh, options.timeout_s, cache)
     LOADED.set(pipe, loaded)
     return pipe
 
 
-def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options) -> None:
+def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options, cache) -> None:
     """Before anything is read: every rank given the same checkpoint (``format.hub.checkpoint_identity``),
     layout, attention backend, step policy and timeout (the device is each rank's own); a difference is
     one ``ArgumentError`` on every rank naming the setting and which ranks hold which value."""
@@ -150,6 +163,7 @@ def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_p
         "attention_backend": attention_backend,
         "step_policy": step_policy,
         "timeout_s": options.timeout_s,
+        "cache": cache,
     }
     agree_on_settings(settings, timeout_s=options.timeout_s, context="load_pipeline")
 
@@ -163,14 +177,19 @@ def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
     return mesh, options if options.mesh is not None else options.replace(mesh=mesh.weights)
 
 
-def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) -> None:
+def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float, cache) -> None:
     """The transformer's per-forward state (step routing, the CFG pair on ``mesh["cfg"]``, the
-    Ulysses group on ``mesh["ulysses"]``) and the pipeline's request gate: each call one request,
-    its ranks meeting before its first forward (compared when a request spans several ranks)."""
+    Ulysses group on ``mesh["ulysses"]``, the step cache voting over the world) and the pipeline's
+    request gate: each call one request, its ranks meeting before its first forward (compared when
+    a request spans several ranks)."""
     team = layout.cfg * layout.ulysses
     teams = request_teams(layout.world, team, timeout_s) if distributed() else None
     gate = RequestGate(teams, compares=team > 1)
     state = PipelineState(routing, gate=gate)
+    if cache is not None:
+        world = mesh.world.get_group() if isinstance(mesh, ParallelMesh) else dist.group.WORLD
+        voters = Voters.of(layout, world, dist.get_rank()) if dist.is_initialized() else None
+        state.cache = StepCache(cache, voters)
     if layout.ulysses > 1:
         state.ulysses = Ulysses.of(mesh)
         install_ulysses(pipe.transformer, state.ulysses)
@@ -181,11 +200,14 @@ def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) 
     WORK.set(pipe, (layout, mesh if isinstance(mesh, ParallelMesh) else None))
 
 
-def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device, cache) -> None:
     """What would fail after the load, refused before it: a component folder ``model_index.json``
     names that is missing, a guardrail the pipeline builds whose package is missing (not a
-    traceback from diffusers), an attention backend that cannot run."""
+    traceback from diffusers), an attention backend that cannot run, a step cache on a transformer
+    without Cosmos 3's decoder stack or a diffusers without SeaCache."""
     problems = missing_components(root, index, components)
+    if cache is not None:
+        problems += [f"cache: {p}" for p in cache_problems(index[TRANSFORMER][1])]
     if guardrail := guardrail_problem(index, components):
         problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
     if attention_backend is not None:
