@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fsdp_fp8.format.cache_option import cache_option_problems
 from fsdp_fp8.format.timeouts import MAX_TIMEOUT_S, timeout_problems
 from fsdp_fp8.generation.declare import EVERY, option
 
@@ -306,6 +307,17 @@ class RunSettings:
         PIPELINE,
         choices=VAE_TILING,
     )
+    cache: str = option(
+        "off",
+        "step caching (Cosmos 3): seacache[:THRESHOLD] skips the transformer's decoder stack on steps whose "
+        "latents changed little since the last computed step and reuses its extrapolated residual (diffusers' "
+        "SeaCache, threshold 0.25 unless given; higher reuses more): fewer passes, an output that differs from "
+        "the uncached one, the same at any layout; off (default)",
+        PIPELINES,
+        PIPELINE,
+        check=cache_option_problems,
+        metavar="off|seacache[:THRESHOLD]",
+    )
     replicas: int = option(
         1,
         "HSDP: shard within each of R replica groups of WORLD_SIZE / R consecutive ranks (one node each, with "
@@ -416,6 +428,7 @@ RUN_SETTINGS_TO_AGREE = (
     "replicas",
     "attention_backend",
     "vae_tiling",
+    "cache",
     "resident",
     "resident_budget",
     "safety_check",
