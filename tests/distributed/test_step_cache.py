@@ -1,0 +1,133 @@
+"""The step cache (``--cache seacache``, ``load_pipeline(cache=...)``) across ranks: a request's
+cached latents at 2 ranks (two requests on one shard group), CFG 2 and Ulysses 2 equal its own
+one-rank cached latents; the cache really skips decoder stacks and changes the output; requests on
+one shard group that are made to decide differently at every step keep their own outputs, and no
+rank hangs.
+
+The demo pipeline at 10 steps: its step policy runs steps 0-2 and 7-9 W8A16, 3-6 W8A8, so the
+rule that a step reuses only residuals of its own precision shows at steps 3 and 7. One spawn per
+world size records what the tests judge; world size 1 is this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+STEPS = 10
+IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # 16 generation tokens: whole on one rank
+VIDEO = {"num_frames": 9, "height": 64, "width": 48}  # 144 generation tokens: split by Ulysses 2
+PROMPTS = ("a red fox", "a lighthouse in a storm")
+EAGER = 1e9  # a threshold the budget never reaches: reuse wherever the rules allow
+NEVER = 0.0  # a budget always spent: compute every step
+DEFAULT = 0.25  # diffusers' own (SeaCacheConfig().threshold)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _pipeline(root: str, cache, cfg_parallel: bool = False, ulysses: int = 1):
+    from fsdp_fp8 import load_pipeline
+
+    pipe = load_pipeline(root, device=torch.device("cpu"), cache=cache, cfg_parallel=cfg_parallel, ulysses=ulysses)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.stacks = []  # the decoder stacks this rank really ran (its first block's forwards)
+    pipe.transformer.layers[0].register_forward_pre_hook(lambda *_: pipe.stacks.append(1))
+    return pipe
+
+
+def _generate(pipe, prompt: str, size: dict, threshold: float | None = None) -> dict:
+    from diffusers.hooks.sea_cache import SeaCacheConfig
+
+    from fsdp_fp8.testing.collective_counts import pipeline_state
+
+    cache = pipeline_state(pipe.transformer).cache
+    if cache is not None and threshold is not None:  # this rank's own threshold (the forced case)
+        cache.config = SeaCacheConfig(threshold=threshold)
+    trace, stacks = ((len(cache.trace), cache.ran_for_peers) if cache else (0, 0)), len(pipe.stacks)
+    out = pipe(
+        prompt,
+        **size,
+        num_inference_steps=STEPS,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
+    return {
+        "digest": _digest(out.video),
+        "computed": [i for i, c in enumerate(cache.trace[trace[0] :]) if c] if cache else None,
+        "ran_for_peers": cache.ran_for_peers - trace[1] if cache else 0,
+        "stacks": len(pipe.stacks) - stacks,
+    }
+
+
+def _observe(rank: int, world: int, root: str) -> dict:
+    obs: dict = {}
+    if world == 1:
+        cached = _pipeline(root, "seacache")
+        obs[("plain", PROMPTS[1])] = _generate(_pipeline(root, None), PROMPTS[1], IMAGE)
+        for p in PROMPTS:
+            obs[("cached", p)] = _generate(cached, p, IMAGE, DEFAULT)
+        obs[(EAGER, PROMPTS[0])] = _generate(cached, PROMPTS[0], IMAGE, EAGER)
+        obs[(NEVER, PROMPTS[1])] = _generate(cached, PROMPTS[1], IMAGE, NEVER)
+        obs[("cached video", PROMPTS[0])] = _generate(cached, PROMPTS[0], VIDEO, DEFAULT)
+        return obs
+    # 2 ranks: two requests on one shard group, first as the cache decides, then made to disagree
+    pipe = _pipeline(root, "seacache")
+    obs["fsdp"] = _generate(pipe, PROMPTS[rank], IMAGE, DEFAULT)
+    obs["forced"] = _generate(pipe, PROMPTS[rank], IMAGE, (EAGER, NEVER)[rank])
+    obs["cfg"] = _generate(_pipeline(root, "seacache", cfg_parallel=True), PROMPTS[0], IMAGE)
+    obs["ulysses"] = _generate(_pipeline(root, "seacache", ulysses=2), PROMPTS[0], VIDEO)
+    return obs
+
+
+@pytest.fixture(scope="module")
+def observed(demo_root):
+    return {1: _observe(0, 1, str(demo_root)), 2: run_ranks(_observe, 2, str(demo_root), timeout=600)}
+
+
+def test_the_cache_skips_decoder_stacks_and_changes_the_output(observed):
+    one = observed[1]
+    plain = one[("plain", PROMPTS[1])]
+    assert plain["stacks"] == 2 * STEPS  # cond + uncond at every step
+    for p in PROMPTS:
+        cached = one[("cached", p)]
+        assert 0 < len(cached["computed"]) < STEPS, cached
+        assert cached["stacks"] == 2 * len(cached["computed"])  # a reused step runs no block
+    assert one[("cached", PROMPTS[1])]["digest"] != plain["digest"]
+    assert one[(NEVER, PROMPTS[1])]["digest"] == plain["digest"]  # a cache that never reuses changes no bit
+
+
+def test_a_step_reuses_only_residuals_of_its_own_precision(observed):
+    # steps 0-2 and 7-9 W8A16, 3-6 W8A8: at most 2 reused in a row, the first and the last step
+    # computed, and steps 3 and 7 computed because the last computed step ran at the other precision
+    assert observed[1][(EAGER, PROMPTS[0])]["computed"] == [0, 3, 6, 7, 9]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "cfg", "ulysses"])
+def test_a_request_keeps_its_one_rank_cached_latents_at_any_layout(observed, layout):
+    one = observed[1]
+    for rank, obs in enumerate(observed[2]):
+        prompt = PROMPTS[rank] if layout == "fsdp" else PROMPTS[0]
+        alone = one[("cached video" if layout == "ulysses" else "cached", prompt)]
+        assert obs[layout]["digest"] == alone["digest"], (layout, rank)
+        assert obs[layout]["computed"] == alone["computed"], (layout, rank)
+    if layout == "cfg":  # each rank of the pair runs one pass per computed step (both at step 0)
+        assert [o["cfg"]["stacks"] for o in observed[2]] == [len(alone["computed"]) + 1] * 2
+
+
+def test_requests_made_to_disagree_keep_their_own_outputs_without_a_hang(observed):
+    eager, never = (obs["forced"] for obs in observed[2])
+    assert eager["digest"] == observed[1][(EAGER, PROMPTS[0])]["digest"]
+    assert never["digest"] == observed[1][(NEVER, PROMPTS[1])]["digest"]
+    assert eager["computed"] == [0, 3, 6, 7, 9] and never["computed"] == list(range(STEPS))
+    # the eager request's rank ran the blocks of every step it reused, for its neighbour's all-gathers
+    assert eager["ran_for_peers"] == 2 * (STEPS - 5) and eager["stacks"] == never["stacks"] == 2 * STEPS
