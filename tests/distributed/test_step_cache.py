@@ -12,6 +12,7 @@ world size records what the tests judge; world size 1 is this process.
 from __future__ import annotations
 
 import hashlib
+from unittest import mock
 
 import pytest
 import torch
@@ -45,23 +46,34 @@ def _pipeline(root: str, cache, cfg_parallel: bool = False, ulysses: int = 1):
 
 
 def _generate(pipe, prompt: str, size: dict, threshold: float | None = None) -> dict:
+    from diffusers.hooks import sea_cache
     from diffusers.hooks.sea_cache import SeaCacheConfig
 
     from fsdp_fp8.testing.collective_counts import pipeline_state
+
+    indicators = []  # diffusers' indicator at each step, as digests: the same bits at any layout
+
+    def recorded(config, metadata):
+        out = build(config, metadata)
+        indicators.append([_digest(t) for t in out or ()])
+        return out
 
     cache = pipeline_state(pipe.transformer).cache
     if cache is not None and threshold is not None:  # this rank's own threshold (the forced case)
         cache.config = SeaCacheConfig(threshold=threshold)
     trace, stacks = ((len(cache.trace), cache.ran_for_peers) if cache else (0, 0)), len(pipe.stacks)
-    out = pipe(
-        prompt,
-        **size,
-        num_inference_steps=STEPS,
-        guidance_scale=3.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-    )
+    build = sea_cache._build_indicator
+    with mock.patch.object(sea_cache, "_build_indicator", recorded):
+        out = pipe(
+            prompt,
+            **size,
+            num_inference_steps=STEPS,
+            guidance_scale=3.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        )
     return {
+        "indicators": indicators,
         "digest": _digest(out.video),
         "computed": [i for i, c in enumerate(cache.trace[trace[0] :]) if c] if cache else None,
         "ran_for_peers": cache.ran_for_peers - trace[1] if cache else 0,
@@ -120,6 +132,8 @@ def test_a_request_keeps_its_one_rank_cached_latents_at_any_layout(observed, lay
         alone = one[("cached video" if layout == "ulysses" else "cached", prompt)]
         assert obs[layout]["digest"] == alone["digest"], (layout, rank)
         assert obs[layout]["computed"] == alone["computed"], (layout, rank)
+        # the indicator is built from the call's whole latents, never from a rank's rows
+        assert obs[layout]["indicators"] == alone["indicators"] and len(alone["indicators"]) == STEPS
     if layout == "cfg":  # each rank of the pair runs one pass per computed step (both at step 0)
         assert [o["cfg"]["stacks"] for o in observed[2]] == [len(alone["computed"]) + 1] * 2
 
