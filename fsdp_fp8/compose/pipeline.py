@@ -93,8 +93,7 @@ def load_pipeline(
     ``load_model``, its ranks given the same settings (else one ``ArgumentError`` on every rank).
     ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and ``fsdp_fp8.routing_of(pipe.transformer)`` the routing
     (its ``trace``: one precision per step run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``);
-    ``fsdp_fp8.loaded_of(pipe).close()`` lets the transformer go at once (its storage freed; the other components
-    are diffusers').
+    ``fsdp_fp8.loaded_of(pipe).close()`` lets the transformer go at once (its storage freed; the others are diffusers').
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``). ``ulysses`` (``sequence_parallel``: the same, its older
@@ -109,31 +108,19 @@ def load_pipeline(
     ``attention_backend``: one of diffusers' attention backend names (``"native"``, ``"flex"``,
     ``"flash"``, ...; ``interop.attention_backend``) for every attention layer, the CFG and
     Ulysses paths included; one that is not installed or cannot run on the device is refused
-    before the load, naming those that can. ``None``: diffusers' default.
-
-    ``cache``: ``None`` / ``"off"`` (default), ``"seacache"`` or ``"seacache:THRESHOLD"``, or a
-    diffusers ``SeaCacheConfig``: diffusers' SeaCache step cache on a Cosmos 3 transformer, its
-    decisions agreed by the ranks of each request and its shard group (``fsdp_fp8.interop.step_cache``);
-    ``fsdp_fp8.interop.step_cache`` documents what it trades. A request's output is its one-rank
-    cached output at any layout.
+    before the load, naming those that can. ``None``: diffusers' default. ``cache``: ``None`` / ``"off"``
+    (default), ``"seacache[:THRESHOLD]"`` or a diffusers ``SeaCacheConfig`` (``interop.step_cache``).
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     given = mesh.layout if isinstance(mesh, ParallelMesh) else None
     layout_args = _work_degrees(given, cfg_parallel, ulysses, sequence_parallel)
     options = load_options(options, mesh=mesh.weights if isinstance(mesh, ParallelMesh) else mesh, **settings)
-    try:
-        cache = cache_config(cache)
-    except ValueError as exc:
-        raise ArgumentError(str(exc), "load_pipeline") from None
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
-    described = describe_config(cache) if cache is not None else None
-    _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options, described)  # before any read
+    cache = _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options, cache)  # before reads
     index = read_model_index(root)
     with quiet_imports():
         cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
-    if TRANSFORMER in kwargs:
-        raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
-    components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
+    components = _components(kwargs)  # refuses a transformer, trust_remote_code / custom_pipeline
     layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
     _refuse_before_load(root, index, components, attention_backend, options.device, cache)
     mesh, options = _with_mesh(layout, mesh, options)
@@ -143,17 +130,31 @@ def load_pipeline(
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
-    for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
-        component.to(options.device)
+    _components_to(pipe, options.device)
     _attach_work(pipe, routing, layout, mesh, options.timeout_s, cache)
     LOADED.set(pipe, loaded)
     return pipe
 
 
-def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options, cache) -> None:
+def _components(kwargs: dict) -> dict:
+    """The keywords for the pipeline's ``from_pretrained``: no ``transformer`` (ours), no remote code."""
+    if TRANSFORMER in kwargs:
+        raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
+    return safe_pretrained_kwargs(**kwargs)
+
+
+def _components_to(pipe, device) -> None:
+    """Every component but the transformer (loaded on its device already) moved to ``device``."""
+    for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
+        component.to(device)
+
+
+def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options, cache):
     """Before anything is read: every rank given the same checkpoint (``format.hub.checkpoint_identity``),
-    layout, attention backend, step policy and timeout (the device is each rank's own); a difference is
-    one ``ArgumentError`` on every rank naming the setting and which ranks hold which value."""
+    layout, attention backend, step policy, timeout and step cache (the device is each rank's own); a
+    difference is one ``ArgumentError`` on every rank naming the setting and which ranks hold which
+    value. Returns the step cache as diffusers' ``SeaCacheConfig`` (None: off)."""
+    cache = _cache_config(cache)  # a bad value: refused here, on every rank, before the exchange
     cfg_parallel, ulysses = layout_args
     settings = {
         "checkpoint": checkpoint_identity(root),
@@ -163,9 +164,18 @@ def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_p
         "attention_backend": attention_backend,
         "step_policy": step_policy,
         "timeout_s": options.timeout_s,
-        "cache": cache,
+        "cache": describe_config(cache) if cache is not None else None,
     }
     agree_on_settings(settings, timeout_s=options.timeout_s, context="load_pipeline")
+    return cache
+
+
+def _cache_config(cache):
+    """``cache`` as diffusers' ``SeaCacheConfig`` (None: off); a bad one is an ``ArgumentError``."""
+    try:
+        return cache_config(cache)
+    except ValueError as exc:
+        raise ArgumentError(str(exc), "load_pipeline") from None
 
 
 def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
