@@ -12,6 +12,8 @@ world size records what the tests judge; world size 1 is this process.
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -145,3 +147,48 @@ def test_requests_made_to_disagree_keep_their_own_outputs_without_a_hang(observe
     assert eager["computed"] == [0, 3, 6, 7, 9] and never["computed"] == list(range(STEPS))
     # the eager request's rank ran the blocks of every step it reused, for its neighbour's all-gathers
     assert eager["ran_for_peers"] == 2 * (STEPS - 5) and eager["stacks"] == never["stacks"] == 2 * STEPS
+
+
+# --- the launcher: CFG 2 x Ulysses 2 and HSDP replicas with two prompts, at 4 ranks
+
+LAUNCH_STEPS = ("--steps", "6", "--cache", "seacache")  # 6 steps: every one W8A16 under the demo's policy
+LAUNCH_VIDEO = ("--frames", "5", "--height", "64", "--width", "48")  # 96 generation tokens: split by Ulysses 2
+LAUNCH_IMAGE = ("--frames", "1", "--height", "32", "--width", "32")
+
+
+def _launch(root: str, report: str, *extra: str, rank: int = 0) -> dict | None:
+    import json
+
+    from fsdp_fp8.cli.runner import main
+
+    assert main(["--checkpoint", root, *LAUNCH_STEPS, *extra, "--report", report]) == 0
+    return json.loads(Path(report).read_text()) if rank == 0 else None  # rank 0 writes it
+
+
+def _launch_all(rank: int, world: int, root: str, prompts: str, reports: str) -> dict:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}
+    layouts = {
+        "cfg ulysses": (*LAUNCH_VIDEO, *(("--cfg-parallel", "--ulysses", "2") if world > 1 else ())),
+        "replicas": (*LAUNCH_IMAGE, "--prompts", prompts, *(("--replicas", "2") if world > 1 else ())),
+    }
+    with mock.patch.dict(os.environ, env):
+        return {k: _launch(root, f"{reports}/{world}-{k}.json", *args, rank=rank) for k, args in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, demo_root):
+    reports = tmp_path_factory.mktemp("reports")
+    prompts = reports / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    args = (str(demo_root), str(prompts), str(reports))
+    return {1: _launch_all(0, 1, *args), 4: run_ranks(_launch_all, 4, *args, timeout=600)[0]}
+
+
+@pytest.mark.parametrize("layout", ["cfg ulysses", "replicas"])
+def test_the_launcher_reports_each_requests_cached_steps_and_its_one_rank_latent(launched, layout):
+    one, four = launched[1][layout]["outputs"], launched[4][layout]["outputs"]
+    assert [(o["prompt"], o["latent_sha256"], o["step_cache"]) for o in four] == [
+        (o["prompt"], o["latent_sha256"], o["step_cache"]) for o in one
+    ]
+    assert all(o["step_cache"].startswith("seacache 0.25: computed ") for o in one)
+    assert any("reused 0" not in o["step_cache"] for o in one), one  # the cache did skip passes
