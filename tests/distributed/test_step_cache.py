@@ -98,7 +98,10 @@ def _observe(rank: int, world: int, root: str) -> dict:
     pipe = _pipeline(root, "seacache")
     obs["fsdp"] = _generate(pipe, PROMPTS[rank], IMAGE, DEFAULT)
     obs["forced"] = _generate(pipe, PROMPTS[rank], IMAGE, (EAGER, NEVER)[rank])
-    obs["cfg"] = _generate(_pipeline(root, "seacache", cfg_parallel=True), PROMPTS[0], IMAGE)
+    pair = _pipeline(root, "seacache", cfg_parallel=True)
+    obs["cfg"] = _generate(pair, PROMPTS[0], IMAGE)
+    # eager: step 1 reuses step 0's residuals, which both ranks of the pair made for both passes
+    obs["cfg eager"] = _generate(pair, PROMPTS[0], IMAGE, EAGER)
     obs["ulysses"] = _generate(_pipeline(root, "seacache", ulysses=2), PROMPTS[0], VIDEO)
     return obs
 
@@ -126,12 +129,15 @@ def test_a_step_reuses_only_residuals_of_its_own_precision(observed):
     assert observed[1][(EAGER, PROMPTS[0])]["computed"] == [0, 3, 6, 7, 9]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "cfg", "ulysses"])
+ALONE = {"fsdp": "cached", "cfg": "cached", "cfg eager": EAGER, "ulysses": "cached video"}
+
+
+@pytest.mark.parametrize("layout", list(ALONE))
 def test_a_request_keeps_its_one_rank_cached_latents_at_any_layout(observed, layout):
     one = observed[1]
     for rank, obs in enumerate(observed[2]):
         prompt = PROMPTS[rank] if layout == "fsdp" else PROMPTS[0]
-        alone = one[("cached video" if layout == "ulysses" else "cached", prompt)]
+        alone = one[(ALONE[layout], prompt)]
         assert obs[layout]["digest"] == alone["digest"], (layout, rank)
         assert obs[layout]["computed"] == alone["computed"], (layout, rank)
         # the indicator is built from the call's whole latents, never from a rank's rows
