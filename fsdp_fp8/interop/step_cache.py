@@ -146,7 +146,7 @@ class Voters:
         mine = torch.tensor([int(vote)], dtype=torch.int32, device=device)
         votes = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(votes, mine, group=self.group)
-        return [bool(v.item()) for v in votes]
+        return [bool(v) for v in torch.cat(votes).tolist()]  # one device sync
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,10 @@ class StepCache:
             return
         step, _, _, precision = self.now
         vote, gate_computes = self._vote(module, args, kwargs)
-        device = next((t.device for t in kwargs.get("vision_tokens") or () if isinstance(t, torch.Tensor)), None)
+        device = next(module.parameters()).device  # the vote travels where the world group's backend does
         computes = runs = vote
         if self.voters is not None:
-            computes, runs = self.voters.decide(self.voters.exchange(vote, device or torch.device("cpu")))
+            computes, runs = self.voters.decide(self.voters.exchange(vote, device))
         if computes and not gate_computes:  # as diffusers does when its decision is overruled
             self.gate.accumulated_distance, self.gate.gate_should_compute = 0.0, True
         self.gate.consecutive_cached = 0 if computes else self.gate.consecutive_cached + 1
