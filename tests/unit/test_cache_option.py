@@ -53,3 +53,14 @@ def test_load_pipeline_takes_a_word_or_diffusers_own_config():
     assert cache_config(given) is given
     with pytest.raises(ValueError, match="cache 'fast'"):
         cache_config("fast")
+
+
+def test_regional_compile_is_refused_before_the_load_naming_why(capsys):
+    from fsdp_fp8.cli.arguments import parse_run_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_run_args(["--compile", "regional"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--compile regional is not supported yet" in err
+    assert "FSDPCosmos3VLTextMoTDecoderLayer" in err
+    assert parse_run_args(["--compile", "off"]).compile == "off"

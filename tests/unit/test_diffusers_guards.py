@@ -203,3 +203,13 @@ def test_a_missing_seacache_piece_or_a_transformer_without_the_decoder_stack_is_
     assert step_cache.diffusers_problems() == [f"{step_cache.SEA_CACHE} has no `_build_indicator`"]
     problems = step_cache.cache_problems("AutoencoderKLWan")
     assert "the step cache runs on Cosmos 3 transformers" in problems[-1] and "AutoencoderKLWan" in problems[-1]
+
+
+def test_regional_compile_finds_blocks_by_class_name_which_fully_shard_renames():
+    """The reason ``--compile regional`` is refused (generation.values.compile_problems): when
+    diffusers matches blocks another way, this goes red and the refusal must be looked at again."""
+    from diffusers import ModelMixin
+
+    source = inspect.getsource(ModelMixin.compile_repeated_blocks)
+    assert "submod.__class__.__name__ in repeated_blocks" in source
+    assert Cosmos3OmniTransformer._repeated_blocks == ["Cosmos3VLTextMoTDecoderLayer"]
