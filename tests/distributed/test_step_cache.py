@@ -4,7 +4,8 @@ one-rank cached latents; the cache really skips decoder stacks and changes the o
 one shard group that are made to decide differently at every step keep their own outputs, and no
 rank hangs.
 
-The demo pipeline at 10 steps: its step policy runs steps 0-2 and 7-9 W8A16, 3-6 W8A8, so the
+The demo pipeline, and a real ModelOpt 0.47 export beside the demo's VAE (test_cfg_parallel's
+fixture pipeline), at 10 steps: its step policy runs steps 0-2 and 7-9 W8A16, 3-6 W8A8, so the
 rule that a step reuses only residuals of its own precision shows at steps 3 and 7. One spawn per
 world size records what the tests judge; world size 1 is this process.
 """
@@ -23,6 +24,7 @@ pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
 from ranks import run_ranks  # noqa: E402
+from test_cfg_parallel import roots  # noqa: E402, F401 - the demo's root and the fixture pipeline's (a module fixture)
 
 STEPS = 10
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # 16 generation tokens: whole on one rank
@@ -83,9 +85,12 @@ def _generate(pipe, prompt: str, size: dict, threshold: float | None = None) -> 
     }
 
 
-def _observe(rank: int, world: int, root: str) -> dict:
+def _observe(rank: int, world: int, root: str, fixture: str) -> dict:
     obs: dict = {}
     if world == 1:
+        real = _pipeline(fixture, "seacache")  # the real ModelOpt export, eager: reuse certain
+        for p in PROMPTS:
+            obs[("fixture", p)] = _generate(real, p, IMAGE, EAGER)
         cached = _pipeline(root, "seacache")
         obs[("plain", PROMPTS[1])] = _generate(_pipeline(root, None), PROMPTS[1], IMAGE)
         for p in PROMPTS:
@@ -103,12 +108,14 @@ def _observe(rank: int, world: int, root: str) -> dict:
     # eager: step 1 reuses step 0's residuals, which both ranks of the pair made for both passes
     obs["cfg eager"] = _generate(pair, PROMPTS[0], IMAGE, EAGER)
     obs["ulysses"] = _generate(_pipeline(root, "seacache", ulysses=2), PROMPTS[0], VIDEO)
+    obs["fixture fsdp"] = _generate(_pipeline(fixture, "seacache"), PROMPTS[rank], IMAGE, EAGER)
+    obs["fixture cfg"] = _generate(_pipeline(fixture, "seacache", cfg_parallel=True), PROMPTS[0], IMAGE, EAGER)
     return obs
 
 
 @pytest.fixture(scope="module")
-def observed(demo_root):
-    return {1: _observe(0, 1, str(demo_root)), 2: run_ranks(_observe, 2, str(demo_root), timeout=600)}
+def observed(roots):  # noqa: F811 - the fixture imported above
+    return {1: _observe(0, 1, *roots), 2: run_ranks(_observe, 2, *roots, timeout=600)}
 
 
 def test_the_cache_skips_decoder_stacks_and_changes_the_output(observed):
@@ -129,19 +136,27 @@ def test_a_step_reuses_only_residuals_of_its_own_precision(observed):
     assert observed[1][(EAGER, PROMPTS[0])]["computed"] == [0, 3, 6, 7, 9]
 
 
-ALONE = {"fsdp": "cached", "cfg": "cached", "cfg eager": EAGER, "ulysses": "cached video"}
+ALONE = {
+    "fsdp": "cached",
+    "cfg": "cached",
+    "cfg eager": EAGER,
+    "ulysses": "cached video",
+    "fixture fsdp": "fixture",
+    "fixture cfg": "fixture",
+}
 
 
 @pytest.mark.parametrize("layout", list(ALONE))
 def test_a_request_keeps_its_one_rank_cached_latents_at_any_layout(observed, layout):
     one = observed[1]
     for rank, obs in enumerate(observed[2]):
-        prompt = PROMPTS[rank] if layout == "fsdp" else PROMPTS[0]
+        prompt = PROMPTS[rank] if layout.endswith("fsdp") else PROMPTS[0]
         alone = one[(ALONE[layout], prompt)]
         assert obs[layout]["digest"] == alone["digest"], (layout, rank)
         assert obs[layout]["computed"] == alone["computed"], (layout, rank)
         # the indicator is built from the call's whole latents, never from a rank's rows
         assert obs[layout]["indicators"] == alone["indicators"] and len(alone["indicators"]) == STEPS
+        assert len(alone["computed"]) < STEPS  # some steps reused
     if layout == "cfg":  # each rank of the pair runs one pass per computed step (both at step 0)
         assert [o["cfg"]["stacks"] for o in observed[2]] == [len(alone["computed"]) + 1] * 2
 
