@@ -49,7 +49,7 @@ from fsdp_fp8.interop.diffusers_pipeline import (
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
-from fsdp_fp8.interop.step_cache import StepCache, Voters, cache_config, cache_problems, describe_config
+from fsdp_fp8.interop.step_cache import StepCache, Voters, cache_config, cache_problems
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -154,7 +154,6 @@ def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_p
     layout, attention backend, step policy, timeout and step cache (the device is each rank's own); a
     difference is one ``ArgumentError`` on every rank naming the setting and which ranks hold which
     value. Returns the step cache as diffusers' ``SeaCacheConfig`` (None: off)."""
-    cache = _cache_config(cache)  # a bad value: refused here, on every rank, before the exchange
     cfg_parallel, ulysses = layout_args
     settings = {
         "checkpoint": checkpoint_identity(root),
@@ -164,10 +163,10 @@ def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_p
         "attention_backend": attention_backend,
         "step_policy": step_policy,
         "timeout_s": options.timeout_s,
-        "cache": describe_config(cache) if cache is not None else None,
+        "cache": cache if cache is None or isinstance(cache, str) else repr(cache),  # parsed once agreed
     }
     agree_on_settings(settings, timeout_s=options.timeout_s, context="load_pipeline")
-    return cache
+    return _cache_config(cache)  # alike on every rank: a bad value is the same error on each
 
 
 def _cache_config(cache):
