@@ -41,12 +41,15 @@ its neighbours on the shard group decide.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from fsdp_fp8.format.cache_option import CacheChoice, parse_cache_option
+
+log = logging.getLogger("fsdp_fp8")
 
 SEA_CACHE = "diffusers.hooks.sea_cache"
 # The names of diffusers' SeaCache this module uses (a test states them: tests/unit/test_diffusers_guards.py)
@@ -223,8 +226,14 @@ class StepCache:
         if sigma is None:  # the pipeline named no sigma: nothing to measure, compute
             return True, True
         metadata = sea._SeaCacheForwardMetadata(step_index=step, sigma=float(sigma), num_inference_steps=steps)
-        metadata.raw_vision = sea._prepare_cosmos3_raw_vision_metadata(module, args, kwargs)
-        indicator = sea._build_indicator(self.config, metadata) if metadata.raw_vision else None
+        try:  # what diffusers' hook catches, it runs full on; here the rank still votes (its peers wait)
+            metadata.raw_vision = sea._prepare_cosmos3_raw_vision_metadata(module, args, kwargs)
+            indicator = sea._build_indicator(self.config, metadata) if metadata.raw_vision else None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            log.warning(
+                "step cache: no indicator at step %d (%s: %s); this step computes", step, type(exc).__name__, exc
+            )
+            indicator = None
         gate_computes = self.shared.resolve_gate(self.gate, metadata, indicator, self.config)
         # the step policy: only residuals made at this step's precision, the last computed among them
         at_hand = bool(self.computed) and self.computed[-1][1] == precision

@@ -49,7 +49,7 @@ def _pipeline(root: str, cache, cfg_parallel: bool = False, ulysses: int = 1):
     return pipe
 
 
-def _generate(pipe, prompt: str, size: dict, threshold: float | None = None) -> dict:
+def _generate(pipe, prompt: str, size: dict, threshold: float | None = None, fail_at: int | None = None) -> dict:
     from diffusers.hooks import sea_cache
     from diffusers.hooks.sea_cache import SeaCacheConfig
 
@@ -58,6 +58,8 @@ def _generate(pipe, prompt: str, size: dict, threshold: float | None = None) -> 
     indicators = []  # diffusers' indicator at each step, as digests: the same bits at any layout
 
     def recorded(config, metadata):
+        if metadata.step_index == fail_at:  # diffusers' indicator fails on this rank at this step
+            raise RuntimeError("no indicator (a test's failure)")
         out = build(config, metadata)
         indicators.append([_digest(t) for t in out or ()])
         return out
@@ -98,6 +100,7 @@ def _observe(rank: int, world: int, root: str, fixture: str) -> dict:
         obs[(EAGER, PROMPTS[0])] = _generate(cached, PROMPTS[0], IMAGE, EAGER)
         obs[(NEVER, PROMPTS[1])] = _generate(cached, PROMPTS[1], IMAGE, NEVER)
         obs[("cached video", PROMPTS[0])] = _generate(cached, PROMPTS[0], VIDEO, DEFAULT)
+        obs[("indicator fails", PROMPTS[0])] = _generate(cached, PROMPTS[0], IMAGE, EAGER, fail_at=1)
         return obs
     # 2 ranks: two requests on one shard group, first as the cache decides, then made to disagree
     pipe = _pipeline(root, "seacache")
@@ -107,6 +110,8 @@ def _observe(rank: int, world: int, root: str, fixture: str) -> dict:
     obs["cfg"] = _generate(pair, PROMPTS[0], IMAGE)
     # eager: step 1 reuses step 0's residuals, which both ranks of the pair made for both passes
     obs["cfg eager"] = _generate(pair, PROMPTS[0], IMAGE, EAGER)
+    # only rank 1's indicator fails at step 1: it votes compute, and its pair computes with it
+    obs["cfg indicator fails"] = _generate(pair, PROMPTS[0], IMAGE, EAGER, fail_at=1 if rank else None)
     obs["ulysses"] = _generate(_pipeline(root, "seacache", ulysses=2), PROMPTS[0], VIDEO)
     obs["fixture fsdp"] = _generate(_pipeline(fixture, "seacache"), PROMPTS[rank], IMAGE, EAGER)
     obs["fixture cfg"] = _generate(_pipeline(fixture, "seacache", cfg_parallel=True), PROMPTS[0], IMAGE, EAGER)
@@ -140,6 +145,7 @@ ALONE = {
     "fsdp": "cached",
     "cfg": "cached",
     "cfg eager": EAGER,
+    "cfg indicator fails": "indicator fails",
     "ulysses": "cached video",
     "fixture fsdp": "fixture",
     "fixture cfg": "fixture",
@@ -155,8 +161,11 @@ def test_a_request_keeps_its_one_rank_cached_latents_at_any_layout(observed, lay
         assert obs[layout]["digest"] == alone["digest"], (layout, rank)
         assert obs[layout]["computed"] == alone["computed"], (layout, rank)
         # the indicator is built from the call's whole latents, never from a rank's rows
-        assert obs[layout]["indicators"] == alone["indicators"] and len(alone["indicators"]) == STEPS
+        if layout != "cfg indicator fails":
+            assert obs[layout]["indicators"] == alone["indicators"] and len(alone["indicators"]) == STEPS
         assert len(alone["computed"]) < STEPS  # some steps reused
+    if layout == "cfg indicator fails":  # step 1 computed on both ranks, not reused as eager would
+        assert 1 in alone["computed"] and 1 not in one[(EAGER, PROMPTS[0])]["computed"]
     if layout == "cfg":  # each rank of the pair runs one pass per computed step (both at step 0)
         assert [o["cfg"]["stacks"] for o in observed[2]] == [len(alone["computed"]) + 1] * 2
 
