@@ -55,4 +55,24 @@ def parse_cache_option(value: str | None, name: str = "--cache") -> CacheChoice 
     return CacheChoice(method, float(threshold) if sep else None)
 
 
-__all__ = ["CACHE_METHODS", "CacheChoice", "cache_option_problems", "parse_cache_option"]
+def computed_steps_range(
+    precisions: list[str], retention: int = 1, end: int = 1, most_in_row: int = 2
+) -> tuple[int, int]:
+    """(fewest, most) steps a request computes out of ``len(precisions)`` (``precisions``: each
+    step's, from the step policy) under SeaCache's rules and ours: the first ``retention`` and last
+    ``end`` steps compute, at most ``most_in_row`` steps are reused in a row, and a step whose
+    precision differs from the last computed step's computes. The fewest is the schedule a budget
+    that never fills takes (reuse wherever the rules allow: the first step of each precision's run
+    computes, then at most ``most_in_row`` reused, which no other order beats); the most is every
+    step. The indicator decides where in between a request lands."""
+    n, computed, in_row, last = len(precisions), 0, 0, None
+    for i, precision in enumerate(precisions):
+        forced = i < retention or i >= n - end or precision != last
+        if forced or (most_in_row and in_row >= most_in_row):
+            computed, in_row, last = computed + 1, 0, precision
+        else:
+            in_row += 1
+    return computed, n
+
+
+__all__ = ["CACHE_METHODS", "CacheChoice", "cache_option_problems", "computed_steps_range", "parse_cache_option"]

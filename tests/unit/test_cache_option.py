@@ -64,3 +64,22 @@ def test_regional_compile_is_refused_before_the_load_naming_why(capsys):
     assert exit_.value.code == 2 and "--compile regional is not supported yet" in err
     assert "FSDPCosmos3VLTextMoTDecoderLayer" in err
     assert parse_run_args(["--compile", "off"]).compile == "off"
+
+
+def test_the_computed_steps_range_is_the_rules_bounds():
+    from fsdp_fp8.format.cache_option import computed_steps_range
+
+    policy = ["W8A16"] * 3 + ["W8A8"] * 4 + ["W8A16"] * 3  # the demo's policy at 10 steps
+    assert computed_steps_range(policy) == (5, 10)  # steps 0, 3, 6, 7, 9 (test_step_cache runs it)
+    assert computed_steps_range(["W8A8"] * 35) == (13, 35)  # 0, 3, ..., 33 and the last
+    assert computed_steps_range(["W8A8"] * 35, most_in_row=0) == (2, 35)  # no limit: first and last
+    assert computed_steps_range(["W8A8"]) == (1, 1)
+
+
+def test_inspect_prints_the_range_under_the_checkpoints_step_policy(demo_root, capsys):
+    pytest.importorskip("diffusers")
+    from fsdp_fp8.cli import commands
+
+    assert commands.main(["inspect", str(demo_root), "--cache", "seacache", "--steps", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "step cache:      seacache: 5..10 of 10 steps computed, 10..20 transformer passes" in out
