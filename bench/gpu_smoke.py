@@ -40,7 +40,8 @@ Sections:
              the largest world the box allows, the 64B model's 720p video among the shapes: the
              rows and heads every rank gets back, ms and GB/s (needs 2 GPUs; --dry: gloo, 3 ranks)
   demo       ``torchrun launch/infer.py`` at min(8, GPU count) ranks under NCCL: seconds, load,
-             digest, watchdog/terminate lines
+             digest, watchdog/terminate lines; then once with ``--cache seacache``: the steps
+             computed and reused, the wall ratio to the uncached run, whether the latent differs
   attention  one 720p-sized attention call (44,160 rows, Super-sized GQA heads, bf16) per attention
              backend this GPU can run (--attention-backend's names), ms and TFLOP/s; the others
              skipped with the reason the launcher would give
@@ -946,6 +947,28 @@ def section_demo(ctx: Context) -> None:
                     r.update({k: rep.get(k) for k in keep}, precision_trace=rep.get("precision_trace"))
                 if rc != 0 or bad or not report.exists():
                     r.update(status="failed", tail=text[-3000:])
+        _cached_demo(ctx, Path(tmp), ranks, steps, env)
+
+
+def _cached_demo(ctx: Context, tmp: Path, ranks: int, steps: list[str], env: dict) -> None:
+    """The demo again with ``--cache seacache`` (docs/usage.md, "Step caching"): its computed and
+    reused steps, its denoising seconds against the uncached run 0's, and whether its latent
+    differs (it should, when a step was reused). A real checkpoint's passes and PSNR: bench/cache.py."""
+    with ctx.variant(f"cached at {ranks} ranks") as r:
+        report = tmp / "reports" / "demo-cached.json"
+        rc, text = _torchrun(ranks, ROOT / "launch" / "infer.py", *steps, "--cache", "seacache", "--report",
+                             str(report), env=env)  # fmt: skip
+        if rc != 0 or not report.exists():
+            r.update(status="failed", exit=rc, tail=text[-3000:])
+            return
+        cached, plain = json.loads(report.read_text()), tmp / "reports" / "demo-0.json"
+        r.update(step_cache=cached["outputs"][0].get("step_cache"), sample_seconds=cached.get("sample_seconds"))
+        if plain.exists():
+            plain = json.loads(plain.read_text())
+            r.update(
+                wall_ratio=round(cached["sample_seconds"] / plain["sample_seconds"], 3),
+                latent_differs=cached["latent_sha256"] != plain["latent_sha256"],
+            )
 
 
 # One attention call of a 720p, 189-frame Cosmos 3 pass (44,160 generation tokens), Super-sized heads:

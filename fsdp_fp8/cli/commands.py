@@ -22,6 +22,7 @@ from fsdp_fp8.cli.arguments import RankZeroParser, byte_count
 from fsdp_fp8.cli.inspection import (
     MAX_WORLD_SIZE,
     bytes_and_mib,
+    cache_line,
     per_shard_lines,
     shard_groups,
     summary,
@@ -30,6 +31,7 @@ from fsdp_fp8.cli.inspection import (
 )
 from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
+from fsdp_fp8.format.cache_option import cache_option_problems
 from fsdp_fp8.format.read_options import ALL_ROWS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
 from fsdp_fp8.generation.declare import declared
@@ -78,6 +80,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if ckpt is None:
         return 1
     print(summary(ckpt, args.world_size, args.replicas, ReadOptions(prefetch_bytes=args.prefetch_bytes)))
+    if args.cache not in (None, "off"):  # the step cache's range of computed steps (format.cache_option)
+        print(cache_line(ckpt.quant.step_policy, args.steps, args.cache))
     if args.height or args.width or args.frames:  # the per-GPU memory forecast (fsdp_fp8.runtime.forecast)
         from fsdp_fp8.runtime.forecast import forecast_checkpoint
 
@@ -306,6 +310,14 @@ def _add_checkpoint_and_ranks(command: argparse.ArgumentParser, world_size_help:
     command.add_argument("--replicas", type=_positive, default=1, help=REPLICAS_HELP)
 
 
+def _cache_text(value: str) -> str:
+    """``--cache`` checked as the launcher checks it (``format.cache_option``)."""
+    problems = cache_option_problems(value)
+    if problems:
+        raise argparse.ArgumentTypeError("; ".join(problems))
+    return value
+
+
 def _add_inspect(inspect: argparse.ArgumentParser) -> None:
     _add_checkpoint_and_ranks(inspect, "also forecast what each of W ranks reads, holds and stages")
     inspect.add_argument(
@@ -334,6 +346,13 @@ def _add_inspect(inspect: argparse.ArgumentParser) -> None:
     )
     inspect.add_argument("--offload", choices=("cpu",), help="forecast: FP8 shards in host memory")
     inspect.add_argument("--cfg-parallel", action="store_true", help="forecast: guidance passes on rank pairs")
+    inspect.add_argument(
+        "--cache",
+        type=_cache_text,
+        metavar="off|seacache[:THRESHOLD]",
+        help="forecast: the steps a request computes with step caching, as the range its rules allow (with --steps)",
+    )
+    inspect.add_argument("--steps", type=_positive, default=35, help="with --cache: denoising steps (default 35)")
     inspect.add_argument(
         "--ulysses",
         "--sequence-parallel",

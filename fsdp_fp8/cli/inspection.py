@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli.reports import hsdp_words, plural
+from fsdp_fp8.format.cache_option import computed_steps_range
 from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.step_policy import describe_policy, parse_step_policy
 from fsdp_fp8.shard_rows import shard_groups
@@ -83,6 +84,24 @@ def policy_words(raw: dict | None) -> str:
         return describe_policy(parse_step_policy(raw))
     except ValueError as exc:  # open_checkpoint validated it; kept for a policy read another way
         return f"present but invalid: {exc}"
+
+
+def cache_line(raw_policy: dict | None, steps: int, cache: str) -> str:
+    """The steps a request computes with ``cache`` over ``steps`` under the checkpoint's step policy:
+    the fewest diffusers' SeaCache rules (its defaults) and the precision rule allow, to every step."""
+    from diffusers.hooks.sea_cache import SeaCacheConfig
+
+    rules = SeaCacheConfig()
+    policy = parse_step_policy(raw_policy) if raw_policy is not None else None
+    precisions = [policy.precision(i, steps) if policy is not None else "native" for i in range(steps)]
+    fewest, most = computed_steps_range(
+        precisions, rules.retention_steps, rules.cache_end_steps, rules.max_consecutive_cached
+    )
+    return (
+        f"step cache:      {cache}: {fewest}..{most} of {steps} steps computed, {2 * fewest}..{2 * most} "
+        "transformer passes per video with guidance (the fewest the rules allow .. every step; the "
+        "indicator decides where a request lands)"
+    )
 
 
 def summary(

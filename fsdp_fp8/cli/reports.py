@@ -309,10 +309,13 @@ class PipelineReport(Report):
         for row in self.outputs:  # one line each, whatever its length: a digest is copied whole
             saved = f" -> {row.output}" if row.output else ""
             saved += f" (VAE decode {row.vae_decode})" if row.vae_decode else ""
+            cached = f", step cache {row.step_cache.split(':')[0]}" if row.step_cache else ""
             lines.append(
                 f"latent {row.index:>3}      {tuple(row.latent_shape)} sha256 {row.latent_sha256}"
-                f" (rank {row.rank}){saved}"
+                f" (rank {row.rank}{cached}){saved}"
             )
+            if row.step_cache:
+                lines.append(f"cache  {row.index:>3}      {row.step_cache}")
             if row.sound_sha256:
                 lines.append(f"sound  {row.index:>3}      sha256 {row.sound_sha256}")
         return lines

@@ -49,6 +49,7 @@ from fsdp_fp8.interop.diffusers_pipeline import (
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
+from fsdp_fp8.interop.step_cache import StepCache, Voters, cache_config, cache_problems
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.options import SETTINGS, LoadOptions, load_options
@@ -75,6 +76,7 @@ def load_pipeline(
     ulysses: int | None = None,
     sequence_parallel: int | None = None,
     attention_backend: str | None = None,
+    cache=None,
     options: LoadOptions | None = None,
     **kwargs,
 ):
@@ -91,8 +93,7 @@ def load_pipeline(
     ``load_model``, its ranks given the same settings (else one ``ArgumentError`` on every rank).
     ``fsdp_fp8.loaded_of(pipe)`` is the ``LoadedModel`` and ``fsdp_fp8.routing_of(pipe.transformer)`` the routing
     (its ``trace``: one precision per step run; ``summary()``: ``"W8A16 x3 / W8A8 x14 / W8A16 x3"``);
-    ``fsdp_fp8.loaded_of(pipe).close()`` lets the transformer go at once (its storage freed; the other components
-    are diffusers').
+    ``fsdp_fp8.loaded_of(pipe).close()`` lets the transformer go at once (its storage freed; the others are diffusers').
 
     ``cfg_parallel``: ranks in pairs run the two guidance passes of each step at once
     (``fsdp_fp8.interop.cfg_parallel``). ``ulysses`` (``sequence_parallel``: the same, its older
@@ -107,22 +108,21 @@ def load_pipeline(
     ``attention_backend``: one of diffusers' attention backend names (``"native"``, ``"flex"``,
     ``"flash"``, ...; ``interop.attention_backend``) for every attention layer, the CFG and
     Ulysses paths included; one that is not installed or cannot run on the device is refused
-    before the load, naming those that can. ``None``: diffusers' default.
+    before the load, naming those that can. ``None``: diffusers' default. ``cache``: ``None`` / ``"off"``
+    (default), ``"seacache[:THRESHOLD]"`` or a diffusers ``SeaCacheConfig`` (``interop.step_cache``).
     """
     settings = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTINGS}
     given = mesh.layout if isinstance(mesh, ParallelMesh) else None
     layout_args = _work_degrees(given, cfg_parallel, ulysses, sequence_parallel)
     options = load_options(options, mesh=mesh.weights if isinstance(mesh, ParallelMesh) else mesh, **settings)
     root = resolve_hub_path(path)  # a directory, or a hub name through the local cache only
-    _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options)  # before any read
+    cache = _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options, cache)  # before reads
     index = read_model_index(root)
     with quiet_imports():
         cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
-    if TRANSFORMER in kwargs:
-        raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
-    components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
+    components = _components(kwargs)  # refuses a transformer, trust_remote_code / custom_pipeline
     layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
-    _refuse_before_load(root, index, components, attention_backend, options.device)
+    _refuse_before_load(root, index, components, attention_backend, options.device, cache)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
@@ -130,17 +130,30 @@ def load_pipeline(
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
         pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
-    for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
-        component.to(options.device)
-    _attach_work(pipe, routing, layout, mesh, options.timeout_s)
+    _components_to(pipe, options.device)
+    _attach_work(pipe, routing, layout, mesh, options.timeout_s, cache)
     LOADED.set(pipe, loaded)
     return pipe
 
 
-def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options) -> None:
+def _components(kwargs: dict) -> dict:
+    """The keywords for the pipeline's ``from_pretrained``: no ``transformer`` (ours), no remote code."""
+    if TRANSFORMER in kwargs:
+        raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
+    return safe_pretrained_kwargs(**kwargs)
+
+
+def _components_to(pipe, device) -> None:
+    """Every component but the transformer (loaded on its device already) moved to ``device``."""
+    for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
+        component.to(device)
+
+
+def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options, cache):
     """Before anything is read: every rank given the same checkpoint (``format.hub.checkpoint_identity``),
-    layout, attention backend, step policy and timeout (the device is each rank's own); a difference is
-    one ``ArgumentError`` on every rank naming the setting and which ranks hold which value."""
+    layout, attention backend, step policy, timeout and step cache (the device is each rank's own); a
+    difference is one ``ArgumentError`` on every rank naming the setting and which ranks hold which
+    value. Returns the step cache as diffusers' ``SeaCacheConfig`` (None: off)."""
     cfg_parallel, ulysses = layout_args
     settings = {
         "checkpoint": checkpoint_identity(root),
@@ -150,8 +163,18 @@ def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_p
         "attention_backend": attention_backend,
         "step_policy": step_policy,
         "timeout_s": options.timeout_s,
+        "cache": cache if cache is None or isinstance(cache, str) else repr(cache),  # parsed once agreed
     }
     agree_on_settings(settings, timeout_s=options.timeout_s, context="load_pipeline")
+    return _cache_config(cache)  # alike on every rank: a bad value is the same error on each
+
+
+def _cache_config(cache):
+    """``cache`` as diffusers' ``SeaCacheConfig`` (None: off); a bad one is an ``ArgumentError``."""
+    try:
+        return cache_config(cache)
+    except ValueError as exc:
+        raise ArgumentError(str(exc), "load_pipeline") from None
 
 
 def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
@@ -163,14 +186,19 @@ def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):
     return mesh, options if options.mesh is not None else options.replace(mesh=mesh.weights)
 
 
-def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) -> None:
+def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float, cache) -> None:
     """The transformer's per-forward state (step routing, the CFG pair on ``mesh["cfg"]``, the
-    Ulysses group on ``mesh["ulysses"]``) and the pipeline's request gate: each call one request,
-    its ranks meeting before its first forward (compared when a request spans several ranks)."""
+    Ulysses group on ``mesh["ulysses"]``, the step cache voting over the world) and the pipeline's
+    request gate: each call one request, its ranks meeting before its first forward (compared when
+    a request spans several ranks)."""
     team = layout.cfg * layout.ulysses
     teams = request_teams(layout.world, team, timeout_s) if distributed() else None
     gate = RequestGate(teams, compares=team > 1)
     state = PipelineState(routing, gate=gate)
+    if cache is not None:
+        world = mesh.world.get_group() if isinstance(mesh, ParallelMesh) else dist.group.WORLD
+        voters = Voters.of(layout, world, dist.get_rank()) if dist.is_initialized() else None
+        state.cache = StepCache(cache, voters)
     if layout.ulysses > 1:
         state.ulysses = Ulysses.of(mesh)
         install_ulysses(pipe.transformer, state.ulysses)
@@ -181,11 +209,14 @@ def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) 
     WORK.set(pipe, (layout, mesh if isinstance(mesh, ParallelMesh) else None))
 
 
-def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device, cache) -> None:
     """What would fail after the load, refused before it: a component folder ``model_index.json``
     names that is missing, a guardrail the pipeline builds whose package is missing (not a
-    traceback from diffusers), an attention backend that cannot run."""
+    traceback from diffusers), an attention backend that cannot run, a step cache on a transformer
+    without Cosmos 3's decoder stack or a diffusers without SeaCache."""
     problems = missing_components(root, index, components)
+    if cache is not None:
+        problems += [f"cache: {p}" for p in cache_problems(index[TRANSFORMER][1])]
     if guardrail := guardrail_problem(index, components):
         problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
     if attention_backend is not None:

@@ -40,6 +40,7 @@ from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_a
 from fsdp_fp8.generation.prompts import read_prompts
 from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, output_path
 from fsdp_fp8.generation.values import GenerationRequest, Prompt, RunSettings
+from fsdp_fp8.interop.forward_state import state_of
 from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, request_gate
 from fsdp_fp8.interop.vae_decode import decode_request, decode_video, request_decode
 from fsdp_fp8.runtime.precision import routing_of
@@ -172,6 +173,7 @@ class Engine:
         self.loaded = loaded_of(pipe)
         self.device = _device_of(pipe.transformer)
         self.routing = routing_of(pipe.transformer)
+        self.cache = state_of(pipe.transformer).cache  # the step cache (None: off)
         self.gate = request_gate(pipe)
         self.timeout_s = self.gate.teams.timeout_s if self.gate is not None and self.gate.teams else 600.0
         self.rank = rank_and_world()[0]
@@ -248,6 +250,7 @@ class Engine:
         conditioning = _conditioning(task)  # a failure: run_round meets the first forward with it
         seconds.prepare = time.perf_counter() - started
         trace_start = len(self.routing.trace)
+        cache_start = len(self.cache.trace) if self.cache is not None else 0
         request = task.request
         started = time.perf_counter()
         with _scheduler_shifted(self.pipe, request.flow_shift):
@@ -283,6 +286,7 @@ class Engine:
             steps=request.steps,
             steps_run=meeting.met or request.steps,
             precision_trace=describe_trace(self.routing.trace[trace_start:]),
+            step_cache=self.cache.summary(cache_start) if self.cache is not None else None,
             latent_shape=list(latents.shape),
             latent_sha256=digest(latents),
             sound_sha256=digest(out.sound) if out.sound is not None else None,

@@ -80,6 +80,7 @@ def load_engine(path, settings: RunSettings, *, step_policy: str = "auto", mesh=
         # diffusers' own default (native) unless the option was given: its setter warns of an
         # experimental feature, which a default run has not asked for
         attention_backend=settings.attention_backend if "attention_backend" in given else None,
+        cache=settings.cache,
         options=options,
         **work,
         **({"enable_safety_checker": False, "safety_checker": None} if settings.safety_check == "off" else {}),

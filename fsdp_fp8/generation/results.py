@@ -50,6 +50,9 @@ class TaskResult:
     steps: int = 0
     steps_run: int = 0
     precision_trace: str | None = None
+    step_cache: str | None = (
+        None  # the steps computed and reused: "seacache 0.25: computed 7, reused 3 (steps 4, 5, 8)"
+    )
     latent_shape: list[int] = field(default_factory=list)
     latent_sha256: str = ""
     sound_sha256: str | None = None  # the audio track's samples (--sound)
@@ -71,7 +74,7 @@ class TaskResult:
         out = dataclasses.asdict(self.shareable())
         for key in ("frames", "sound"):
             out.pop(key)
-        optional = ("output", "sound_sha256", "vae_decode", "frames_sha256", "error", "key")
+        optional = ("output", "sound_sha256", "vae_decode", "frames_sha256", "error", "key", "step_cache")
         return {k: v for k, v in out.items() if k not in optional or v}
 
 

@@ -94,6 +94,7 @@ class CfgPair:
         self.cond_static: dict | None = None
         self.signature: tuple | None = None
         self.pending = None  # (uncond prediction, the cond call's PER_STEP values) between the two calls
+        self.running: str | None = None  # the pass this rank runs inside a cond call (the step cache's key)
 
     @classmethod
     def of(cls, mesh) -> CfgPair:
@@ -124,7 +125,11 @@ class CfgPair:
         per_step = {k: kwargs[k] for k in PER_STEP if k in kwargs}
         if name == COND:
             self._check(static, self.cond_static, name, step)
-            mine = run(**kwargs) if self.rank == 0 else run(**self.uncond_static, **per_step)
+            self.running = COND if self.rank == 0 else UNCOND
+            try:
+                mine = run(**kwargs) if self.rank == 0 else run(**self.uncond_static, **per_step)
+            finally:
+                self.running = None
             other = self._exchange(mine)
             cond, uncond = (mine, other) if self.rank == 0 else (other, mine)
             self.pending = (uncond, per_step)

@@ -17,6 +17,8 @@ transformer's ``PipelineState`` (kept in ``PIPELINE_STATE``, weakly, by the tran
 - ``_cp_shard_fn`` / ``_cp_gather_fn`` (the seams ``Cosmos3OmniTransformer.forward`` offers
   around its decoder stack): under Ulysses the state's Ulysses group splits and re-joins the
   generation tokens (``interop.ulysses``); otherwise they return their inputs.
+- ``_run_decoder_stack``: with a step cache (``interop.step_cache``), the step's decision, taken
+  by every rank at the step's first ``__call__``: the stack runs, or its cached output is returned.
 
 The precision is a pure function of ``(i, n)``, so both guidance passes of one step, and every
 rank, agree. A step begins at a new ``(i, n)`` or with a new request: the pipeline's own
@@ -36,6 +38,7 @@ from torch import nn
 from fsdp_fp8.collective.attached import Attachment
 from fsdp_fp8.interop.cfg_parallel import CfgPair
 from fsdp_fp8.interop.request_agreement import RequestGate
+from fsdp_fp8.interop.step_cache import StepCache
 from fsdp_fp8.runtime.precision import PrecisionRouting, set_step_precision
 
 
@@ -51,6 +54,8 @@ class PipelineState:
     ulysses: object | None = None
     gate: RequestGate | None = None
     step: tuple[int, int, int] | None = None  # (request serial, i, n) of the step running
+    pass_name: str | None = None  # the pass (cache_context's name) open, for the step cache
+    cache: StepCache | None = None  # the step cache (interop.step_cache), when one was asked for
 
     @contextlib.contextmanager
     def pass_context(self, inner, name: str, kwargs: dict):
@@ -70,9 +75,29 @@ class PipelineState:
         new_step = (serial, step, steps) != self.step
         if new_step:
             self.step = (serial, step, steps)
-        with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step):
-            with self._naming(name, step):
+        with inner(name, **kwargs), set_step_precision(self.routing, step, steps, record=new_step) as precision:
+            with self._naming(name, step), self._caching(name, serial, step, steps, kwargs.get("sigma"), precision):
                 yield
+
+    @contextlib.contextmanager
+    def _caching(self, name: str, serial: int, step: int, steps: int, sigma, precision: str):
+        if self.cache is None:
+            yield
+            return
+        self.cache.begin(serial, step, steps, sigma, precision)
+        self.pass_name = name
+        try:
+            yield
+        finally:
+            self.cache.end()
+
+    def run_stack(self, run, und_seq, gen_seq, rotary_emb):
+        """The decoder stack of the pass running, through the step cache when there is one; the
+        pass is the one the CFG pair runs (its uncond pass runs inside the cond call)."""
+        if self.cache is None:
+            return run(und_seq, gen_seq, rotary_emb)
+        name = (self.cfg.running if self.cfg is not None else None) or self.pass_name
+        return self.cache.run_stack(name, run, und_seq, gen_seq, rotary_emb)
 
     @contextlib.contextmanager
     def _naming(self, name: str, step):
@@ -85,9 +110,10 @@ class PipelineState:
         finally:
             self.cfg.current = None
 
-    def call(self, run, args: tuple, kwargs: dict):
+    def call(self, module, run, args: tuple, kwargs: dict):
         """One ``transformer(...)`` call: a request's first meets its peers; refused outside a step
-        under a policy; else the CFG pair's decision, or ``run`` itself."""
+        under a policy; the step cache's decision at a step's first call; else the CFG pair's
+        decision, or ``run`` itself."""
         if self.gate is not None and not self.gate.met:
             self.gate.meet()
         if self.routing.policy is not None and self.routing.active == 0:
@@ -95,6 +121,8 @@ class PipelineState:
                 "the transformer ran outside a denoising step (transformer.cache_context with step_index): "
                 "its step policy cannot be applied; call it inside fsdp_fp8.denoising_step(model, i, n)"
             )
+        if self.cache is not None:  # the step's first call: every rank's vote, before FSDP gathers
+            self.cache.decide(module, args, kwargs)
         if self.cfg is not None:
             return self.cfg.call(run, args, kwargs)
         return run(*args, **kwargs)
@@ -119,7 +147,7 @@ _PIPELINED: dict[type, type] = {}  # a transformer class -> its one subclass of 
 
 
 def pipelined_class(cls: type) -> type:
-    """``cls`` with the four methods above reading the instance's ``PipelineState``; one subclass
+    """``cls`` with the five methods above reading the instance's ``PipelineState``; one subclass
     per class, made once. A subclass rather than instance attributes: an attribute named
     ``cache_context`` would shadow diffusers' method and travel with copies; the class keeps the
     methods where diffusers looks them up (``self.transformer.cache_context(...)``,
@@ -131,7 +159,7 @@ def pipelined_class(cls: type) -> type:
                 return state_of(self).pass_context(super().cache_context, name, kwargs)
 
             def __call__(self, *args, **kwargs):
-                return state_of(self).call(super().__call__, args, kwargs)
+                return state_of(self).call(self, super().__call__, args, kwargs)
 
             def _cp_shard_fn(self, und_seq, gen_seq, rotary_emb):
                 ulysses = state_of(self).ulysses
@@ -142,6 +170,9 @@ def pipelined_class(cls: type) -> type:
             def _cp_gather_fn(self, und_out, gen_out):
                 ulysses = state_of(self).ulysses
                 return (und_out, gen_out) if ulysses is None else ulysses.gather(und_out, gen_out)
+
+            def _run_decoder_stack(self, und_seq, gen_seq, rotary_emb):
+                return state_of(self).run_stack(super()._run_decoder_stack, und_seq, gen_seq, rotary_emb)
 
         Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{cls.__name__}"
         _PIPELINED[cls] = Pipelined

@@ -18,6 +18,8 @@ from ranks import run_ranks  # noqa: E402
 DIFFER = {
     "attention_backend": ({"attention_backend": "native"}, {"attention_backend": "flex"}),
     "cfg_parallel": ({}, {"cfg_parallel": True}),
+    # one rank's value does not parse: still the agreement's error, on both ranks, not a hang
+    "cache": ({"cache": "seacache"}, {"cache": "seacache:x"}),
 }
 
 
@@ -88,7 +90,7 @@ def _run_settings(rank: int, root: str) -> tuple[str, str | None]:
     from fsdp_fp8.generation.loading import agree_on_run_settings
     from fsdp_fp8.generation.values import RunSettings
 
-    settings = RunSettings(vae_tiling="on", resident="all") if rank else RunSettings()
+    settings = RunSettings(vae_tiling="on", resident="all", cache="seacache") if rank else RunSettings()
     try:
         agree_on_run_settings(settings, root, "auto")
         return ("agreed", None)
@@ -115,6 +117,7 @@ def test_the_error_shows_both_values(refusals):
     text = refusals[0]["attention_backend"][1]
     assert "attention_backend differs between ranks: rank 0 'native'; rank 1 'flex'" in text
     assert "cfg_parallel differs between ranks: rank 0 False; rank 1 True" in refusals[1]["cfg_parallel"][1]
+    assert "cache differs between ranks: rank 0 'seacache'; rank 1 'seacache:x'" in refusals[1]["cache"][1]
 
 
 def test_the_launchers_run_settings_are_agreed_the_same_way(refusals):
@@ -123,7 +126,8 @@ def test_the_launchers_run_settings_are_agreed_the_same_way(refusals):
     assert kind == "ArgumentError", text
     assert "vae_tiling differs between ranks: rank 0 'auto'; rank 1 'on'" in text
     assert "resident differs between ranks: rank 0 'none'; rank 1 'all'" in text
-    assert text.count("differs between ranks") == 2, text
+    assert "cache differs between ranks: rank 0 'off'; rank 1 'seacache'" in text
+    assert text.count("differs between ranks") == 3, text
 
 
 def test_nothing_is_read_and_no_mesh_is_built_before_the_refusal(refusals):

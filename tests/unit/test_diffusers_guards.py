@@ -176,3 +176,40 @@ def test_two_one_step_requests_are_two_steps(demo_root):
             output_type="latent",
         )
     assert len(routing_of(pipe.transformer).trace) == 2
+
+
+# --- the step cache: diffusers' SeaCache pieces, and why its own hook is not used
+
+
+def test_the_step_cache_finds_diffusers_seacache_pieces_and_its_hook_still_refuses_fsdp():
+    from diffusers.hooks import sea_cache
+
+    from fsdp_fp8.interop import step_cache
+
+    assert step_cache.diffusers_problems() == []
+    assert step_cache.cache_problems("Cosmos3OmniTransformer") == []
+    # the reason fsdp_fp8 takes the indicator and gate but not `enable_cache`: under FSDP the hook
+    # computes every step; when this goes, the hook may serve FSDP itself (issue 48)
+    assert "cannot safely bypass FSDP-managed transformer blocks" in inspect.getsource(sea_cache)
+    assert sea_cache.SeaCacheConfig().threshold == 0.25  # the default the docs quote
+
+
+def test_a_missing_seacache_piece_or_a_transformer_without_the_decoder_stack_is_named(monkeypatch):
+    from diffusers.hooks import sea_cache
+
+    from fsdp_fp8.interop import step_cache
+
+    monkeypatch.delattr(sea_cache, "_build_indicator")
+    assert step_cache.diffusers_problems() == [f"{step_cache.SEA_CACHE} has no `_build_indicator`"]
+    problems = step_cache.cache_problems("AutoencoderKLWan")
+    assert "the step cache runs on Cosmos 3 transformers" in problems[-1] and "AutoencoderKLWan" in problems[-1]
+
+
+def test_regional_compile_finds_blocks_by_class_name_which_fully_shard_renames():
+    """The reason ``--compile regional`` is refused (generation.values.compile_problems): when
+    diffusers matches blocks another way, this goes red and the refusal must be looked at again."""
+    from diffusers import ModelMixin
+
+    source = inspect.getsource(ModelMixin.compile_repeated_blocks)
+    assert "submod.__class__.__name__ in repeated_blocks" in source
+    assert Cosmos3OmniTransformer._repeated_blocks == ["Cosmos3VLTextMoTDecoderLayer"]
