@@ -52,6 +52,7 @@ RANK_1_VALUES = {
     "replicas": 2,
     "attention_backend": "flex",
     "vae_tiling": "on",
+    "cache": "seacache",
     "resident": "all",
     "resident_budget": 10**9,
     "safety_check": "off",
