@@ -115,6 +115,7 @@ def _observe(rank: int, world: int, root: str, fixture: str) -> dict:
     obs["ulysses"] = _generate(_pipeline(root, "seacache", ulysses=2), PROMPTS[0], VIDEO)
     obs["fixture fsdp"] = _generate(_pipeline(fixture, "seacache"), PROMPTS[rank], IMAGE, EAGER)
     obs["fixture cfg"] = _generate(_pipeline(fixture, "seacache", cfg_parallel=True), PROMPTS[0], IMAGE, EAGER)
+    obs["fixture ulysses"] = _generate(_pipeline(fixture, "seacache", ulysses=2), PROMPTS[0], IMAGE, EAGER)
     return obs
 
 
@@ -154,6 +155,7 @@ ALONE = {
     "ulysses": "cached video",
     "fixture fsdp": "fixture",
     "fixture cfg": "fixture",
+    "fixture ulysses": "fixture",
 }
 
 
