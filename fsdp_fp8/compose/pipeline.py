@@ -40,14 +40,17 @@ from fsdp_fp8.interop import ulysses as ulysses_facts
 from fsdp_fp8.interop.attention_backend import backend_problems, use_backend
 from fsdp_fp8.interop.cfg_parallel import CfgPair
 from fsdp_fp8.interop.diffusers_pipeline import (
-    MODEL_INDEX,
     TRANSFORMER,
+    distilled_steps,
     guardrail_problem,
+    index_path,
+    is_modular,
     missing_components,
     pipeline_class,
     read_model_index,
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.interop.modular import load_modular
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
@@ -117,11 +120,11 @@ def load_pipeline(
     _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options)  # before any read
     index = read_model_index(root)
     with quiet_imports():
-        cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
+        cls = pipeline_class(index["_class_name"], index_path(root))
     if TRANSFORMER in kwargs:
         raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
-    layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
+    layout = _layout(root, cls, index, given, *layout_args)  # alike on every rank: their settings agreed
     _refuse_before_load(root, index, components, attention_backend, options.device)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
@@ -129,7 +132,10 @@ def load_pipeline(
         use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
     with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
-        pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
+        if is_modular(cls):  # its blocks and diffusers' own load_components (interop.modular)
+            pipe = load_modular(cls, root, index, index_path(root), loaded.model, components)
+        else:
+            pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
     for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
         component.to(options.device)
     _attach_work(pipe, routing, layout, mesh, options.timeout_s)
@@ -213,9 +219,19 @@ def _work_degrees(given: ParallelLayout | None, cfg_parallel, ulysses, sequence_
     return cfg_parallel, 1 if degree is None else degree
 
 
-def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int) -> ParallelLayout:
+def _layout(
+    root: Path, cls: type, index: dict, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int
+) -> ParallelLayout:
     """The layout, checked once with the transformer's heads and what diffusers must provide for
-    CFG-parallel and Ulysses (from the files, the classes and the world size alone)."""
+    CFG-parallel and Ulysses (from the files, the classes and the world size alone). A distilled
+    root (``distilled_sigmas``) runs guidance 1.0: one pass per step, no CFG pair to split."""
+    if cfg_parallel is True and (steps := distilled_steps(index)) is not None:
+        raise LayoutError(
+            f"{index_path(root)}: a distilled checkpoint ({steps}-step `distilled_sigmas`) runs guidance 1.0, one "
+            "transformer pass per step: there is no CFG pair to split (cfg_parallel / --cfg-parallel); use "
+            "ulysses / replicas instead",
+            "load_pipeline",
+        )
     source = root / TRANSFORMER / "config.json"
     split = isinstance(ulysses, int) and not isinstance(ulysses, bool) and ulysses > 1  # else refused below
     heads = AttentionHeads.of(json.loads(source.read_text()), str(source)) if split else None
@@ -226,10 +242,10 @@ def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: b
     if cfg_parallel is True:
         import diffusers
 
-        name = read_model_index(root)[TRANSFORMER][1]
+        name = index[TRANSFORMER][1]
         transformer_cls = getattr(diffusers, name, None)
         if not isinstance(transformer_cls, type):
-            problems.append(f"{root / MODEL_INDEX}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
+            problems.append(f"{index_path(root)}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
         else:
             problems += cfg_facts.diffusers_problems(cls, transformer_cls)
     if split:

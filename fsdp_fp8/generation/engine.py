@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import logging
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fsdp_fp8.collective import rank_and_world
-from fsdp_fp8.compose.pipeline import loaded_of, work_of
+from fsdp_fp8.compose.pipeline import loaded_of, pipeline_name, work_of
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.generation.media import load_conditioning_image, load_conditioning_video
@@ -40,7 +41,9 @@ from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_a
 from fsdp_fp8.generation.prompts import read_prompts
 from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, output_path
 from fsdp_fp8.generation.values import GenerationRequest, Prompt, RunSettings
-from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, request_gate
+from fsdp_fp8.interop.diffusers_pipeline import distilled_problems, distilled_steps, is_modular
+from fsdp_fp8.interop.modular import call_modular
+from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, library_class, request_gate
 from fsdp_fp8.interop.vae_decode import decode_request, decode_video, request_decode
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
@@ -173,6 +176,10 @@ class Engine:
         self.device = _device_of(pipe.transformer)
         self.routing = routing_of(pipe.transformer)
         self.gate = request_gate(pipe)
+        # a modular pipeline (interop.modular) is called in Cosmos3OmniPipeline's terms; a distilled
+        # one runs its fixed schedule (its `distilled_sigmas`): that many steps, guidance 1.0
+        self.modular = is_modular(library_class(pipe))
+        self.schedule = distilled_steps(dict(pipe.config)) if self.modular else None
         self.timeout_s = self.gate.teams.timeout_s if self.gate is not None and self.gate.teams else 600.0
         self.rank = rank_and_world()[0]
         self.residency = apply_residency(
@@ -198,6 +205,7 @@ class Engine:
         real = [t for t in assignment if t is not None]
         if not real:
             return []
+        self._refuse_off_schedule(real)
         if len({round_key(t.request) for t in real}) > 1:
             raise ArgumentError(
                 "a round's tasks run the same transformer calls (FSDP gathers every block on every rank "
@@ -223,6 +231,24 @@ class Engine:
             _release_memory(self.device)
         ends = meet_at_end(RoundEnd(row.shareable() if row is not None else None, failure), self.timeout_s)
         return self._outcomes(assignment, ends, meeting, agreed, row)
+
+    def _refuse_off_schedule(self, tasks: Sequence[Task]) -> None:
+        """A distilled pipeline's tasks at another step count or guidance: diffusers' own refusal,
+        raised alike on every rank (each holds the same tasks) before any of them runs."""
+        if self.schedule is None:
+            return
+        problems = []
+        for task in tasks:
+            where = f"request {task.index}" + (f" ({task.key})" if task.key else "")
+            problems += distilled_problems(where, task.request.steps, task.request.guidance, self.schedule)
+            if task.prompt.negative_prompt is not None:
+                problems.append(f"{where}: a distilled checkpoint takes no negative prompt (no guidance pass)")
+        if problems:
+            raise ArgumentError(problems, f"{pipeline_name(self.pipe)} runs its fixed {self.schedule}-step schedule")
+
+    def mode_of(self, task: Task) -> str:
+        """The task's mode in the report's words; a distilled pipeline's says so and its step count."""
+        return task.mode + (f", distilled, {self.schedule} steps" if self.schedule is not None else "")
 
     def _meet_after_failure(self, meeting: StepMeeting, failure: str, serial: int) -> None:
         """Join the meeting the peers go to next: the request's first forward (if this rank never
@@ -250,8 +276,9 @@ class Engine:
         trace_start = len(self.routing.trace)
         request = task.request
         started = time.perf_counter()
+        call = functools.partial(call_modular, self.pipe) if self.modular else self.pipe
         with _scheduler_shifted(self.pipe, request.flow_shift):
-            out = self.pipe(
+            out = call(
                 task.prompt.text,
                 negative_prompt=task.prompt.negative_prompt,
                 **conditioning,
@@ -279,7 +306,7 @@ class Engine:
             prompt=task.prompt.text,
             rank=self.rank,
             key=task.key,
-            mode=task.mode,
+            mode=self.mode_of(task),
             steps=request.steps,
             steps_run=meeting.met or request.steps,
             precision_trace=describe_trace(self.routing.trace[trace_start:]),
@@ -349,7 +376,7 @@ class Engine:
                 continue
             ranks = [r for r in range(world) if self.layout.coordinates(r).request == group]
             own = [f"rank {r}: {message}" for r, message in failed if r in ranks]
-            base = dict(index=task.index, prompt=task.prompt.text, rank=ranks[0], key=task.key, mode=task.mode)
+            base = dict(index=task.index, prompt=task.prompt.text, rank=ranks[0], key=task.key, mode=self.mode_of(task))
             base |= dict(steps=task.request.steps, steps_run=meeting.met)
             if agreed is not None:
                 results.append(TaskResult(**base, status=FAILED, error=agreed))
