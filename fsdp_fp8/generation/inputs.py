@@ -23,7 +23,11 @@ from fsdp_fp8.generation.declare import bounds
 from fsdp_fp8.generation.values import VALUE_CLASSES
 from fsdp_fp8.interop.diffusers_pipeline import (  # imports no torch
     MODEL_INDEX,
+    distilled_problems,
+    distilled_steps,
     guardrail_problem,
+    index_path,
+    is_pipeline_index,
     missing_components,
 )
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
@@ -67,7 +71,7 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
     For a model that is no pipeline: only ``--ulysses`` (its run ignores the sizes, with
     a warning; only a pipeline's transformer is split)."""
     degree = getattr(values, "ulysses", 1)
-    if root is not None and not (root / MODEL_INDEX).is_file():
+    if root is not None and not is_pipeline_index(root):
         problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if values.sound else []
         if degree == 1:
             return problems
@@ -91,15 +95,36 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
         problems += [f"--checkpoint: {p}" for p in missing_components(root, index)]
     if values.sound:
         problems += _sound_problems(root, index, factors)
+    if root is not None and (schedule := distilled_steps(index)) is not None:
+        problems += _distilled_problems(values, root, schedule)
     if getattr(values, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
         problems.append(f"--checkpoint {root}: {guardrail}; or run without it: --safety-check off")
     return problems
 
 
+def _distilled_problems(values, root: Path, schedule: int) -> list[str]:
+    """What a distilled root (its fixed ``schedule``, guidance 1.0) refuses, before the load:
+    ``--steps`` / ``--guidance`` given off it (diffusers' own reasons), ``--cfg-parallel`` (no
+    CFG pair without guidance), a negative prompt (no unconditional pass)."""
+    given = getattr(values, "given", None) or set()
+    steps = values.steps if "steps" in given else schedule
+    guidance = values.guidance if "guidance" in given else 1.0
+    where = f"--steps {steps} / --guidance {guidance} on {root}"
+    problems = distilled_problems(where, steps, guidance, schedule)
+    if getattr(values, "cfg_parallel", False):
+        problems.append(
+            f"--cfg-parallel: {root} is a distilled checkpoint: guidance 1.0, one transformer pass per step, "
+            "so no CFG pair to split; use --ulysses N or --replicas R"
+        )
+    if getattr(values, "negative_prompt", None) is not None:
+        problems.append(f"--negative-prompt: {root} is a distilled checkpoint; it takes no negative prompt")
+    return problems
+
+
 def _model_index(root: Path) -> dict:
-    """``model_index.json`` as read (``{}`` when unreadable: the load says what is wrong with it)."""
+    """The pipeline's index as read (``{}`` when unreadable: the load says what is wrong with it)."""
     try:
-        index = json.loads((root / MODEL_INDEX).read_text())
+        index = json.loads(index_path(root).read_text())
     except (OSError, ValueError):
         return {}
     return index if isinstance(index, dict) else {}
