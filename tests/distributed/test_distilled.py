@@ -1,0 +1,149 @@
+"""Distilled 4-step roots (diffusers' ``Cosmos3DistilledModularPipeline``): the distilled demo
+(the demo's random components, ``modular_model_index.json`` with a fixed ``distilled_sigmas``, the
+transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
+image-to-video, each request's latent at 2 ranks (FSDP) and Ulysses 2 equal to one rank's; the
+report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
+before the load, one line, exit 2; through the Python API one error on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZE = ("--height", "32", "--width", "32")
+LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2")}
+MODE = "distilled, 4 steps"
+
+
+@pytest.fixture(scope="module")
+def distilled_root(demo_cache) -> str:
+    from fsdp_fp8.generation.demo import distilled_checkpoint
+
+    return str(distilled_checkpoint(demo_cache))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("distilled-inputs")
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(root / "still.png")
+    lines = ["a red fox", json.dumps({"prompt": "the arm picks up the cup", "image": "still.png", "seed": 3})]
+    (root / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
+    from fsdp_fp8.cli.runner import main
+
+    assert main(["--checkpoint", root, *SIZE, *extra, "--report", str(report)]) == 0
+    return json.loads(report.read_text()) if rank == 0 else None
+
+
+def _jobs(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:
+    """Text-to-image, then a text-to-video and an image-to-video request of one prompts file."""
+    image = _launch(root, reports / f"{name}-image.json", "--frames", "1", *extra, rank=rank)
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")), "--frames", "5")
+    videos = _launch(root, reports / f"{name}-videos.json", *prompts, *extra, rank=rank)
+    return {f"{name} image": image, f"{name} videos": videos}
+
+
+def _api_refusals(rank: int) -> list[str]:
+    """The Python API: a request off the schedule, and CFG-parallel, each one error on every rank."""
+    import torch
+
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.generation.engine import Engine, tasks_of
+    from fsdp_fp8.generation.values import GenerationRequest
+
+    root = os.environ["DISTILLED_ROOT"]
+    seen = []
+    try:
+        load_pipeline(root, device=torch.device("cpu"), cfg_parallel=True)
+    except ValueError as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+    engine = Engine(load_pipeline(root, device=torch.device("cpu")))
+    try:
+        engine.generate(tasks_of(GenerationRequest(prompt="a fox", frames=1, height=32, width=32, steps=3)))
+    except ValueError as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+    obs = {}
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
+        for name, extra in LAYOUTS.items():
+            obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
+        obs["api"] = _api_refusals(rank)
+    return obs
+
+
+@pytest.fixture(scope="module")
+def observed(distilled_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("distilled-reports")
+    one = _jobs(distilled_root, str(inputs), reports, "one", ())
+    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
+    return one, ranks
+
+
+def _latents(report: dict) -> list[tuple[str, str]]:
+    return [(r["mode"], r["latent_sha256"]) for r in report["outputs"]]
+
+
+def test_distilled_modes_name_the_schedule(observed):
+    one, _ = observed
+    assert one["one image"]["pipeline"] == "Cosmos3DistilledModularPipeline"
+    assert one["one image"]["steps"] == 4 and one["one image"]["precision_trace"] == "W8A8 x4"
+    assert one["one image"]["step_policy"] == "none"
+    assert [m for m, _ in _latents(one["one image"])] == [f"text-to-image, {MODE}"]
+    assert [m for m, _ in _latents(one["one videos"])] == [
+        f"text-to-video, 5 frames, {MODE}",
+        f"image-to-video, 5 frames, {MODE}",
+    ]
+    assert len({d for _, d in _latents(one["one videos"])}) == 2
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_distilled_latents_equal_one_rank(observed, layout):
+    one, ranks = observed
+    for job in ("image", "videos"):
+        assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
+
+
+def test_distilled_api_refusals_on_every_rank(observed):
+    _, ranks = observed
+    assert ranks[0]["api"] == ranks[1]["api"] and len(ranks[0]["api"]) == 2
+    cfg, steps = ranks[0]["api"]
+    assert cfg.startswith("LayoutError") and "no CFG pair" in cfg
+    assert steps.startswith("ArgumentError") and "`distilled_sigmas` config (4 steps): steps must be 4, got 3" in steps
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (("--steps", "3"), "steps must be 4, got 3"),
+        (("--guidance", "2"), "guidance must be 1.0, got 2.0"),
+        (("--cfg-parallel",), "--cfg-parallel: {root} is a distilled checkpoint"),
+    ],
+)
+def test_distilled_refusals_before_the_load(distilled_root, extra, reason, capsys):
+    from fsdp_fp8.cli.runner import main
+
+    with mock.patch("fsdp_fp8.compose.pipeline.load_model") as load, pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", distilled_root, *SIZE, *extra])
+    assert exc.value.code == 2 and not load.called
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert reason.format(root=distilled_root) in err
