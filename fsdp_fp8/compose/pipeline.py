@@ -50,7 +50,7 @@ from fsdp_fp8.interop.diffusers_pipeline import (
     read_model_index,
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
-from fsdp_fp8.interop.modular import load_modular
+from fsdp_fp8.interop.modular import blocks_of, blocks_problems, load_modular
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
 from fsdp_fp8.load.loaded import LoadedModel
@@ -125,22 +125,28 @@ def load_pipeline(
         raise ArgumentError("load_pipeline loads the `transformer` itself; do not pass one")
     components = safe_pretrained_kwargs(**kwargs)  # refuses trust_remote_code / custom_pipeline
     layout = _layout(root, cls, index, given, *layout_args)  # alike on every rank: their settings agreed
-    _refuse_before_load(root, index, components, attention_backend, options.device)
+    blocks = blocks_of(cls, index, index_path(root)) if is_modular(cls) else None  # our step end in its loops
+    _refuse_before_load(root, index, components, attention_backend, options.device, blocks)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
         use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
-    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
-        if is_modular(cls):  # its blocks and diffusers' own load_components (interop.modular)
-            pipe = load_modular(cls, root, index, index_path(root), loaded.model, components)
-        else:
-            pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
+    pipe = _pipeline_of(cls, root, blocks, loaded.model, components)
     for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
         component.to(options.device)
     _attach_work(pipe, routing, layout, mesh, options.timeout_s)
     LOADED.set(pipe, loaded)
     return pipe
+
+
+def _pipeline_of(cls: type, root: Path, blocks, transformer, components: dict):
+    """Every other component read by diffusers from ``root``: ``from_pretrained``, or a modular
+    pipeline's ``blocks`` and ``load_components`` (``interop.modular``)."""
+    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
+        if blocks is not None:
+            return load_modular(cls, root, blocks, transformer, components)
+        return cls.from_pretrained(str(root), transformer=transformer, **components)
 
 
 def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options) -> None:
@@ -187,11 +193,14 @@ def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float) 
     WORK.set(pipe, (layout, mesh if isinstance(mesh, ParallelMesh) else None))
 
 
-def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device) -> None:
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device, blocks) -> None:
     """What would fail after the load, refused before it: a component folder ``model_index.json``
     names that is missing, a guardrail the pipeline builds whose package is missing (not a
-    traceback from diffusers), an attention backend that cannot run."""
+    traceback from diffusers), an attention backend that cannot run, a modular pipeline's
+    ``blocks`` that no longer take what fsdp_fp8 passes them."""
     problems = missing_components(root, index, components)
+    if blocks is not None:
+        problems += blocks_problems(blocks, index_path(root))
     if guardrail := guardrail_problem(index, components):
         problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
     if attention_backend is not None:

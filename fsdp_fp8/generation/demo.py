@@ -307,6 +307,4 @@ def distilled_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
     name = f"cosmos3-distilled-demo-{producer_version()}-r{DISTILLED_REVISION}"
-    return build_once(
-        Path(cache_dir or default) / name, lambda d: _build(d, build_distilled_pipeline), _is_complete
-    )
+    return build_once(Path(cache_dir or default) / name, lambda d: _build(d, build_distilled_pipeline), _is_complete)

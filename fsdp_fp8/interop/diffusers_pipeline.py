@@ -59,7 +59,9 @@ def read_model_index(root: Path) -> dict:
         problems.append(f"`{TRANSFORMER}` is listed but {root / TRANSFORMER / 'config.json'} does not exist")
     sigmas = index.get(DISTILLED_SIGMAS)
     if sigmas is not None and not (
-        isinstance(sigmas, list) and sigmas and all(isinstance(v, int | float) and not isinstance(v, bool) for v in sigmas)
+        isinstance(sigmas, list)
+        and sigmas
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in sigmas)
     ):
         problems.append(f"`{DISTILLED_SIGMAS}` is {sigmas!r}, not a list of numbers (the distilled schedule)")
     references, unreadable = remote_code_references(root)

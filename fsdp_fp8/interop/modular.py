@@ -86,18 +86,51 @@ def blocks_of(cls: type, index: dict, source: Path):
     return blocks
 
 
-def load_modular(cls: type, root: Path, index: dict, source: Path, transformer, components: dict):
-    """``cls`` at ``root``: its blocks (``blocks_of``), every component but the transformer read by
-    diffusers from ``root`` (local files only, no checkpoint code), ``transformer`` ours.
+# The inputs ``call_modular`` hands the blocks (the engine's request in diffusers' names); every
+# one must be an input of the blocks, else diffusers would warn and drop it
+CALL_INPUTS = (
+    "prompt",
+    "image",
+    "video",
+    "condition_frame_indexes_vision",
+    "condition_video_keep",
+    "num_frames",
+    "height",
+    "width",
+    "fps",
+    "num_inference_steps",
+    "guidance_scale",
+    "generator",
+    "output_type",
+    "mixed_precision_format",
+    CALLBACK,
+)
+
+
+def blocks_problems(blocks, source: Path) -> list[str]:
+    """What of ``CALL_INPUTS`` the blocks (``blocks_of``) no longer take, named (diffusers changed)."""
+    taken = {param.name for param in blocks.inputs}
+    return [
+        f"{source}: diffusers' {type(blocks).__name__} no longer take `{name}`, which fsdp_fp8 passes"
+        for name in CALL_INPUTS
+        if name not in taken
+    ]
+
+
+def load_modular(cls: type, root: Path, blocks, transformer, components: dict):
+    """``cls`` at ``root`` over ``blocks`` (``blocks_of``), every component but the transformer read
+    by diffusers from ``root`` (local files only, no checkpoint code), ``transformer`` ours.
     ``components``: ``from_pretrained``-style keywords (a component given, ``enable_safety_checker``)."""
     given = {k: v for k, v in components.items() if k not in SAFE_PRETRAINED_KWARGS}  # set below, always
     safety = given.pop("enable_safety_checker", None)
-    pipe = cls(blocks=blocks_of(cls, index, source), pretrained_model_name_or_path=str(root), local_files_only=True)
+    pipe = cls(blocks=blocks, pretrained_model_name_or_path=str(root), local_files_only=True)
     names = [n for n in pipe.null_component_names if n != TRANSFORMER and n not in given]
     pipe.load_components(names=names, pretrained_model_name_or_path=str(root), **SAFE_PRETRAINED_KWARGS)
     missing = [n for n in names if getattr(pipe, n, None) is None]
     if missing:  # diffusers only warns when a component fails to load
-        raise ArgumentError(f"{source}: diffusers could not load the components {', '.join(missing)} from {root}")
+        raise ArgumentError(
+            f"{root}: diffusers could not load the components {', '.join(missing)} (its warnings say why)"
+        )
     pipe.update_components(**{TRANSFORMER: transformer}, **{k: v for k, v in given.items() if v is not None})
     if safety is False or given.get("safety_checker", 0) is None or not pipe.config.enable_safety_checker:
         pipe.disable_safety_checker()
@@ -128,12 +161,19 @@ def call_modular(pipe, prompt: str, *, negative_prompt=None, enable_sound=False,
         raise ArgumentError(f"call_modular returns latents (output_type='latent'), not {output_type!r}")
     # diffusers' own step policy stays off: fsdp_fp8's routing sets each step's precision
     try:
-        latents = pipe(
-            prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs
-        )
+        latents = pipe(prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs)
     except LoopStopped:
         return ModularOutput(None)
     return ModularOutput(latents)
 
 
-__all__ = ["LoopStopped", "ModularOutput", "blocks_of", "call_modular", "denoising_loops", "load_modular"]
+__all__ = [
+    "CALL_INPUTS",
+    "LoopStopped",
+    "ModularOutput",
+    "blocks_of",
+    "blocks_problems",
+    "call_modular",
+    "denoising_loops",
+    "load_modular",
+]
