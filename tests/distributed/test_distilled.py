@@ -147,3 +147,19 @@ def test_distilled_refusals_before_the_load(distilled_root, extra, reason, capsy
     assert exc.value.code == 2 and not load.called
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert reason.format(root=distilled_root) in err
+
+
+def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distilled_root, observed, tmp_path):
+    """A distilled root with a plain ``model_index.json`` (entries without a loading spec) instead
+    of ``modular_model_index.json``: the same pipeline, the same latent."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(distilled_root, root)
+    modular = json.loads((root / "modular_model_index.json").read_text())
+    (root / "modular_model_index.json").unlink()
+    index = {k: v[:2] if isinstance(v, list) and len(v) == 3 else v for k, v in modular.items()}
+    (root / "model_index.json").write_text(json.dumps(index))
+    report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
+    assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
+    assert _latents(report) == _latents(observed[0]["one image"])
