@@ -7,7 +7,8 @@
     -> build_mesh(layout)                one mesh: weights (replicate, shard), work (request, cfg, ulysses)
     -> load_model(transformer/)          the load over the mesh's weight dims (compose.model)
     -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
-    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only
+    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only (a
+                                         modular pipeline: its blocks and load_components, interop.modular)
     -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
        (mesh["cfg"]), Ulysses group (mesh["ulysses"]); the pipeline's request gate
        (interop.request_agreement): each call one request, its ranks meeting at its first forward
@@ -81,7 +82,8 @@ def load_pipeline(
     options: LoadOptions | None = None,
     **kwargs,
 ):
-    """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
+    """The diffusers pipeline at ``path`` (a directory with ``model_index.json`` or a modular
+    pipeline's ``modular_model_index.json``, e.g. a distilled Cosmos 3 root, or a hub name
     resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
     ``mesh`` (a ``DeviceMesh`` for the weights; default: every rank), or over the weight dims of a
     ``ParallelMesh`` (``fsdp_fp8.build_mesh``), whose layout then gives the work dims too.

@@ -100,11 +100,22 @@ class GenerationRequest:
         per_request=True,
     )
     steps: int = option(
-        20, "denoising steps (default 20)", WHAT, DIFFUSION, bound=(1, 10_000), type=int, per_request=True
+        20,
+        "denoising steps (default 20; a distilled root: its fixed schedule's)",
+        WHAT,
+        DIFFUSION,
+        bound=(1, 10_000),
+        type=int,
+        per_request=True,
     )
     seed: int = option(0, "noise seed (default 0)", WHAT, (*DIFFUSION, DIFFUSERS), type=int, per_request=True)
     guidance: float = option(
-        3.0, "classifier-free guidance scale (default 3.0)", WHAT, DIFFUSION, type=float, per_request=True
+        3.0,
+        "classifier-free guidance scale (default 3.0; a distilled root: 1.0, its only one)",
+        WHAT,
+        DIFFUSION,
+        type=float,
+        per_request=True,
     )
     step_policy: str = option(
         "auto",
