@@ -82,9 +82,8 @@ def load_pipeline(
     options: LoadOptions | None = None,
     **kwargs,
 ):
-    """The diffusers pipeline at ``path`` (a directory with ``model_index.json`` or a modular
-    pipeline's ``modular_model_index.json``, e.g. a distilled Cosmos 3 root, or a hub name
-    resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
+    """The diffusers pipeline at ``path`` (a directory with ``model_index.json`` or ``modular_model_index.json``,
+    or a hub name resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
     ``mesh`` (a ``DeviceMesh`` for the weights; default: every rank), or over the weight dims of a
     ``ParallelMesh`` (``fsdp_fp8.build_mesh``), whose layout then gives the work dims too.
 
