@@ -159,6 +159,7 @@ def call_modular(pipe, prompt: str, *, negative_prompt=None, enable_sound=False,
         )
     if output_type != "latent":
         raise ArgumentError(f"call_modular returns latents (output_type='latent'), not {output_type!r}")
+    pipe._interrupt = False  # as Cosmos3OmniPipeline's own call begins: a stop ends one request only
     # diffusers' own step policy stays off: fsdp_fp8's routing sets each step's precision
     try:
         latents = pipe(prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs)

@@ -163,3 +163,32 @@ def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distil
     report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
     assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
     assert _latents(report) == _latents(observed[0]["one image"])
+
+
+def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(distilled_root):
+    """The step callback (our block at the end of diffusers' denoising loop) stops the loop when
+    every request of the round is cancelled; the next request runs its 4 steps."""
+    import torch
+
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.generation.engine import Engine, Observer, tasks_of
+    from fsdp_fp8.generation.values import GenerationRequest
+
+    class CancelAfterOne(Observer):
+        steps = 0
+
+        def on_step(self, task_key, index, step, steps):
+            self.steps = step
+
+        def cancelled(self):
+            return frozenset({"a"}) if self.steps >= 1 else frozenset()
+
+    pipe = load_pipeline(distilled_root, device=torch.device("cpu"))
+    forwards = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    engine = Engine(pipe)
+    request = GenerationRequest(prompt="a fox", frames=1, height=32, width=32, steps=4, guidance=1.0)
+    (cancelled,) = engine.generate(tasks_of(request, key="a"), CancelAfterOne())
+    assert cancelled.status == "cancelled" and len(forwards) == 2
+    (done,) = engine.generate(tasks_of(request, key="b"))
+    assert done.status == "completed" and len(forwards) == 6
