@@ -16,13 +16,12 @@ from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.handles import present, read_json_file, short_repr
+from fsdp_fp8.format.pipeline_config import PIPELINE_INDEXES
 
 # trust_remote_code=False: never import checkpoint code and never prompt (transformers asks
 # only when it is None). local_files_only=True: nothing is fetched from the Hub.
 SAFE_PRETRAINED_KWARGS = {"trust_remote_code": False, "local_files_only": True}
 
-# A diffusers pipeline's component index: the classic one and the modular pipelines' one
-PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 # Files whose ``auto_map`` names custom classes (transformers), and a pipeline's model_index.json
 # whose components may name a module other than a library's (diffusers).
 AUTO_MAP_FILES = (

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError, CheckpointError
+from fsdp_fp8.format.pipeline_config import has_pipeline_index
 from fsdp_fp8.format.remote_code import remote_code_references
 
 MODEL_INDEX = "model_index.json"
@@ -30,7 +31,7 @@ def index_path(root: Path) -> Path:
 
 
 def is_pipeline_index(root: Path) -> bool:
-    return (root / MODULAR_INDEX).is_file() or (root / MODEL_INDEX).is_file()
+    return has_pipeline_index(root)
 
 
 def _is_entry(entry) -> bool:

@@ -192,3 +192,12 @@ def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(disti
     assert cancelled.status == "cancelled" and len(forwards) == 2
     (done,) = engine.generate(tasks_of(request, key="b"))
     assert done.status == "completed" and len(forwards) == 6
+
+
+def test_inspect_forecasts_a_distilled_root_as_a_pipeline(distilled_root, capsys):
+    """``inspect`` reads a modular root's index as a pipeline's: the whole job, the VAE included."""
+    from fsdp_fp8.cli import commands
+
+    assert commands.main(["inspect", distilled_root, "--world-size", "2", *SIZE, "--frames", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "whole job per GPU" in out and "step policy:     none" in out
