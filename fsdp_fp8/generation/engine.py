@@ -36,6 +36,7 @@ from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.compose.pipeline import loaded_of, pipeline_name, work_of
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.step_policy import describe_trace
+from fsdp_fp8.generation.actions import read_actions
 from fsdp_fp8.generation.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_at_end
 from fsdp_fp8.generation.prompts import read_prompts
@@ -102,7 +103,7 @@ def round_key(request: GenerationRequest) -> tuple:
     """What the tasks of one round share: their ranks' FSDP all-gathers must pair up, so every
     request group calls the same transformer modules as often (steps; the unconditional pass when
     guidance is on; the sound tower). Frames, sizes and conditioning may differ."""
-    return (request.steps, request.guidance != 1.0, bool(request.sound))
+    return (request.steps, request.guidance != 1.0, bool(request.sound), request.action)
 
 
 class Observer:
@@ -247,7 +248,11 @@ class Engine:
             raise ArgumentError(problems, f"{pipeline_name(self.pipe)} runs its fixed {self.schedule}-step schedule")
 
     def mode_of(self, task: Task) -> str:
-        """The task's mode in the report's words; a distilled pipeline's says so and its step count."""
+        """The task's mode in the report's words; a distilled pipeline's says so and its step count,
+        an action job its mode, domain and chunk."""
+        request = task.request
+        if request.action is not None:
+            return f"{request.action.replace('_', ' ')}, {request.domain}, chunk of {request.chunk_size} actions"
         return task.mode + (f", distilled, {self.schedule} steps" if self.schedule is not None else "")
 
     def _meet_after_failure(self, meeting: StepMeeting, failure: str, serial: int) -> None:
@@ -406,8 +411,11 @@ def generate(
 
 
 def _conditioning(task: Task) -> dict:
-    """The pipeline's conditioning keywords for ``task``, its image or video read by diffusers."""
+    """The pipeline's conditioning keywords for ``task``, its image or video read by diffusers; an
+    action job's ``CosmosActionCondition`` (its first frame, its raw actions)."""
     prompt, request = task.prompt, task.request
+    if request.action is not None:
+        return {"action": _action_condition(request, prompt)}
     if prompt.image:
         return {"image": load_conditioning_image(prompt.image)}
     if not prompt.video:
@@ -418,6 +426,21 @@ def _conditioning(task: Task) -> dict:
     if request.condition_keep is not None:
         kwargs["condition_video_keep"] = request.condition_keep
     return kwargs
+
+
+def _action_condition(request: GenerationRequest, prompt: Prompt):
+    """diffusers' ``CosmosActionCondition`` of an action job (``generation.actions``; checked before the load)."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    tier = {} if request.resolution_tier is None else {"resolution_tier": request.resolution_tier}
+    return CosmosActionCondition(
+        mode=request.action,
+        chunk_size=request.chunk_size,
+        domain_name=request.domain,
+        raw_actions=torch.tensor(read_actions(request.actions), dtype=torch.float32),
+        image=load_conditioning_image(prompt.image),
+        **tier,
+    )
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
+from fsdp_fp8.generation.actions import action_problems
 from fsdp_fp8.generation.declare import bounds
 from fsdp_fp8.generation.values import VALUE_CLASSES
 from fsdp_fp8.interop.diffusers_pipeline import (  # imports no torch
@@ -95,6 +96,7 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
         problems += [f"--checkpoint: {p}" for p in missing_components(root, index)]
     if values.sound:
         problems += _sound_problems(root, index, factors)
+    problems += action_problems(values, dict(factors.transformer or {}) or None, str(factors.transformer_config))
     if root is not None and (schedule := distilled_steps(index)) is not None:
         problems += _distilled_problems(values, root, schedule)
     if getattr(values, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):

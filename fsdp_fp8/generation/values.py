@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp_fp8.format.timeouts import MAX_TIMEOUT_S, timeout_problems
+from fsdp_fp8.generation.actions import ACTION_MODES, RESOLUTION_TIERS
 from fsdp_fp8.generation.declare import EVERY, option
 
 DEFAULT_PROMPT = "a red fox jumps over a sleeping dog, golden hour"
@@ -249,6 +250,45 @@ class GenerationRequest:
         action="store_true",
         per_request=True,
     )
+    # --- action jobs (Cosmos 3 world models; generation.actions): one contiguous block
+    action: str | None = option(
+        None,
+        "an action job: forward_dynamics rolls --image forward under --actions (a transformer with `action_gen`)",
+        CONDITIONING,
+        PIPELINE,
+        choices=ACTION_MODES,
+    )
+    domain: str | None = option(
+        None,
+        "with --action: the embodiment, one of diffusers' action domains (e.g. pusht, umi, droid_lerobot)",
+        CONDITIONING,
+        PIPELINE,
+        metavar="NAME",
+    )
+    chunk_size: int | None = option(
+        None,
+        "with --action: the action steps of the chunk (the video is 1 + that many frames)",
+        CONDITIONING,
+        PIPELINE,
+        bound=(1, 1024),
+        type=int,
+    )
+    resolution_tier: int | None = option(
+        None,
+        "with --action: the conditioning canvas tier (default: diffusers', 480)",
+        CONDITIONING,
+        PIPELINE,
+        type=int,
+        choices=RESOLUTION_TIERS,
+    )
+    actions: str | None = option(
+        None,
+        "with --action forward_dynamics: the raw actions [T, D], a .npy, .json or .csv file",
+        CONDITIONING,
+        PIPELINE,
+        metavar="FILE",
+    )
+    # --- end of action jobs
     prompt_ids: tuple[int, ...] | None = option(
         None,
         "the prompt as token ids, e.g. 1,2,3",
