@@ -80,3 +80,28 @@ def test_forward_dynamics_is_named_and_rolls_the_chunk(observed):
 def test_forward_dynamics_latent_equals_one_rank(observed, layout):
     one, ranks = observed
     assert _latent(ranks[layout]) == _latent(one), layout
+
+
+@pytest.mark.parametrize(
+    ("actions", "extra", "reason"),
+    [
+        ("[[1, 2, 3]]", (), "has 3 values per action; --domain pusht takes 2"),
+        ("[[1, NaN]]", (), "row 0 value 1 is nan; actions must be finite"),
+        ("[[1, 2], [3]]", (), "is ragged"),
+        ("[]", (), "holds no actions"),
+        ("[[1, 2]]", ("--domain", "martian"), "--domain 'martian' is not one of diffusers' action domains: "),
+        ("[[1, 2]]", ("--frames", "5"), "leave out --frames"),
+    ],
+)
+def test_careless_action_input_is_refused_before_the_load(
+    action_root, inputs, tmp_path, actions, extra, reason, capsys
+):
+    from fsdp_fp8.cli.runner import main
+
+    (tmp_path / "actions.json").write_text(actions)
+    job = ["--action", "forward_dynamics", "--domain", "pusht", "--chunk-size", "4"]
+    job += ["--actions", str(tmp_path / "actions.json"), "--image", str(inputs / "first.png"), *extra]
+    with mock.patch("fsdp_fp8.compose.pipeline.load_model") as load, pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", action_root, *job])
+    assert exc.value.code == 2 and not load.called
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
