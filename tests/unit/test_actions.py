@@ -91,3 +91,20 @@ def test_the_tiers_and_modes_are_diffusers_own():
 
     assert sorted(int(t) for t in cosmos._ACTION_RESOLUTION_BINS) == list(RESOLUTION_TIERS)
     assert set(ACTION_MODES) <= set(cosmos.CosmosActionCondition.__annotations__["mode"].__args__)
+
+
+def test_the_action_projections_are_other_to_the_step_policy():
+    """diffusers' action projections are domain-aware embeddings (one weight per domain), no
+    linear: never FP8, and no step switches them; a linear among them would be "other"."""
+    from diffusers import Cosmos3OmniTransformer
+    from torch import nn
+
+    from fsdp_fp8.generation.demo import ACTION_CONFIG, TRANSFORMER_CONFIG
+    from fsdp_fp8.runtime.towers import OTHER, cosmos3_towers
+
+    model = Cosmos3OmniTransformer(vocab_size=300, **{**TRANSFORMER_CONFIG, **ACTION_CONFIG})
+    action = {n: m for n, m in model.named_modules() if n.startswith("action_")}
+    assert {"action_proj_in", "action_proj_out"} <= set(action)
+    assert not any(isinstance(m, nn.Linear) for m in action.values())
+    assert all(tower == OTHER for name, tower in cosmos3_towers(model).items() if name.startswith("action_"))
+    assert isinstance(model.action_proj_in.fc, nn.Embedding)
