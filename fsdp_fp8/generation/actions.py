@@ -2,8 +2,10 @@
 a load.
 
 ``--action forward_dynamics`` rolls the first frame (``--image``) forward under a sequence of raw
-action vectors (``--actions FILE``: ``[T, raw_dim]``) of one embodiment (``--domain``), through
-diffusers' ``Cosmos3OmniPipeline.__call__(action=CosmosActionCondition(...))``. The file is
+action vectors (``--actions FILE``: ``[T, raw_dim]``) of one embodiment (``--domain``);
+``policy`` rolls out the video and predicts the actions; ``inverse_dynamics`` infers the actions
+between a clip's frames (``--video``); all through diffusers'
+``Cosmos3OmniPipeline.__call__(action=CosmosActionCondition(...))``. The file is
 ``.npy`` (a 2-D numeric array), ``.json`` (a list of equal-length lists of numbers) or ``.csv``
 (one action per line, comma-separated numbers, no header). An empty, ragged or non-numeric file,
 NaN or infinity, or a width other than the domain's is refused before the load, in one line.
@@ -19,7 +21,8 @@ import json
 import math
 from pathlib import Path
 
-ACTION_MODES = ("forward_dynamics",)  # diffusers' inverse_dynamics and policy: not yet run by fsdp_fp8
+ACTION_MODES = ("forward_dynamics", "inverse_dynamics", "policy")  # CosmosActionCondition's modes
+PREDICTS = ("inverse_dynamics", "policy")  # the modes whose actions the model predicts
 RESOLUTION_TIERS = (256, 480, 704, 720)  # diffusers' _ACTION_RESOLUTION_BINS (a test holds them equal)
 ACTION_SUFFIXES = (".npy", ".json", ".csv")
 MAX_ACTIONS = 100_000  # rows: a bound on what one request reads
@@ -102,10 +105,15 @@ def action_problems(values, transformer: dict | None, where: str) -> list[str]:
     if action is None:
         given = [f"--{n.replace('_', '-')}" for n, v in others.items() if v is not None and n != "resolution_tier"]
         return [f"{' / '.join(given)}: options of an action job; give --action too"] if given else []
-    problems = [f"--action {action} needs --{n.replace('_', '-')}" for n in ("domain", "chunk_size", "actions")]
-    problems = [p for p, n in zip(problems, ("domain", "chunk_size", "actions")) if others[n] is None]
-    if not getattr(values, "image", None):
-        problems.append(f"--action {action} rolls a first frame forward: give --image")
+    needed = ("domain", "chunk_size") + (("actions",) if action == "forward_dynamics" else ())
+    problems = [f"--action {action} needs --{n.replace('_', '-')}" for n in needed if others[n] is None]
+    if action in PREDICTS and others["actions"] is not None:
+        problems.append(f"--actions drives forward_dynamics; --action {action} predicts the actions itself")
+    image, video = getattr(values, "image", None), getattr(values, "video", None)
+    if action == "inverse_dynamics" and not video:
+        problems.append("--action inverse_dynamics infers the actions between a clip's frames: give --video")
+    elif action != "inverse_dynamics" and not (image or video):
+        problems.append(f"--action {action} rolls a first frame forward: give --image (or --video)")
     sized = [f"--{n}" for n in ("frames", "height", "width") if getattr(values, n, None) is not None]
     if sized:
         problems.append(
@@ -139,4 +147,4 @@ def _file_problems(path: str, width: int | None, domain, transformer: dict | Non
     return problems
 
 
-__all__ = ["ACTION_MODES", "RESOLUTION_TIERS", "action_problems", "domain_widths", "read_actions"]
+__all__ = ["ACTION_MODES", "PREDICTS", "RESOLUTION_TIERS", "action_problems", "domain_widths", "read_actions"]

@@ -40,7 +40,7 @@ from fsdp_fp8.generation.actions import read_actions
 from fsdp_fp8.generation.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_at_end
 from fsdp_fp8.generation.prompts import read_prompts
-from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, output_path
+from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, actions_paths, output_path
 from fsdp_fp8.generation.values import GenerationRequest, Prompt, RunSettings
 from fsdp_fp8.interop.diffusers_pipeline import distilled_problems, distilled_steps, is_modular
 from fsdp_fp8.interop.modular import call_modular
@@ -300,6 +300,8 @@ class Engine:
         if meeting.stopped or not real or (task.key and task.key in meeting.cancelled):
             return None
         latents, frames, how = out.video, None, None
+        # the actions a policy or inverse-dynamics job predicts: diffusers' [T, raw width] (float32 on the CPU)
+        predicted = getattr(out, "action", None)[0].float() if getattr(out, "action", None) else None
         started = time.perf_counter()
         if task.decode:
             frames, how = self._decode(latents, writes)
@@ -318,6 +320,8 @@ class Engine:
             latent_shape=list(latents.shape),
             latent_sha256=digest(latents),
             sound_sha256=digest(out.sound) if out.sound is not None else None,
+            actions_shape=list(predicted.shape) if predicted is not None else None,
+            actions_sha256=digest(predicted) if predicted is not None else None,
             frames_sha256=frames_digest(frames) if frames is not None else None,
             vae_decode=how,
             frames=frames,
@@ -327,6 +331,8 @@ class Engine:
         if task.output is not None:
             self._write(task, frames, out.sound)
             result.output = str(task.output)
+            if predicted is not None:
+                _write_actions(task.output, predicted)
         seconds.write = time.perf_counter() - started
         result.seconds = seconds.rounded()
         result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -429,18 +435,35 @@ def _conditioning(task: Task) -> dict:
 
 
 def _action_condition(request: GenerationRequest, prompt: Prompt):
-    """diffusers' ``CosmosActionCondition`` of an action job (``generation.actions``; checked before the load)."""
+    """diffusers' ``CosmosActionCondition`` of an action job (``generation.actions``; checked before
+    the load): its first frame (``--image``) or clip (``--video``), its raw actions (forward dynamics)."""
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
-    tier = {} if request.resolution_tier is None else {"resolution_tier": request.resolution_tier}
+    given = {} if request.resolution_tier is None else {"resolution_tier": request.resolution_tier}
+    if request.actions is not None:
+        given["raw_actions"] = torch.tensor(read_actions(request.actions), dtype=torch.float32)
+    if prompt.video:
+        given["video"] = load_conditioning_video(prompt.video)
+    else:
+        given["image"] = load_conditioning_image(prompt.image)
     return CosmosActionCondition(
-        mode=request.action,
-        chunk_size=request.chunk_size,
-        domain_name=request.domain,
-        raw_actions=torch.tensor(read_actions(request.actions), dtype=torch.float32),
-        image=load_conditioning_image(prompt.image),
-        **tier,
+        mode=request.action, chunk_size=request.chunk_size, domain_name=request.domain, **given
     )
+
+
+def _write_actions(output: Path, actions: torch.Tensor) -> None:
+    """The predicted actions beside the video: ``.npy`` (float32) and ``.json`` (rows of numbers)."""
+    import json
+
+    import numpy as np
+
+    npy, as_json = actions_paths(output)
+    values = actions.detach().to("cpu", torch.float32).numpy()
+    with written_atomically(npy) as temporary:
+        with open(temporary, "wb") as handle:
+            np.save(handle, values)
+    with written_atomically(as_json) as temporary:
+        temporary.write_text(json.dumps(values.tolist()) + "\n")
 
 
 @contextlib.contextmanager
