@@ -253,7 +253,8 @@ class GenerationRequest:
     # --- action jobs (Cosmos 3 world models; generation.actions): one contiguous block
     action: str | None = option(
         None,
-        "an action job: forward_dynamics rolls --image forward under --actions (a transformer with `action_gen`)",
+        "an action job (a transformer with `action_gen`): forward_dynamics rolls --image forward under --actions; "
+        "policy rolls it out and predicts the actions; inverse_dynamics infers the actions of a --video",
         CONDITIONING,
         PIPELINE,
         choices=ACTION_MODES,
