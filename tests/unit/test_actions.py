@@ -108,3 +108,17 @@ def test_the_action_projections_are_other_to_the_step_policy():
     assert not any(isinstance(m, nn.Linear) for m in action.values())
     assert all(tower == OTHER for name, tower in cosmos3_towers(model).items() if name.startswith("action_"))
     assert isinstance(model.action_proj_in.fc, nn.Embedding)
+
+
+def test_each_mode_takes_its_own_inputs(files):
+    actions = str(files / "a.json")
+    assert action_problems(_values(action="policy"), MODEL, "cfg") == []
+    assert action_problems(_values(action="policy", actions=actions), MODEL, "cfg") == [
+        "--actions drives forward_dynamics; --action policy predicts the actions itself"
+    ]
+    assert action_problems(_values(action="inverse_dynamics", image=None, video="clip"), MODEL, "cfg") == []
+    assert action_problems(_values(action="inverse_dynamics"), MODEL, "cfg") == [
+        "--action inverse_dynamics infers the actions between a clip's frames: give --video"
+    ]
+    assert action_problems(_values(actions=actions, image=None, video="clip"), MODEL, "cfg") == []
+    assert action_problems(_values(), MODEL, "cfg") == ["--action forward_dynamics needs --actions"]
