@@ -1,7 +1,7 @@
 """Action jobs from the launcher on the action demo (the demo with an ``action_gen`` transformer,
 a ModelOpt FP8 export with the published step policy): forward dynamics, policy and inverse
-dynamics, each latent and each predicted actions' digest at 2 ranks (FSDP), CFG 2 and Ulysses 2
-equal to one rank's, the action tokens exchanged by the CFG pair and split by the Ulysses group
+dynamics, each latent and each predicted actions' digest at 2 ranks (FSDP), CFG 2, Ulysses 2 and
+(4 ranks) CFG 2 x Ulysses 2 equal to one rank's, the action tokens exchanged by the CFG pair and split by the Ulysses group
 like the other modalities; the predicted actions written beside the video; the report names the
 mode; careless input refused before the load.
 """
@@ -84,6 +84,19 @@ def observed(action_root, inputs, tmp_path_factory):
     return one, run_ranks(_observe, 2, action_root, str(inputs), str(reports), timeout=900)[0], reports
 
 
+def _observe_four(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+    """4 ranks: CFG 2 x Ulysses 2, one request on all four."""
+    both = ("--cfg-parallel", "--ulysses", "2")
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
+        return {mode: _launch(root, inputs, Path(reports, f"four-{mode}"), mode, *both, rank=rank) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def observed_four(action_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("action-reports-four")
+    return run_ranks(_observe_four, 4, action_root, str(inputs), str(reports), timeout=900)[0]
+
+
 def _digests(report: dict) -> tuple:
     (row,) = report["outputs"]
     return row["mode"], tuple(row["latent_shape"]), row["latent_sha256"], row.get("actions_sha256")
@@ -119,6 +132,12 @@ def test_the_predicted_actions_are_written_beside_the_video(observed):
 def test_each_mode_equals_one_rank(observed, layout, mode):
     one, ranks, _ = observed
     assert _digests(ranks[(layout, mode)]) == _digests(one[mode]), (layout, mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_mode_at_cfg2_x_ulysses2_equals_one_rank(observed, observed_four, mode):
+    one, _, _ = observed
+    assert _digests(observed_four[mode]) == _digests(one[mode]), mode
 
 
 @pytest.mark.parametrize(

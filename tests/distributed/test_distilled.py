@@ -1,8 +1,8 @@
 """Distilled 4-step roots (diffusers' ``Cosmos3DistilledModularPipeline``): the distilled demo
 (the demo's random components, ``modular_model_index.json`` with a fixed ``distilled_sigmas``, the
 transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
-image-to-video, each request's latent at 2 ranks (FSDP) and Ulysses 2 equal to one rank's; the
-report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
+image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
+per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
 before the load, one line, exit 2; through the Python API one error on every rank.
 """
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(900)
 from ranks import run_ranks  # noqa: E402
 
 SIZE = ("--height", "32", "--width", "32")
-LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2")}
+LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
 MODE = "distilled, 4 steps"
 
 
