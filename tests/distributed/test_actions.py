@@ -1,9 +1,9 @@
 """Action jobs from the launcher on the action demo (the demo with an ``action_gen`` transformer,
 a ModelOpt FP8 export with the published step policy): forward dynamics, policy and inverse
 dynamics, each latent and each predicted actions' digest at 2 ranks (FSDP), CFG 2, Ulysses 2 and
-(4 ranks) CFG 2 x Ulysses 2 equal to one rank's, the action tokens exchanged by the CFG pair and split by the Ulysses group
-like the other modalities; the predicted actions written beside the video; the report names the
-mode; careless input refused before the load.
+(4 ranks) CFG 2 x Ulysses 2 equal to one rank's, the action tokens exchanged by the CFG pair and
+split by the Ulysses group like the other modalities; the predicted actions written beside the
+video; the report names the mode; careless input refused before the load.
 """
 
 from __future__ import annotations
