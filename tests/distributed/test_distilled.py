@@ -54,7 +54,8 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
 
 def _jobs(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:
     """Text-to-image, then a text-to-video and an image-to-video request of one prompts file."""
-    image = _launch(root, reports / f"{name}-image.json", "--frames", "1", *extra, rank=rank)
+    decoded = ("--output", str(reports / f"{name}-image.png"))  # decoded and written by the request's writer
+    image = _launch(root, reports / f"{name}-image.json", "--frames", "1", *decoded, *extra, rank=rank)
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")), "--frames", "5")
     videos = _launch(root, reports / f"{name}-videos.json", *prompts, *extra, rank=rank)
     return {f"{name} image": image, f"{name} videos": videos}
@@ -99,8 +100,8 @@ def observed(distilled_root, inputs, tmp_path_factory):
     return one, ranks
 
 
-def _latents(report: dict) -> list[tuple[str, str]]:
-    return [(r["mode"], r["latent_sha256"]) for r in report["outputs"]]
+def _latents(report: dict) -> list[tuple[str, str, str | None]]:
+    return [(r["mode"], r["latent_sha256"], r.get("frames_sha256")) for r in report["outputs"]]
 
 
 def test_distilled_modes_name_the_schedule(observed):
@@ -108,12 +109,14 @@ def test_distilled_modes_name_the_schedule(observed):
     assert one["one image"]["pipeline"] == "Cosmos3DistilledModularPipeline"
     assert one["one image"]["steps"] == 4 and one["one image"]["precision_trace"] == "W8A8 x4"
     assert one["one image"]["step_policy"] == "none"
-    assert [m for m, _ in _latents(one["one image"])] == [f"text-to-image, {MODE}"]
-    assert [m for m, _ in _latents(one["one videos"])] == [
+    (row,) = one["one image"]["outputs"]
+    assert row["output"].endswith("one-image.png") and row["frames_sha256"]
+    assert [m for m, *_ in _latents(one["one image"])] == [f"text-to-image, {MODE}"]
+    assert [m for m, *_ in _latents(one["one videos"])] == [
         f"text-to-video, 5 frames, {MODE}",
         f"image-to-video, 5 frames, {MODE}",
     ]
-    assert len({d for _, d in _latents(one["one videos"])}) == 2
+    assert len({d for _, d, _ in _latents(one["one videos"])}) == 2
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -162,7 +165,7 @@ def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distil
     (root / "model_index.json").write_text(json.dumps(index))
     report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
     assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
-    assert _latents(report) == _latents(observed[0]["one image"])
+    assert _latents(report)[0][:2] == _latents(observed[0]["one image"])[0][:2]
 
 
 def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(distilled_root):
