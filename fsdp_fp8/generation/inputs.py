@@ -107,10 +107,12 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
 def _distilled_problems(values, root: Path, schedule: int) -> list[str]:
     """What a distilled root (its fixed ``schedule``, guidance 1.0) refuses, before the load:
     ``--steps`` / ``--guidance`` given off it (diffusers' own reasons), ``--cfg-parallel`` (no
-    CFG pair without guidance), a negative prompt (no unconditional pass)."""
-    given = getattr(values, "given", None) or set()
-    steps = values.steps if "steps" in given else schedule
-    guidance = values.guidance if "guidance" in given else 1.0
+    CFG pair without guidance), a negative prompt (no unconditional pass). ``values`` without
+    ``given`` (a served request, the Python API's values) are checked as they are: the engine would
+    refuse them at their round."""
+    given = getattr(values, "given", None)  # the launcher's; other front ends' values are all given
+    steps = values.steps if given is None or "steps" in given else schedule
+    guidance = values.guidance if given is None or "guidance" in given else 1.0
     where = f"--steps {steps} / --guidance {guidance} on {root}"
     problems = distilled_problems(where, steps, guidance, schedule)
     if getattr(values, "cfg_parallel", False):

@@ -204,3 +204,18 @@ def test_inspect_forecasts_a_distilled_root_as_a_pipeline(distilled_root, capsys
     assert commands.main(["inspect", distilled_root, "--world-size", "2", *SIZE, "--frames", "1"]) == 0
     out = capsys.readouterr().out
     assert "whole job per GPU" in out and "step policy:     none" in out
+
+
+def test_values_without_the_launchers_given_options_are_checked_as_they_are(distilled_root):
+    """A served request's values (no ``given``: every field is the request's) off the schedule are
+    refused at submission, not at their round (where the engine raises for the whole round)."""
+    from fsdp_fp8.generation.inputs import pipeline_problems
+    from fsdp_fp8.generation.values import GenerationRequest, OptionValues, RunSettings
+
+    settings = RunSettings(checkpoint=distilled_root)
+    default = OptionValues(GenerationRequest(frames=1, height=32, width=32), settings)
+    problems = pipeline_problems(default, Path(distilled_root))
+    assert any("steps must be 4, got 20" in p for p in problems), problems
+    assert any("guidance must be 1.0, got 3.0" in p for p in problems), problems
+    scheduled = OptionValues(GenerationRequest(frames=1, height=32, width=32, steps=4, guidance=1.0), settings)
+    assert pipeline_problems(scheduled, Path(distilled_root)) == []
