@@ -285,6 +285,7 @@ def build_distilled_pipeline(directory: str | os.PathLike) -> Path:
 
     from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
     from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS
+    from fsdp_fp8.interop.modular import blocks_of, load_modular
 
     directory = Path(directory)
     components = demo_components()
@@ -295,11 +296,10 @@ def build_distilled_pipeline(directory: str | os.PathLike) -> Path:
     components["text_tokenizer"].save_pretrained(directory / "text_tokenizer")
     (directory / "modular_model_index.json").write_text(json.dumps(_distilled_index(config), indent=2) + "\n")
 
-    def calibrate(model) -> None:
-        pipe = Cosmos3DistilledModularPipeline.from_pretrained(str(directory), local_files_only=True)
-        pipe.load_components(names=["scheduler", "vae", "text_tokenizer"], local_files_only=True)
-        pipe.update_components(transformer=model)
-        pipe.set_progress_bar_config(disable=True)
+    def calibrate(model) -> None:  # diffusers' own distilled pipeline, read from this directory as a load reads it
+        cls, index = Cosmos3DistilledModularPipeline, _distilled_index(config)
+        blocks = blocks_of(cls, index, directory)  # progress bars off
+        pipe = load_modular(cls, directory, blocks, model, {"enable_safety_checker": False})
         for i, prompt in enumerate(DEMO_PROMPTS):
             generator = torch.Generator().manual_seed(DEMO_SEED + i)
             pipe(prompt=prompt, **DEMO_SIZE, generator=generator, output_type="latent", output="videos")

@@ -15,6 +15,9 @@ component diffusers' own ``load_components`` reads from the root, local files on
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,29 @@ CALLBACK = "callback_on_step_end"
 
 class LoopStopped(Exception):
     """The step callback asked the loop to stop (``pipe._interrupt``): nothing is returned."""
+
+
+# diffusers logs every exception a block raises, with its traceback, at each level of blocks
+DIFFUSERS_BLOCKS_LOGGER = "diffusers.modular_pipelines.modular_pipeline"
+
+
+class _StopsUnlogged(logging.Filter):
+    """Drops the records diffusers logs while it handles our ``LoopStopped`` (a stop is no error);
+    every other record, and every other exception's, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not isinstance(sys.exc_info()[1], LoopStopped)
+
+
+@contextlib.contextmanager
+def _stops_unlogged():
+    """``_StopsUnlogged`` on diffusers' blocks logger for one call, removed after it."""
+    logger, quiet = logging.getLogger(DIFFUSERS_BLOCKS_LOGGER), _StopsUnlogged()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _step_end_class():
@@ -162,7 +188,10 @@ def call_modular(pipe, prompt: str, *, negative_prompt=None, enable_sound=False,
     pipe._interrupt = False  # as Cosmos3OmniPipeline's own call begins: a stop ends one request only
     # diffusers' own step policy stays off: fsdp_fp8's routing sets each step's precision
     try:
-        latents = pipe(prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs)
+        with _stops_unlogged():
+            latents = pipe(
+                prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs
+            )
     except LoopStopped:
         return ModularOutput(None)
     return ModularOutput(latents)
