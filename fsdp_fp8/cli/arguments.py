@@ -194,12 +194,12 @@ def parse_run_args(argv: list[str] | None = None, prog: str = "launch/infer.py")
             os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
         except OSError as exc:
             parser.error(f"--report {args.report}: cannot create its directory: {exc}")
+    args.given = given_options(parser, args)  # before the checks: a distilled root's take what was given
     local = _file_problems(args)
     parser.node_local = bool(local)
     problems = _combination_problems(args) + value_problems(args) + local
     if problems:
         parser.error("; ".join(sorted(set(problems))))
-    args.given = given_options(parser, args)
     return args
 
 

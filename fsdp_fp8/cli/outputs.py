@@ -11,7 +11,8 @@ from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.handles import SYMLINK_LOOP, broken_link
-from fsdp_fp8.generation.results import output_path
+from fsdp_fp8.generation.actions import PREDICTS
+from fsdp_fp8.generation.results import actions_paths, output_path
 
 OUTPUT_SUFFIXES = (".png", ".mp4")
 
@@ -60,7 +61,10 @@ def planned_outputs(args, prompt_count: int) -> list[str]:
         return []
     many = args.prompts is not None
     paths = [output_path(args.output, i, many) for i in range(prompt_count if many else 1)]
-    problems = [p for path in paths for p in writable_file("--output", path, getattr(args, "overwrite", False))]
+    overwrite = getattr(args, "overwrite", False)
+    problems = [p for path in paths for p in writable_file("--output", path, overwrite)]
+    if getattr(args, "action", None) in PREDICTS:  # the predicted actions beside the video
+        problems += [p for path in paths for a in actions_paths(path) for p in writable_file("--output", a, overwrite)]
     report = getattr(args, "report", None)
     if report is not None:
         for i, path in enumerate(paths):

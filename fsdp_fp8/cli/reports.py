@@ -318,4 +318,7 @@ class PipelineReport(Report):
                 lines.append(f"cache  {row.index:>3}      {row.step_cache}")
             if row.sound_sha256:
                 lines.append(f"sound  {row.index:>3}      sha256 {row.sound_sha256}")
+            if row.actions_sha256:
+                shape = tuple(row.actions_shape or ())
+                lines.append(f"actions {row.index:>2}      {shape} sha256 {row.actions_sha256}")
         return lines

@@ -42,7 +42,13 @@ from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.step_policy import describe_trace
 from fsdp_fp8.generation.checks import ignored_options, unused_options
 from fsdp_fp8.generation.engine import LogObserver, tasks_of
-from fsdp_fp8.generation.loading import agree_on_run_settings, checkpoint_of, is_pipeline_root, load_engine
+from fsdp_fp8.generation.loading import (
+    agree_on_run_settings,
+    checkpoint_of,
+    is_pipeline_root,
+    load_engine,
+    with_schedule,
+)
 from fsdp_fp8.generation.results import FAILED
 from fsdp_fp8.generation.values import GenerationRequest, Job, OptionValues, RunSettings
 from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
@@ -113,6 +119,7 @@ def run(job: Job) -> Report:
     """Load the checkpoint and run what it holds: a pipeline, a transformers / diffusers model, or
     the reference MoT; the returned report is the same on every rank (rank 0 prints it)."""
     path, request = checkpoint_of(job.settings, job.request)
+    request = with_schedule(path, request, job.given)  # a distilled root's fixed steps, guidance 1.0
     job = dataclasses.replace(job, request=request)
     settings = job.settings
     if settings.quantize:  # a single process (main checked): refuse an FP8 checkpoint before building

@@ -7,7 +7,8 @@
     -> build_mesh(layout)                one mesh: weights (replicate, shard), work (request, cfg, ulysses)
     -> load_model(transformer/)          the load over the mesh's weight dims (compose.model)
     -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
-    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only
+    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only (a
+                                         modular pipeline: its blocks and load_components, interop.modular)
     -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
        (mesh["cfg"]), Ulysses group (mesh["ulysses"]); the pipeline's request gate
        (interop.request_agreement): each call one request, its ranks meeting at its first forward
@@ -40,14 +41,17 @@ from fsdp_fp8.interop import ulysses as ulysses_facts
 from fsdp_fp8.interop.attention_backend import backend_problems, use_backend
 from fsdp_fp8.interop.cfg_parallel import CfgPair
 from fsdp_fp8.interop.diffusers_pipeline import (
-    MODEL_INDEX,
     TRANSFORMER,
+    distilled_steps,
     guardrail_problem,
+    index_path,
+    is_modular,
     missing_components,
     pipeline_class,
     read_model_index,
 )
 from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
+from fsdp_fp8.interop.modular import blocks_of, blocks_problems, load_modular
 from fsdp_fp8.interop.request_agreement import RequestGate, attach_request_gate, library_class, request_teams
 from fsdp_fp8.interop.step_cache import StepCache, Voters, cache_config, cache_problems
 from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
@@ -80,8 +84,8 @@ def load_pipeline(
     options: LoadOptions | None = None,
     **kwargs,
 ):
-    """The diffusers pipeline at ``path`` (a directory with ``model_index.json``, or a hub name
-    resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
+    """The diffusers pipeline at ``path`` (a directory with ``model_index.json`` or ``modular_model_index.json``,
+    or a hub name resolved through the local cache only), its transformer loaded by fsdp_fp8 and sharded over
     ``mesh`` (a ``DeviceMesh`` for the weights; default: every rank), or over the weight dims of a
     ``ParallelMesh`` (``fsdp_fp8.build_mesh``), whose layout then gives the work dims too.
 
@@ -119,17 +123,17 @@ def load_pipeline(
     cache = _agree_on_settings(root, given, layout_args, attention_backend, step_policy, options, cache)  # before reads
     index = read_model_index(root)
     with quiet_imports():
-        cls = pipeline_class(index["_class_name"], root / MODEL_INDEX)
+        cls = pipeline_class(index["_class_name"], index_path(root))
     components = _components(kwargs)  # refuses a transformer, trust_remote_code / custom_pipeline
-    layout = _layout(root, cls, given, *layout_args)  # alike on every rank: their settings agreed
-    _refuse_before_load(root, index, components, attention_backend, options.device, cache)
+    layout = _layout(root, cls, index, given, *layout_args)  # alike on every rank: their settings agreed
+    blocks = blocks_of(cls, index, index_path(root)) if is_modular(cls) else None  # our step end in its loops
+    _refuse_before_load(root, index, components, attention_backend, options.device, cache, blocks)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
     if attention_backend is not None:  # before the Ulysses processors, which take the backend over
         use_backend(loaded.model, attention_backend)
     routing = prepare_for_inference(loaded, step_policy)
-    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
-        pipe = cls.from_pretrained(str(root), transformer=loaded.model, **components)
+    pipe = _pipeline_of(cls, root, blocks, loaded.model, components)
     _components_to(pipe, options.device)
     _attach_work(pipe, routing, layout, mesh, options.timeout_s, cache)
     LOADED.set(pipe, loaded)
@@ -147,6 +151,15 @@ def _components_to(pipe, device) -> None:
     """Every component but the transformer (loaded on its device already) moved to ``device``."""
     for component in (c for n, c in pipe.components.items() if n != TRANSFORMER and isinstance(c, nn.Module)):
         component.to(device)
+
+
+def _pipeline_of(cls: type, root: Path, blocks, transformer, components: dict):
+    """Every other component read by diffusers from ``root``: ``from_pretrained``, or a modular
+    pipeline's ``blocks`` and ``load_components`` (``interop.modular``)."""
+    with quiet_imports(import_time_only=False), quiet_warnings():  # what never concerns a user (third_party)
+        if blocks is not None:
+            return load_modular(cls, root, blocks, transformer, components)
+        return cls.from_pretrained(str(root), transformer=transformer, **components)
 
 
 def _agree_on_settings(root: Path, given, layout_args, attention_backend, step_policy, options, cache):
@@ -209,14 +222,17 @@ def _attach_work(pipe, routing, layout: ParallelLayout, mesh, timeout_s: float, 
     WORK.set(pipe, (layout, mesh if isinstance(mesh, ParallelMesh) else None))
 
 
-def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device, cache) -> None:
+def _refuse_before_load(root: Path, index: dict, components: dict, attention_backend, device, cache, blocks) -> None:
     """What would fail after the load, refused before it: a component folder ``model_index.json``
     names that is missing, a guardrail the pipeline builds whose package is missing (not a
     traceback from diffusers), an attention backend that cannot run, a step cache on a transformer
-    without Cosmos 3's decoder stack or a diffusers without SeaCache."""
+    without Cosmos 3's decoder stack or a diffusers without SeaCache, a modular pipeline's
+    ``blocks`` that no longer take what fsdp_fp8 passes them."""
     problems = missing_components(root, index, components)
     if cache is not None:
         problems += [f"cache: {p}" for p in cache_problems(index[TRANSFORMER][1])]
+    if blocks is not None:
+        problems += blocks_problems(blocks, index_path(root))
     if guardrail := guardrail_problem(index, components):
         problems.append(f"{root}: {guardrail}; or load it without: enable_safety_checker=False, safety_checker=None")
     if attention_backend is not None:
@@ -244,9 +260,19 @@ def _work_degrees(given: ParallelLayout | None, cfg_parallel, ulysses, sequence_
     return cfg_parallel, 1 if degree is None else degree
 
 
-def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int) -> ParallelLayout:
+def _layout(
+    root: Path, cls: type, index: dict, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int
+) -> ParallelLayout:
     """The layout, checked once with the transformer's heads and what diffusers must provide for
-    CFG-parallel and Ulysses (from the files, the classes and the world size alone)."""
+    CFG-parallel and Ulysses (from the files, the classes and the world size alone). A distilled
+    root (``distilled_sigmas``) runs guidance 1.0: one pass per step, no CFG pair to split."""
+    if cfg_parallel is True and (steps := distilled_steps(index)) is not None:
+        raise LayoutError(
+            f"{index_path(root)}: a distilled checkpoint ({steps}-step `distilled_sigmas`) runs guidance 1.0, one "
+            "transformer pass per step: there is no CFG pair to split (cfg_parallel / --cfg-parallel); use "
+            "ulysses / replicas instead",
+            "load_pipeline",
+        )
     source = root / TRANSFORMER / "config.json"
     split = isinstance(ulysses, int) and not isinstance(ulysses, bool) and ulysses > 1  # else refused below
     heads = AttentionHeads.of(json.loads(source.read_text()), str(source)) if split else None
@@ -257,10 +283,10 @@ def _layout(root: Path, cls: type, given: ParallelLayout | None, cfg_parallel: b
     if cfg_parallel is True:
         import diffusers
 
-        name = read_model_index(root)[TRANSFORMER][1]
+        name = index[TRANSFORMER][1]
         transformer_cls = getattr(diffusers, name, None)
         if not isinstance(transformer_cls, type):
-            problems.append(f"{root / MODEL_INDEX}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
+            problems.append(f"{index_path(root)}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
         else:
             problems += cfg_facts.diffusers_problems(cls, transformer_cls)
     if split:

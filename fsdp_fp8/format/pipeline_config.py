@@ -37,6 +37,15 @@ class PipelineFactors:
     transformer_config: str = TRANSFORMER_CONFIG
 
 
+# A diffusers pipeline's component index: the classic one, and a modular pipeline's (read first by diffusers)
+PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
+
+
+def has_pipeline_index(root: Path) -> bool:
+    """Whether ``root`` is a diffusers pipeline root: it holds ``model_index.json`` or ``modular_model_index.json``."""
+    return any((Path(root) / name).is_file() for name in PIPELINE_INDEXES)
+
+
 def positive_int_problem(config: dict, key: str, where: str) -> str | None:
     """Why ``config[key]`` (present) is no integer >= 1, naming ``where`` and the value, or None."""
     value = config[key]

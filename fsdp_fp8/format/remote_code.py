@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.handles import present, read_json_file, short_repr
+from fsdp_fp8.format.pipeline_config import PIPELINE_INDEXES
 
 # trust_remote_code=False: never import checkpoint code and never prompt (transformers asks
 # only when it is None). local_files_only=True: nothing is fetched from the Hub.
@@ -31,6 +32,8 @@ AUTO_MAP_FILES = (
     "image_processor_config.json",
     "feature_extractor_config.json",
     "video_preprocessor_config.json",
+    "modular_config.json",  # a modular pipeline's custom blocks (diffusers' trust_remote_code)
+    "modular_model_index.json",
 )
 KNOWN_LIBRARIES = frozenset({"diffusers", "transformers"})
 # Components a pipeline imports from an installed package of its own (the Cosmos pipelines'
@@ -70,19 +73,20 @@ def remote_code_references(directory: str | Path, subfolders: bool = True) -> tu
             obj = _read(place / name, prefix + name, problems)
             if obj is not None and obj.get("auto_map"):
                 found.append(f"{prefix}{name}: `auto_map` names custom code {short_repr(obj['auto_map'])}")
-        index = _read(place / "model_index.json", prefix + "model_index.json", problems)
-        for key, value in sorted((index or {}).items()):
-            if (
-                isinstance(value, list)
-                and len(value) == 2
-                and isinstance(value[0], str)
-                and value[0] not in KNOWN_LIBRARIES
-                and not _installed_component(place, key, value)
-            ):
-                found.append(
-                    f"{prefix}model_index.json: `{key}` comes from module {value[0]!r}, "
-                    "custom code inside the checkpoint"
-                )
+        for index_name in PIPELINE_INDEXES:  # a modular pipeline's entries add a loading spec (3 items)
+            index = _read(place / index_name, prefix + index_name, problems)
+            for key, value in sorted((index or {}).items()):
+                if (
+                    isinstance(value, list)
+                    and len(value) in (2, 3)
+                    and isinstance(value[0], str)
+                    and value[0] not in KNOWN_LIBRARIES
+                    and not _installed_component(place, key, value[:2])
+                ):
+                    found.append(
+                        f"{prefix}{index_name}: `{key}` comes from module {value[0]!r}, "
+                        "custom code inside the checkpoint"
+                    )
     return found, problems
 
 

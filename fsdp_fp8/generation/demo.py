@@ -108,7 +108,7 @@ def demo_tokenizer():
     )
 
 
-def demo_components() -> dict:
+def demo_components(transformer_config: dict | None = None) -> dict:
     """The high-precision pipeline components, seeded: transformer (bf16), vae, sound tokenizer,
     scheduler, tokenizer."""
     import torch
@@ -119,7 +119,7 @@ def demo_components() -> dict:
 
     tokenizer = demo_tokenizer()
     torch.manual_seed(DEMO_SEED)
-    transformer = Cosmos3OmniTransformer(vocab_size=len(tokenizer), **TRANSFORMER_CONFIG)
+    transformer = Cosmos3OmniTransformer(vocab_size=len(tokenizer), **(transformer_config or TRANSFORMER_CONFIG))
     transformer = transformer.to(torch.bfloat16).eval()
     transformer.time_embedder.float()  # _keep_in_fp32_modules, as diffusers keeps it
     torch.manual_seed(DEMO_SEED + 1)
@@ -156,20 +156,70 @@ def _calibrate(components: dict):
     return run
 
 
-def build_demo_pipeline(directory: str | os.PathLike) -> Path:
-    """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest)."""
+# The action demo: the demo with an action-capable transformer (diffusers' `action_gen`: the
+# domain-aware action projections, embeddings, never FP8), for --action jobs
+ACTION_CONFIG = dict(action_gen=True, action_dim=10)
+ACTION_DEMO_REVISION = 1
+ACTION_DOMAIN = "pusht"  # 2 raw values per action
+ACTION_IMAGE = 64  # pixels a side: at the 256 tier the canvas is 256 x 256, the content 64 x 64
+ACTION_CHUNK = 4
+
+
+def action_demo_image():
+    """A seeded 64 x 64 first frame (PIL) for the action demo's calibration and tests."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(DEMO_SEED).integers(0, 256, (ACTION_IMAGE, ACTION_IMAGE, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _calibrate_actions(components: dict):
+    import torch
+    from diffusers import Cosmos3OmniPipeline
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    def run(transformer) -> None:
+        pipe = Cosmos3OmniPipeline(**{**components, "transformer": transformer}, enable_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        for i, prompt in enumerate(DEMO_PROMPTS):
+            generator = torch.Generator().manual_seed(DEMO_SEED + i)
+            actions = torch.randn(ACTION_CHUNK, 2, generator=generator)
+            condition = CosmosActionCondition(
+                mode="forward_dynamics",
+                chunk_size=ACTION_CHUNK,
+                domain_name=ACTION_DOMAIN,
+                resolution_tier=256,
+                raw_actions=actions,
+                image=action_demo_image(),
+            )
+            pipe(
+                prompt,
+                action=condition,
+                num_inference_steps=2,
+                guidance_scale=3.0,
+                generator=generator,
+                output_type="latent",
+            )
+
+    return run
+
+
+def build_demo_pipeline(directory: str | os.PathLike, action: bool = False) -> Path:
+    """Write the demo pipeline into the empty or missing ``directory`` (no cache, no manifest);
+    ``action``: its transformer action-capable (``ACTION_CONFIG``), calibrated on forward dynamics."""
     from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
     from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS  # its calibration (text to image) never runs them
 
     directory = Path(directory)
-    components = demo_components()
+    components = demo_components({**TRANSFORMER_CONFIG, **ACTION_CONFIG} if action else None)
     transformer = components["transformer"]
     config = json.loads(transformer.to_json_string())
     export_fp8(
         transformer,
         directory / "transformer",
         config=config,
-        calibrate=_calibrate(components),
+        calibrate=_calibrate_actions(components) if action else _calibrate(components),
         ignore=(*DEFAULT_IGNORE, *SOUND_PROJECTIONS),
         step_policy=DEMO_STEP_POLICY,
         max_shard_size=DEMO_MAX_SHARD_SIZE,
@@ -195,6 +245,77 @@ def build_demo_pipeline(directory: str | os.PathLike) -> Path:
     return directory
 
 
+# The distilled demo: the same random components as a 4-step distilled root (diffusers'
+# Cosmos3DistilledModularPipeline: its `modular_model_index.json`, a fixed `distilled_sigmas` schedule,
+# a FlowMatchEulerDiscreteScheduler), the transformer exported without a step policy (every step W8A8)
+DISTILLED_SIGMAS = (1.0, 0.75, 0.5, 0.25)
+DISTILLED_REVISION = 1
+
+
+def _distilled_index(config: dict) -> dict:
+    """``modular_model_index.json`` as diffusers' ``save_pretrained`` writes it; the components'
+    ``pretrained_model_name_or_path`` a Hub id, as in a published root: a local copy's folders are
+    read all the same (``fsdp_fp8.interop.modular``)."""
+
+    def entry(library: str, cls: str, folder: str) -> list:
+        spec = {"pretrained_model_name_or_path": "fsdp-fp8/cosmos3-distilled-demo", "revision": None}
+        return [library, cls, {**spec, "subfolder": folder, "type_hint": [library, cls], "variant": None}]
+
+    return {
+        "_blocks_class_name": "Cosmos3DistilledBlocks",
+        "_class_name": "Cosmos3DistilledModularPipeline",
+        "_diffusers_version": config["_diffusers_version"],
+        "default_use_system_prompt": True,
+        "distilled_sigmas": list(DISTILLED_SIGMAS),
+        "enable_safety_checker": False,
+        "is_distilled": True,
+        "scheduler": entry("diffusers", "FlowMatchEulerDiscreteScheduler", "scheduler"),
+        "text_tokenizer": entry("transformers", "PreTrainedTokenizerFast", "text_tokenizer"),
+        "transformer": entry("diffusers", "Cosmos3OmniTransformer", "transformer"),
+        "vae": entry("diffusers", "AutoencoderKLWan", "vae"),
+    }
+
+
+def build_distilled_pipeline(directory: str | os.PathLike) -> Path:
+    """Write the distilled demo into the empty or missing ``directory``: the demo's random
+    components, calibrated through diffusers' own ``Cosmos3DistilledModularPipeline`` loaded from
+    this directory, the transformer written by ``export_fp8`` with no step policy."""
+    import torch
+    from diffusers import Cosmos3DistilledModularPipeline, FlowMatchEulerDiscreteScheduler
+
+    from fsdp_fp8.export.modelopt import DEFAULT_IGNORE, export_fp8
+    from fsdp_fp8.interop.cosmos import SOUND_PROJECTIONS
+    from fsdp_fp8.interop.modular import blocks_of, load_modular
+
+    directory = Path(directory)
+    components = demo_components()
+    transformer = components["transformer"]
+    config = json.loads(transformer.to_json_string())
+    FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(directory / "scheduler")
+    components["vae"].save_pretrained(directory / "vae")
+    components["text_tokenizer"].save_pretrained(directory / "text_tokenizer")
+    (directory / "modular_model_index.json").write_text(json.dumps(_distilled_index(config), indent=2) + "\n")
+
+    def calibrate(model) -> None:  # diffusers' own distilled pipeline, read from this directory as a load reads it
+        cls, index = Cosmos3DistilledModularPipeline, _distilled_index(config)
+        blocks = blocks_of(cls, index, directory)  # progress bars off
+        pipe = load_modular(cls, directory, blocks, model, {"enable_safety_checker": False})
+        for i, prompt in enumerate(DEMO_PROMPTS):
+            generator = torch.Generator().manual_seed(DEMO_SEED + i)
+            pipe(prompt=prompt, **DEMO_SIZE, generator=generator, output_type="latent", output="videos")
+
+    export_fp8(
+        transformer,
+        directory / "transformer",
+        config=config,
+        calibrate=calibrate,
+        ignore=(*DEFAULT_IGNORE, *SOUND_PROJECTIONS),
+        step_policy=None,
+        max_shard_size=DEMO_MAX_SHARD_SIZE,
+    )
+    return directory
+
+
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
@@ -207,9 +328,9 @@ def _is_complete(directory: Path) -> bool:
         return False
 
 
-def _build(directory: Path) -> None:
+def _build(directory: Path, build=None) -> None:
     started = time.perf_counter()
-    build_demo_pipeline(directory)
+    (build or build_demo_pipeline)(directory)
     files = {str(p.relative_to(directory)): file_sha256(p) for p in _files(directory)}
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=2, sort_keys=True) + "\n")
     logger.info("built the demo pipeline in %.1f s", time.perf_counter() - started)
@@ -226,3 +347,29 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
     name = f"cosmos3-demo-{producer_version()}-r{DEMO_REVISION}"
     return build_once(Path(cache_dir or default) / name, _build, _is_complete)
+
+
+def distilled_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the distilled demo root ``<cache>/cosmos3-distilled-demo-<version>``, built on
+    first call (``cache_dir`` as ``demo_checkpoint``'s)."""
+    from fsdp_fp8.export.cache import build_once
+    from fsdp_fp8.format.writer import producer_version
+
+    default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
+    name = f"cosmos3-distilled-demo-{producer_version()}-r{DISTILLED_REVISION}"
+    return build_once(Path(cache_dir or default) / name, lambda d: _build(d, build_distilled_pipeline), _is_complete)
+
+
+def action_demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the action demo root ``<cache>/cosmos3-action-demo-<version>``, built on first call
+    (``cache_dir`` as ``demo_checkpoint``'s)."""
+    from fsdp_fp8.export.cache import build_once
+    from fsdp_fp8.format.writer import producer_version
+
+    default = os.environ.get("FSDP_FP8_CACHE") or Path.home() / ".cache" / "fsdp_fp8"
+    name = f"cosmos3-action-demo-{producer_version()}-r{ACTION_DEMO_REVISION}"
+    return build_once(
+        Path(cache_dir or default) / name,
+        lambda d: _build(d, lambda root: build_demo_pipeline(root, action=True)),
+        _is_complete,
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import logging
@@ -32,16 +33,19 @@ from pathlib import Path
 import torch
 
 from fsdp_fp8.collective import rank_and_world
-from fsdp_fp8.compose.pipeline import loaded_of, work_of
+from fsdp_fp8.compose.pipeline import loaded_of, pipeline_name, work_of
 from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.step_policy import describe_trace
+from fsdp_fp8.generation.actions import read_actions
 from fsdp_fp8.generation.media import load_conditioning_image, load_conditioning_video
 from fsdp_fp8.generation.meetings import RoundEnd, StepMeeting, StepNote, meet_at_end
 from fsdp_fp8.generation.prompts import read_prompts
-from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, output_path
+from fsdp_fp8.generation.results import CANCELLED, FAILED, PhaseSeconds, TaskResult, actions_paths, output_path
 from fsdp_fp8.generation.values import GenerationRequest, Prompt, RunSettings
+from fsdp_fp8.interop.diffusers_pipeline import distilled_problems, distilled_steps, is_modular
 from fsdp_fp8.interop.forward_state import state_of
-from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, request_gate
+from fsdp_fp8.interop.modular import call_modular
+from fsdp_fp8.interop.request_agreement import RequestAbortedError, RequestMismatchError, library_class, request_gate
 from fsdp_fp8.interop.vae_decode import decode_request, decode_video, request_decode
 from fsdp_fp8.runtime.precision import routing_of
 from fsdp_fp8.runtime.residency import apply_residency
@@ -100,7 +104,7 @@ def round_key(request: GenerationRequest) -> tuple:
     """What the tasks of one round share: their ranks' FSDP all-gathers must pair up, so every
     request group calls the same transformer modules as often (steps; the unconditional pass when
     guidance is on; the sound tower). Frames, sizes and conditioning may differ."""
-    return (request.steps, request.guidance != 1.0, bool(request.sound))
+    return (request.steps, request.guidance != 1.0, bool(request.sound), request.action)
 
 
 class Observer:
@@ -175,6 +179,10 @@ class Engine:
         self.routing = routing_of(pipe.transformer)
         self.cache = state_of(pipe.transformer).cache  # the step cache (None: off)
         self.gate = request_gate(pipe)
+        # a modular pipeline (interop.modular) is called in Cosmos3OmniPipeline's terms; a distilled
+        # one runs its fixed schedule (its `distilled_sigmas`): that many steps, guidance 1.0
+        self.modular = is_modular(library_class(pipe))
+        self.schedule = distilled_steps(dict(pipe.config)) if self.modular else None
         self.timeout_s = self.gate.teams.timeout_s if self.gate is not None and self.gate.teams else 600.0
         self.rank = rank_and_world()[0]
         self.residency = apply_residency(
@@ -200,6 +208,7 @@ class Engine:
         real = [t for t in assignment if t is not None]
         if not real:
             return []
+        self._refuse_off_schedule(real)
         if len({round_key(t.request) for t in real}) > 1:
             raise ArgumentError(
                 "a round's tasks run the same transformer calls (FSDP gathers every block on every rank "
@@ -225,6 +234,28 @@ class Engine:
             _release_memory(self.device)
         ends = meet_at_end(RoundEnd(row.shareable() if row is not None else None, failure), self.timeout_s)
         return self._outcomes(assignment, ends, meeting, agreed, row)
+
+    def _refuse_off_schedule(self, tasks: Sequence[Task]) -> None:
+        """A distilled pipeline's tasks at another step count or guidance: diffusers' own refusal,
+        raised alike on every rank (each holds the same tasks) before any of them runs."""
+        if self.schedule is None:
+            return
+        problems = []
+        for task in tasks:
+            where = f"request {task.index}" + (f" ({task.key})" if task.key else "")
+            problems += distilled_problems(where, task.request.steps, task.request.guidance, self.schedule)
+            if task.prompt.negative_prompt is not None:
+                problems.append(f"{where}: a distilled checkpoint takes no negative prompt (no guidance pass)")
+        if problems:
+            raise ArgumentError(problems, f"{pipeline_name(self.pipe)} runs its fixed {self.schedule}-step schedule")
+
+    def mode_of(self, task: Task) -> str:
+        """The task's mode in the report's words; a distilled pipeline's says so and its step count,
+        an action job its mode, domain and chunk."""
+        request = task.request
+        if request.action is not None:
+            return f"{request.action.replace('_', ' ')}, {request.domain}, chunk of {request.chunk_size} actions"
+        return task.mode + (f", distilled, {self.schedule} steps" if self.schedule is not None else "")
 
     def _meet_after_failure(self, meeting: StepMeeting, failure: str, serial: int) -> None:
         """Join the meeting the peers go to next: the request's first forward (if this rank never
@@ -253,8 +284,9 @@ class Engine:
         cache_start = len(self.cache.trace) if self.cache is not None else 0
         request = task.request
         started = time.perf_counter()
+        call = functools.partial(call_modular, self.pipe) if self.modular else self.pipe
         with _scheduler_shifted(self.pipe, request.flow_shift):
-            out = self.pipe(
+            out = call(
                 task.prompt.text,
                 negative_prompt=task.prompt.negative_prompt,
                 **conditioning,
@@ -271,6 +303,8 @@ class Engine:
         if meeting.stopped or not real or (task.key and task.key in meeting.cancelled):
             return None
         latents, frames, how = out.video, None, None
+        # the actions a policy or inverse-dynamics job predicts: diffusers' [T, raw width] (float32 on the CPU)
+        predicted = getattr(out, "action", None)[0].float() if getattr(out, "action", None) else None
         started = time.perf_counter()
         if task.decode:
             frames, how = self._decode(latents, writes)
@@ -282,7 +316,7 @@ class Engine:
             prompt=task.prompt.text,
             rank=self.rank,
             key=task.key,
-            mode=task.mode,
+            mode=self.mode_of(task),
             steps=request.steps,
             steps_run=meeting.met or request.steps,
             precision_trace=describe_trace(self.routing.trace[trace_start:]),
@@ -290,6 +324,8 @@ class Engine:
             latent_shape=list(latents.shape),
             latent_sha256=digest(latents),
             sound_sha256=digest(out.sound) if out.sound is not None else None,
+            actions_shape=list(predicted.shape) if predicted is not None else None,
+            actions_sha256=digest(predicted) if predicted is not None else None,
             frames_sha256=frames_digest(frames) if frames is not None else None,
             vae_decode=how,
             frames=frames,
@@ -299,6 +335,8 @@ class Engine:
         if task.output is not None:
             self._write(task, frames, out.sound)
             result.output = str(task.output)
+            if predicted is not None:
+                _write_actions(task.output, predicted)
         seconds.write = time.perf_counter() - started
         result.seconds = seconds.rounded()
         result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -353,7 +391,7 @@ class Engine:
                 continue
             ranks = [r for r in range(world) if self.layout.coordinates(r).request == group]
             own = [f"rank {r}: {message}" for r, message in failed if r in ranks]
-            base = dict(index=task.index, prompt=task.prompt.text, rank=ranks[0], key=task.key, mode=task.mode)
+            base = dict(index=task.index, prompt=task.prompt.text, rank=ranks[0], key=task.key, mode=self.mode_of(task))
             base |= dict(steps=task.request.steps, steps_run=meeting.met)
             if agreed is not None:
                 results.append(TaskResult(**base, status=FAILED, error=agreed))
@@ -383,8 +421,11 @@ def generate(
 
 
 def _conditioning(task: Task) -> dict:
-    """The pipeline's conditioning keywords for ``task``, its image or video read by diffusers."""
+    """The pipeline's conditioning keywords for ``task``, its image or video read by diffusers; an
+    action job's ``CosmosActionCondition`` (its first frame, its raw actions)."""
     prompt, request = task.prompt, task.request
+    if request.action is not None:
+        return {"action": _action_condition(request, prompt)}
     if prompt.image:
         return {"image": load_conditioning_image(prompt.image)}
     if not prompt.video:
@@ -395,6 +436,38 @@ def _conditioning(task: Task) -> dict:
     if request.condition_keep is not None:
         kwargs["condition_video_keep"] = request.condition_keep
     return kwargs
+
+
+def _action_condition(request: GenerationRequest, prompt: Prompt):
+    """diffusers' ``CosmosActionCondition`` of an action job (``generation.actions``; checked before
+    the load): its first frame (``--image``) or clip (``--video``), its raw actions (forward dynamics)."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    given = {} if request.resolution_tier is None else {"resolution_tier": request.resolution_tier}
+    if request.actions is not None:
+        given["raw_actions"] = torch.tensor(read_actions(request.actions), dtype=torch.float32)
+    if prompt.video:
+        given["video"] = load_conditioning_video(prompt.video)
+    else:
+        given["image"] = load_conditioning_image(prompt.image)
+    return CosmosActionCondition(
+        mode=request.action, chunk_size=request.chunk_size, domain_name=request.domain, **given
+    )
+
+
+def _write_actions(output: Path, actions: torch.Tensor) -> None:
+    """The predicted actions beside the video: ``.npy`` (float32) and ``.json`` (rows of numbers)."""
+    import json
+
+    import numpy as np
+
+    npy, as_json = actions_paths(output)
+    values = actions.detach().to("cpu", torch.float32).numpy()
+    with written_atomically(npy) as temporary:
+        with open(temporary, "wb") as handle:
+            np.save(handle, values)
+    with written_atomically(as_json) as temporary:
+        temporary.write_text(json.dumps(values.tolist()) + "\n")
 
 
 @contextlib.contextmanager

@@ -19,11 +19,16 @@ from fsdp_fp8.errors import CheckpointPathError
 from fsdp_fp8.format.files import find_layout, resolve_directory
 from fsdp_fp8.format.hub import resolve_hub_path
 from fsdp_fp8.format.pipeline_config import SPATIAL, TEMPORAL, PipelineFactors, read_pipeline_factors
+from fsdp_fp8.generation.actions import action_problems
 from fsdp_fp8.generation.declare import bounds
 from fsdp_fp8.generation.values import VALUE_CLASSES
 from fsdp_fp8.interop.diffusers_pipeline import (  # imports no torch
     MODEL_INDEX,
+    distilled_problems,
+    distilled_steps,
     guardrail_problem,
+    index_path,
+    is_pipeline_index,
     missing_components,
 )
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, head_problems  # nor this
@@ -67,7 +72,7 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
     For a model that is no pipeline: only ``--ulysses`` (its run ignores the sizes, with
     a warning; only a pipeline's transformer is split)."""
     degree = getattr(values, "ulysses", 1)
-    if root is not None and not (root / MODEL_INDEX).is_file():
+    if root is not None and not is_pipeline_index(root):
         problems = [f"--sound generates with a diffusers pipeline; {root} has no {MODEL_INDEX}"] if values.sound else []
         if degree == 1:
             return problems
@@ -91,15 +96,39 @@ def pipeline_problems(values, root: Path | None) -> list[str]:
         problems += [f"--checkpoint: {p}" for p in missing_components(root, index)]
     if values.sound:
         problems += _sound_problems(root, index, factors)
+    problems += action_problems(values, dict(factors.transformer or {}) or None, str(factors.transformer_config))
+    if root is not None and (schedule := distilled_steps(index)) is not None:
+        problems += _distilled_problems(values, root, schedule)
     if getattr(values, "safety_check", "on") == "on" and (guardrail := guardrail_problem(index)):
         problems.append(f"--checkpoint {root}: {guardrail}; or run without it: --safety-check off")
     return problems
 
 
+def _distilled_problems(values, root: Path, schedule: int) -> list[str]:
+    """What a distilled root (its fixed ``schedule``, guidance 1.0) refuses, before the load:
+    ``--steps`` / ``--guidance`` given off it (diffusers' own reasons), ``--cfg-parallel`` (no
+    CFG pair without guidance), a negative prompt (no unconditional pass). ``values`` without
+    ``given`` (a served request, the Python API's values) are checked as they are: the engine would
+    refuse them at their round."""
+    given = getattr(values, "given", None)  # the launcher's; other front ends' values are all given
+    steps = values.steps if given is None or "steps" in given else schedule
+    guidance = values.guidance if given is None or "guidance" in given else 1.0
+    where = f"--steps {steps} / --guidance {guidance} on {root}"
+    problems = distilled_problems(where, steps, guidance, schedule)
+    if getattr(values, "cfg_parallel", False):
+        problems.append(
+            f"--cfg-parallel: {root} is a distilled checkpoint: guidance 1.0, one transformer pass per step, "
+            "so no CFG pair to split; use --ulysses N or --replicas R"
+        )
+    if getattr(values, "negative_prompt", None) is not None:
+        problems.append(f"--negative-prompt: {root} is a distilled checkpoint; it takes no negative prompt")
+    return problems
+
+
 def _model_index(root: Path) -> dict:
-    """``model_index.json`` as read (``{}`` when unreadable: the load says what is wrong with it)."""
+    """The pipeline's index as read (``{}`` when unreadable: the load says what is wrong with it)."""
     try:
-        index = json.loads((root / MODEL_INDEX).read_text())
+        index = json.loads(index_path(root).read_text())
     except (OSError, ValueError):
         return {}
     return index if isinstance(index, dict) else {}

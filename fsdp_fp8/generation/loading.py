@@ -7,6 +7,7 @@ The launcher and the server call the same function; the Python API calls ``load_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fsdp_fp8.collective import agree_on_settings, rank_and_world
@@ -14,15 +15,16 @@ from fsdp_fp8.compose.pipeline import load_pipeline
 from fsdp_fp8.format.hub import checkpoint_identity, resolve_hub_path
 from fsdp_fp8.generation.engine import Engine
 from fsdp_fp8.generation.values import RUN_SETTINGS_TO_AGREE, GenerationRequest, RunSettings
-from fsdp_fp8.interop.diffusers_pipeline import MODEL_INDEX
+from fsdp_fp8.interop.diffusers_pipeline import distilled_steps, index_path, is_pipeline_index
 
 log = logging.getLogger("fsdp_fp8")
 
 
 def is_pipeline_root(path) -> bool:
-    """Whether ``path`` (a directory or a hub name in the local cache) holds ``model_index.json``."""
+    """Whether ``path`` (a directory or a hub name in the local cache) holds ``model_index.json``
+    (or a modular pipeline's ``modular_model_index.json``)."""
     try:
-        return (resolve_hub_path(path) / MODEL_INDEX).is_file()
+        return is_pipeline_index(resolve_hub_path(path))
     except FileNotFoundError:  # not in the cache: load_model says so, in its own words
         return False
 
@@ -37,6 +39,30 @@ def checkpoint_of(settings: RunSettings, request: GenerationRequest) -> tuple[ob
     if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
     return demo_checkpoint(), demo_sizes(request)
+
+
+def schedule_of(root) -> int | None:
+    """The fixed step count of a distilled root (its index's ``distilled_sigmas``), else None."""
+    import json
+
+    try:
+        index = json.loads(index_path(root).read_text())
+    except (OSError, ValueError):
+        return None  # the load says what is wrong with it
+    return distilled_steps(index) if isinstance(index, dict) else None
+
+
+def with_schedule(path, request: GenerationRequest, given) -> GenerationRequest:
+    """``request`` on a distilled root (``path``): its step count and guidance 1.0 where the
+    command line gave none (one given off the schedule was refused before: ``generation.inputs``)."""
+    steps = schedule_of(resolve_hub_path(path)) if is_pipeline_root(path) else None
+    if steps is None:
+        return request
+    return dataclasses.replace(
+        request,
+        steps=request.steps if "steps" in given else steps,
+        guidance=request.guidance if "guidance" in given else 1.0,
+    )
 
 
 def demo_sizes(request: GenerationRequest) -> GenerationRequest:
@@ -95,4 +121,6 @@ __all__ = [
     "demo_sizes",
     "is_pipeline_root",
     "load_engine",
+    "schedule_of",
+    "with_schedule",
 ]

@@ -16,6 +16,12 @@ def output_path(output: str, index: int, many: bool) -> Path:
     return path.with_name(f"{path.stem}-{index:03d}{path.suffix}") if many else path
 
 
+def actions_paths(output: Path) -> tuple[Path, Path]:
+    """Where the predicted actions of the request whose video goes to ``output`` are written:
+    ``out.actions.npy`` and ``out.actions.json`` beside ``out.mp4``."""
+    return output.with_name(f"{output.stem}.actions.npy"), output.with_name(f"{output.stem}.actions.json")
+
+
 @dataclass
 class PhaseSeconds:
     """Where one request's time went on its writing rank: reading its conditioning, the denoising
@@ -56,6 +62,8 @@ class TaskResult:
     latent_shape: list[int] = field(default_factory=list)
     latent_sha256: str = ""
     sound_sha256: str | None = None  # the audio track's samples (--sound)
+    actions_shape: list[int] | None = None  # the predicted actions [T, D] (--action policy / inverse_dynamics)
+    actions_sha256: str | None = None  # their float32 bytes
     frames_sha256: str | None = None
     output: str | None = None
     vae_decode: str | None = None  # how the frames were decoded: "tiled, split over 2 ranks"
@@ -74,8 +82,9 @@ class TaskResult:
         out = dataclasses.asdict(self.shareable())
         for key in ("frames", "sound"):
             out.pop(key)
-        optional = ("output", "sound_sha256", "vae_decode", "frames_sha256", "error", "key", "step_cache")
+        optional = ("output", "sound_sha256", "actions_shape", "actions_sha256", "vae_decode", "frames_sha256")
+        optional += ("error", "key", "step_cache")
         return {k: v for k, v in out.items() if k not in optional or v}
 
 
-__all__ = ["CANCELLED", "COMPLETED", "FAILED", "PhaseSeconds", "TaskResult", "output_path"]
+__all__ = ["CANCELLED", "COMPLETED", "FAILED", "PhaseSeconds", "TaskResult", "actions_paths", "output_path"]

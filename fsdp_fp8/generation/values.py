@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fsdp_fp8.format.cache_option import cache_option_problems
 from fsdp_fp8.format.timeouts import MAX_TIMEOUT_S, timeout_problems
+from fsdp_fp8.generation.actions import ACTION_MODES, RESOLUTION_TIERS
 from fsdp_fp8.generation.declare import EVERY, option
 
 COMPILE_MODES = ("off", "regional")
@@ -116,11 +117,22 @@ class GenerationRequest:
         per_request=True,
     )
     steps: int = option(
-        20, "denoising steps (default 20)", WHAT, DIFFUSION, bound=(1, 10_000), type=int, per_request=True
+        20,
+        "denoising steps (default 20; a distilled root: its fixed schedule's)",
+        WHAT,
+        DIFFUSION,
+        bound=(1, 10_000),
+        type=int,
+        per_request=True,
     )
     seed: int = option(0, "noise seed (default 0)", WHAT, (*DIFFUSION, DIFFUSERS), type=int, per_request=True)
     guidance: float = option(
-        3.0, "classifier-free guidance scale (default 3.0)", WHAT, DIFFUSION, type=float, per_request=True
+        3.0,
+        "classifier-free guidance scale (default 3.0; a distilled root: 1.0, its only one)",
+        WHAT,
+        DIFFUSION,
+        type=float,
+        per_request=True,
     )
     step_policy: str = option(
         "auto",
@@ -254,6 +266,46 @@ class GenerationRequest:
         action="store_true",
         per_request=True,
     )
+    # --- action jobs (Cosmos 3 world models; generation.actions): one contiguous block
+    action: str | None = option(
+        None,
+        "an action job (a transformer with `action_gen`): forward_dynamics rolls --image forward under --actions; "
+        "policy rolls it out and predicts the actions; inverse_dynamics infers the actions of a --video",
+        CONDITIONING,
+        PIPELINE,
+        choices=ACTION_MODES,
+    )
+    domain: str | None = option(
+        None,
+        "with --action: the embodiment, one of diffusers' action domains (e.g. pusht, umi, droid_lerobot)",
+        CONDITIONING,
+        PIPELINE,
+        metavar="NAME",
+    )
+    chunk_size: int | None = option(
+        None,
+        "with --action: the action steps of the chunk (the video is 1 + that many frames)",
+        CONDITIONING,
+        PIPELINE,
+        bound=(1, 1024),
+        type=int,
+    )
+    resolution_tier: int | None = option(
+        None,
+        "with --action: the conditioning canvas tier (default: diffusers', 480)",
+        CONDITIONING,
+        PIPELINE,
+        type=int,
+        choices=RESOLUTION_TIERS,
+    )
+    actions: str | None = option(
+        None,
+        "with --action forward_dynamics: the raw actions [T, D], a .npy, .json or .csv file",
+        CONDITIONING,
+        PIPELINE,
+        metavar="FILE",
+    )
+    # --- end of action jobs
     prompt_ids: tuple[int, ...] | None = option(
         None,
         "the prompt as token ids, e.g. 1,2,3",

@@ -1,7 +1,8 @@
-"""A diffusers pipeline's own files: ``model_index.json`` checked before anything is loaded, and the
-pipeline class it names (from diffusers itself, never from the checkpoint).
+"""A diffusers pipeline's own files: ``model_index.json`` (or a modular pipeline's
+``modular_model_index.json``, read first, as diffusers reads it) checked before anything is loaded,
+and the pipeline class it names (from diffusers itself, never from the checkpoint).
 
-    pipeline root (model_index.json)
+    pipeline root (modular_model_index.json or model_index.json)
       transformer/   -> loaded by fsdp_fp8 (``fsdp_fp8.load_pipeline``)
       vae/, scheduler/, text_tokenizer/, ...  -> diffusers / transformers from_pretrained, same directory
 """
@@ -13,41 +14,66 @@ import logging
 from pathlib import Path
 
 from fsdp_fp8.errors import ArgumentError, CheckpointError
+from fsdp_fp8.format.pipeline_config import has_pipeline_index
 from fsdp_fp8.format.remote_code import remote_code_references
 
 MODEL_INDEX = "model_index.json"
+MODULAR_INDEX = "modular_model_index.json"  # a ModularPipeline's: entries [library, class, loading spec]
 TRANSFORMER = "transformer"
+DISTILLED_SIGMAS = "distilled_sigmas"  # Cosmos3DistilledModularPipeline's fixed schedule (diffusers 0.42)
 log = logging.getLogger(__name__)
 
 
+def index_path(root: Path) -> Path:
+    """The pipeline's index: ``modular_model_index.json`` where there is one (diffusers' modular
+    pipelines read it first), else ``model_index.json``."""
+    return root / MODULAR_INDEX if (root / MODULAR_INDEX).is_file() else root / MODEL_INDEX
+
+
+def is_pipeline_index(root: Path) -> bool:
+    return has_pipeline_index(root)
+
+
+def _is_entry(entry) -> bool:
+    """A component entry: ``[library, class]``, or a modular index's ``[library, class, spec]``."""
+    return isinstance(entry, list) and len(entry) in (2, 3) and (len(entry) == 2 or isinstance(entry[2], dict))
+
+
 def read_model_index(root: Path) -> dict:
-    index_path = root / MODEL_INDEX
-    if not index_path.is_file():
+    path = index_path(root)
+    if not path.is_file():
         raise FileNotFoundError(
-            f"{root} has no {MODEL_INDEX}: not a diffusers pipeline root "
+            f"{root} has no {MODEL_INDEX} (nor {MODULAR_INDEX}): not a diffusers pipeline root "
             "(load a transformer directory alone with fsdp_fp8.load_model)"
         )
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(path.read_text())
     except ValueError as exc:
-        raise ArgumentError(f"{index_path}: not valid JSON ({exc})") from None
+        raise ArgumentError(f"{path}: not valid JSON ({exc})") from None
     problems = []
     if not isinstance(index.get("_class_name"), str):
         problems.append(f"`_class_name` is {index.get('_class_name')!r}, not a pipeline class name")
     entry = index.get(TRANSFORMER)
-    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+    if not (_is_entry(entry) and entry[0] == "diffusers"):
         problems.append(f"`{TRANSFORMER}` is {entry!r}, not a diffusers model entry")
     elif not (root / TRANSFORMER / "config.json").is_file():
         problems.append(f"`{TRANSFORMER}` is listed but {root / TRANSFORMER / 'config.json'} does not exist")
+    sigmas = index.get(DISTILLED_SIGMAS)
+    if sigmas is not None and not (
+        isinstance(sigmas, list)
+        and sigmas
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in sigmas)
+    ):
+        problems.append(f"`{DISTILLED_SIGMAS}` is {sigmas!r}, not a list of numbers (the distilled schedule)")
     references, unreadable = remote_code_references(root)
     problems += unreadable
     for ref in references:
-        if ref.startswith("model_index.json"):  # a component diffusers would import from the checkpoint
+        if ref.startswith((MODEL_INDEX, MODULAR_INDEX)):  # a component diffusers would import from the checkpoint
             problems.append(ref)
         else:  # an `auto_map` transformers ignores under trust_remote_code=False
             log.warning("%s: %s; ignored (fsdp_fp8 never runs code from a checkpoint)", root, ref)
     if problems:
-        raise CheckpointError(problems, str(index_path))
+        raise CheckpointError(problems, str(path))
     return index
 
 
@@ -66,12 +92,13 @@ def missing_components(root: Path, index: dict, components: dict | None = None) 
     for name, entry in sorted(index.items()):
         if name.startswith("_") or name in (TRANSFORMER, SAFETY_CHECKER) or name in components:
             continue
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in FOLDER_LIBRARIES and entry[1]):
+        if not (_is_entry(entry) and entry[0] in FOLDER_LIBRARIES and entry[1]):
             continue  # [null, null]: a component the pipeline goes without
-        if not (root / name).is_dir():
+        folder = root / (entry[2].get("subfolder") or name if len(entry) == 3 else name)
+        if not folder.is_dir():  # a modular entry pointing elsewhere: read from this root all the same
             problems.append(
-                f"{root / MODEL_INDEX} names the component `{name}` ({entry[0]}.{entry[1]}), but its folder "
-                f"{root / name} does not exist"
+                f"{index_path(root)} names the component `{name}` ({entry[0]}.{entry[1]}), but its folder "
+                f"{folder} does not exist"
             )
     return problems
 
@@ -102,9 +129,42 @@ def guardrail_problem(index: dict, components: dict | None = None) -> str | None
 
 
 def pipeline_class(name: str, source: Path):
+    """The pipeline class ``_class_name`` names: a ``DiffusionPipeline`` or a ``ModularPipeline`` of
+    diffusers itself."""
     import diffusers
 
     cls = getattr(diffusers, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline | diffusers.ModularPipeline)):
         raise ArgumentError(f"{source}: `_class_name` {name!r} is not a pipeline of diffusers {diffusers.__version__}")
     return cls
+
+
+def is_modular(cls: type) -> bool:
+    """Whether ``cls`` is one of diffusers' modular pipelines (blocks, not one ``__call__``)."""
+    import diffusers
+
+    return issubclass(cls, diffusers.ModularPipeline)
+
+
+def distilled_steps(index: dict) -> int | None:
+    """The step count of the fixed schedule a distilled root's index gives (``distilled_sigmas``:
+    diffusers' ``Cosmos3DistilledSetTimestepsStep`` runs exactly those), else None."""
+    sigmas = index.get(DISTILLED_SIGMAS)
+    return len(sigmas) if isinstance(sigmas, list) and sigmas else None
+
+
+def distilled_problems(where: str, steps: int, guidance: float, schedule: int) -> list[str]:
+    """diffusers' own refusals of a distilled pipeline (``Cosmos3DistilledSetTimestepsStep``),
+    made before anything runs: a step count other than the schedule's, guidance other than 1.0."""
+    problems = []
+    if steps != schedule:
+        problems.append(
+            f"{where}: this is a distilled checkpoint; the step count is fixed by the pipeline's "
+            f"`{DISTILLED_SIGMAS}` config ({schedule} steps): steps must be {schedule}, got {steps}"
+        )
+    if guidance != 1.0:
+        problems.append(
+            f"{where}: this is a distilled checkpoint; classifier-free guidance is baked into the weights: "
+            f"guidance must be 1.0, got {guidance}"
+        )
+    return problems

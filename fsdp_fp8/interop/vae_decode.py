@@ -344,7 +344,8 @@ def decode_video(pipe, latents: torch.Tensor, request: RequestDecode | None):
     if decoded is None:
         return None
     video = pipe.video_processor.postprocess_video(decoded.to(latents.dtype), output_type="pil")[0]
-    if isinstance(pipe.safety_checker, CosmosSafetyChecker):
+    # a modular pipeline (the distilled roots) holds a checker only once it is enabled
+    if isinstance(getattr(pipe, "safety_checker", None), CosmosSafetyChecker):
         video = pipe._apply_video_safety_check(video, output_type="pil", device=latents.device)
     return video
 

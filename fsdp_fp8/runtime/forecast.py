@@ -391,9 +391,10 @@ def forecast_checkpoint(
     Configs the forecast divides by (the VAE's factors, the transformer's shape) that are no
     integer >= 1 are refused together in one ``CheckpointError``, before any arithmetic."""
     from fsdp_fp8.format.hub import resolve_hub_path
+    from fsdp_fp8.format.pipeline_config import has_pipeline_index
 
     path = resolve_hub_path(path)
-    is_pipeline = (path / "model_index.json").is_file()
+    is_pipeline = has_pipeline_index(path)  # model_index.json, or a modular (distilled) root's index
     transformer = path / "transformer" if is_pipeline else path
     where = str(transformer / "config.json")
     config = json.loads((transformer / "config.json").read_text())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fsdp_fp8.format.files import PICKLE_SUFFIXES, hub_blobs
 from fsdp_fp8.format.handles import open_regular
+from fsdp_fp8.format.pipeline_config import has_pipeline_index
 
 REWRITTEN = ("config.json", "hf_quant_config.json")  # written anew by the save
 _COPY_BLOCK = 1 << 24
@@ -75,7 +76,7 @@ def source_files(directory: Path | None) -> SourceFiles:
             carried.append(path.name)
         else:
             not_carried.append((path.name, why))
-    if directory.name == "transformer" and (directory.parent / "model_index.json").is_file():
+    if directory.name == "transformer" and has_pipeline_index(directory.parent):
         not_carried.append(
             ("../", f"the rest of the diffusers pipeline in {directory.parent}: the save holds its transformer")
         )

@@ -213,3 +213,38 @@ def test_regional_compile_finds_blocks_by_class_name_which_fully_shard_renames()
     source = inspect.getsource(ModelMixin.compile_repeated_blocks)
     assert "submod.__class__.__name__ in repeated_blocks" in source
     assert Cosmos3OmniTransformer._repeated_blocks == ["Cosmos3VLTextMoTDecoderLayer"]
+
+
+# --- Modular pipelines (distilled roots): the blocks take what fsdp_fp8 passes, its step end in the loop
+
+
+def test_the_distilled_blocks_take_every_input_fsdp_fp8_passes_and_end_each_step_with_ours(tmp_path):
+    from diffusers import Cosmos3DistilledModularPipeline
+
+    from fsdp_fp8.interop.modular import STEP_END, blocks_of, blocks_problems, denoising_loops
+
+    index = {"_blocks_class_name": "Cosmos3DistilledBlocks", "distilled_sigmas": [1.0, 0.5]}
+    blocks = blocks_of(Cosmos3DistilledModularPipeline, index, tmp_path)
+    assert blocks_problems(blocks, tmp_path) == []
+    loops = denoising_loops(blocks)
+    assert len(loops) == 1 and list(loops[0].sub_blocks)[-1] == STEP_END
+    # the fixed schedule is the config diffusers' own step reads (`Cosmos3DistilledSetTimestepsStep`)
+    assert {"distilled_sigmas", "is_distilled"} <= {spec.name for spec in blocks.expected_configs}
+
+
+def test_blocks_that_no_longer_take_an_input_are_named(tmp_path):
+    from fsdp_fp8.interop.modular import blocks_problems
+
+    lost = types.SimpleNamespace(inputs=[types.SimpleNamespace(name="prompt")])
+    problems = blocks_problems(lost, tmp_path)
+    assert len(problems) == 14 and any("no longer take `guidance_scale`" in p for p in problems)
+
+
+def test_an_unknown_blocks_class_is_refused(tmp_path):
+    from diffusers import Cosmos3DistilledModularPipeline
+
+    from fsdp_fp8.errors import ArgumentError
+    from fsdp_fp8.interop.modular import blocks_of
+
+    with pytest.raises(ArgumentError, match="`_blocks_class_name` 'os.system' is not pipeline blocks of diffusers"):
+        blocks_of(Cosmos3DistilledModularPipeline, {"_blocks_class_name": "os.system"}, tmp_path)

@@ -1,0 +1,165 @@
+"""Action jobs from the launcher on the action demo (the demo with an ``action_gen`` transformer,
+a ModelOpt FP8 export with the published step policy): forward dynamics, policy and inverse
+dynamics, each latent and each predicted actions' digest at 2 ranks (FSDP), CFG 2, Ulysses 2 and
+(4 ranks) CFG 2 x Ulysses 2 equal to one rank's, the action tokens exchanged by the CFG pair and
+split by the Ulysses group like the other modalities; the predicted actions written beside the
+video; the report names the mode; careless input refused before the load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+LAYOUTS = {"fsdp": (), "cfg": ("--cfg-parallel",), "ulysses": ("--ulysses", "2")}
+ACTIONS = [[0.1, -0.2], [0.3, 0.0], [0.5, 0.5], [-1.0, 2.0]]
+
+
+@pytest.fixture(scope="module")
+def action_root(demo_cache) -> str:
+    from fsdp_fp8.generation.demo import action_demo_checkpoint
+
+    return str(action_demo_checkpoint(demo_cache))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """The first frame, the raw actions, and a 5-frame clip (a directory of frames)."""
+    import numpy as np
+    from PIL import Image
+
+    from fsdp_fp8.generation.demo import action_demo_image
+
+    root = tmp_path_factory.mktemp("action-inputs")
+    action_demo_image().save(root / "first.png")
+    (root / "actions.json").write_text(json.dumps(ACTIONS))
+    (root / "clip").mkdir()
+    for i in range(5):
+        pixels = np.random.default_rng(10 + i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "clip" / f"{i:03d}.png")
+    return root
+
+
+MODES = {
+    "forward_dynamics": ("--actions", "actions.json", "--image", "first.png"),
+    "policy": ("--image", "first.png"),
+    "inverse_dynamics": ("--video", "clip"),
+}
+
+
+def _launch(root: str, inputs: str, out: Path, mode: str, *extra: str, rank: int = 0) -> dict | None:
+    """One launcher run of ``mode``; its report (rank 0). The video (and the predicted actions)
+    go to ``out``.png."""
+    from fsdp_fp8.cli.runner import main
+
+    job = ["--action", mode, "--domain", "pusht", "--chunk-size", "4", "--resolution-tier", "256"]
+    job += [str(Path(inputs, a)) if a in ("actions.json", "first.png", "clip") else a for a in MODES[mode]]
+    job += ["--output", f"{out}.png", "--report", f"{out}.json"]
+    assert main(["--checkpoint", root, *job, "--steps", "2", *extra]) == 0
+    return json.loads(Path(f"{out}.json").read_text()) if rank == 0 else None
+
+
+def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
+        return {
+            (layout, mode): _launch(root, inputs, Path(reports, f"{layout}-{mode}"), mode, *extra, rank=rank)
+            for layout, extra in LAYOUTS.items()
+            for mode in MODES
+        }
+
+
+@pytest.fixture(scope="module")
+def observed(action_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("action-reports")
+    one = {mode: _launch(action_root, str(inputs), reports / f"one-{mode}", mode) for mode in MODES}
+    return one, run_ranks(_observe, 2, action_root, str(inputs), str(reports), timeout=900)[0], reports
+
+
+def _observe_four(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+    """4 ranks: CFG 2 x Ulysses 2, one request on all four."""
+    both = ("--cfg-parallel", "--ulysses", "2")
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
+        return {mode: _launch(root, inputs, Path(reports, f"four-{mode}"), mode, *both, rank=rank) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def observed_four(action_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("action-reports-four")
+    return run_ranks(_observe_four, 4, action_root, str(inputs), str(reports), timeout=900)[0]
+
+
+def _digests(report: dict) -> tuple:
+    (row,) = report["outputs"]
+    return row["mode"], tuple(row["latent_shape"]), row["latent_sha256"], row.get("actions_sha256")
+
+
+def test_each_mode_is_named_and_rolls_the_chunk(observed):
+    one, _, _ = observed
+    for mode in MODES:
+        name, shape, _, actions = _digests(one[mode])
+        assert name == f"{mode.replace('_', ' ')}, pusht, chunk of 4 actions"
+        assert shape == (1, 4, 2, 16, 16)  # 1 + 4 frames: two latent frames of the 64 x 64 content
+        assert one[mode]["precision_trace"] == "W8A16 x2" and one[mode]["step_policy"] == "checkpoint"
+        assert (actions is None) == (mode == "forward_dynamics")  # only policy / inverse predict actions
+
+
+def test_the_predicted_actions_are_written_beside_the_video(observed):
+    import hashlib
+
+    import numpy as np
+
+    one, _, reports = observed
+    for mode in ("policy", "inverse_dynamics"):
+        (row,) = one[mode]["outputs"]
+        written = np.load(reports / f"one-{mode}.actions.npy")
+        assert written.shape == (4, 2) and row["actions_shape"] == [4, 2]
+        assert hashlib.sha256(written.astype(np.float32).tobytes()).hexdigest() == row["actions_sha256"]
+        assert json.loads((reports / f"one-{mode}.actions.json").read_text()) == written.tolist()
+    assert not (reports / "one-forward_dynamics.actions.npy").exists()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_mode_equals_one_rank(observed, layout, mode):
+    one, ranks, _ = observed
+    assert _digests(ranks[(layout, mode)]) == _digests(one[mode]), (layout, mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_mode_at_cfg2_x_ulysses2_equals_one_rank(observed, observed_four, mode):
+    one, _, _ = observed
+    assert _digests(observed_four[mode]) == _digests(one[mode]), mode
+
+
+@pytest.mark.parametrize(
+    ("actions", "extra", "reason"),
+    [
+        ("[[1, 2, 3]]", (), "has 3 values per action; --domain pusht takes 2"),
+        ("[[1, NaN]]", (), "row 0 value 1 is nan; actions must be finite"),
+        ("[[1, 2], [3]]", (), "is ragged"),
+        ("[]", (), "holds no actions"),
+        ("[[1, 2]]", ("--domain", "martian"), "--domain 'martian' is not one of diffusers' action domains: "),
+        ("[[1, 2]]", ("--frames", "5"), "leave out --frames"),
+    ],
+)
+def test_careless_action_input_is_refused_before_the_load(
+    action_root, inputs, tmp_path, actions, extra, reason, capsys
+):
+    from fsdp_fp8.cli.runner import main
+
+    (tmp_path / "actions.json").write_text(actions)
+    job = ["--action", "forward_dynamics", "--domain", "pusht", "--chunk-size", "4"]
+    job += ["--actions", str(tmp_path / "actions.json"), "--image", str(inputs / "first.png"), *extra]
+    with mock.patch("fsdp_fp8.compose.pipeline.load_model") as load, pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", action_root, *job])
+    assert exc.value.code == 2 and not load.called
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]

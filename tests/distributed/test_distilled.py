@@ -1,0 +1,236 @@
+"""Distilled 4-step roots (diffusers' ``Cosmos3DistilledModularPipeline``): the distilled demo
+(the demo's random components, ``modular_model_index.json`` with a fixed ``distilled_sigmas``, the
+transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
+image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
+per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
+before the load, one line, exit 2; through the Python API one error on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
+
+from ranks import run_ranks  # noqa: E402
+
+SIZE = ("--height", "32", "--width", "32")
+LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
+MODE = "distilled, 4 steps"
+
+
+@pytest.fixture(scope="module")
+def distilled_root(demo_cache) -> str:
+    from fsdp_fp8.generation.demo import distilled_checkpoint
+
+    return str(distilled_checkpoint(demo_cache))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("distilled-inputs")
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(root / "still.png")
+    lines = ["a red fox", json.dumps({"prompt": "the arm picks up the cup", "image": "still.png", "seed": 3})]
+    (root / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
+    from fsdp_fp8.cli.runner import main
+
+    assert main(["--checkpoint", root, *SIZE, *extra, "--report", str(report)]) == 0
+    return json.loads(report.read_text()) if rank == 0 else None
+
+
+def _jobs(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:
+    """Text-to-image, then a text-to-video and an image-to-video request of one prompts file."""
+    decoded = ("--output", str(reports / f"{name}-image.png"))  # decoded and written by the request's writer
+    image = _launch(root, reports / f"{name}-image.json", "--frames", "1", *decoded, *extra, rank=rank)
+    prompts = ("--prompts", str(Path(inputs, "requests.jsonl")), "--frames", "5")
+    videos = _launch(root, reports / f"{name}-videos.json", *prompts, *extra, rank=rank)
+    return {f"{name} image": image, f"{name} videos": videos}
+
+
+def _api_refusals(rank: int) -> list[str]:
+    """The Python API: a request off the schedule, and CFG-parallel, each one error on every rank."""
+    import torch
+
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.generation.engine import Engine, tasks_of
+    from fsdp_fp8.generation.values import GenerationRequest
+
+    root = os.environ["DISTILLED_ROOT"]
+    seen = []
+    try:
+        load_pipeline(root, device=torch.device("cpu"), cfg_parallel=True)
+    except ValueError as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+    engine = Engine(load_pipeline(root, device=torch.device("cpu")))
+    try:
+        engine.generate(tasks_of(GenerationRequest(prompt="a fox", frames=1, height=32, width=32, steps=3)))
+    except ValueError as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+    obs = {}
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
+        for name, extra in LAYOUTS.items():
+            obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
+        obs["api"] = _api_refusals(rank)
+    return obs
+
+
+@pytest.fixture(scope="module")
+def observed(distilled_root, inputs, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("distilled-reports")
+    one = _jobs(distilled_root, str(inputs), reports, "one", ())
+    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
+    return one, ranks
+
+
+def _latents(report: dict) -> list[tuple[str, str, str | None]]:
+    return [(r["mode"], r["latent_sha256"], r.get("frames_sha256")) for r in report["outputs"]]
+
+
+def test_distilled_modes_name_the_schedule(observed):
+    one, _ = observed
+    assert one["one image"]["pipeline"] == "Cosmos3DistilledModularPipeline"
+    assert one["one image"]["steps"] == 4 and one["one image"]["precision_trace"] == "W8A8 x4"
+    assert one["one image"]["step_policy"] == "none"
+    (row,) = one["one image"]["outputs"]
+    assert row["output"].endswith("one-image.png") and row["frames_sha256"]
+    assert [m for m, *_ in _latents(one["one image"])] == [f"text-to-image, {MODE}"]
+    assert [m for m, *_ in _latents(one["one videos"])] == [
+        f"text-to-video, 5 frames, {MODE}",
+        f"image-to-video, 5 frames, {MODE}",
+    ]
+    assert len({d for _, d, _ in _latents(one["one videos"])}) == 2
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_distilled_latents_equal_one_rank(observed, layout):
+    one, ranks = observed
+    for job in ("image", "videos"):
+        assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
+
+
+def test_distilled_api_refusals_on_every_rank(observed):
+    _, ranks = observed
+    assert ranks[0]["api"] == ranks[1]["api"] and len(ranks[0]["api"]) == 2
+    cfg, steps = ranks[0]["api"]
+    assert cfg.startswith("LayoutError") and "no CFG pair" in cfg
+    assert steps.startswith("ArgumentError") and "`distilled_sigmas` config (4 steps): steps must be 4, got 3" in steps
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (("--steps", "3"), "steps must be 4, got 3"),
+        (("--guidance", "2"), "guidance must be 1.0, got 2.0"),
+        (("--cfg-parallel",), "--cfg-parallel: {root} is a distilled checkpoint"),
+    ],
+)
+def test_distilled_refusals_before_the_load(distilled_root, extra, reason, capsys):
+    from fsdp_fp8.cli.runner import main
+
+    with mock.patch("fsdp_fp8.compose.pipeline.load_model") as load, pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", distilled_root, *SIZE, *extra])
+    assert exc.value.code == 2 and not load.called
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert reason.format(root=distilled_root) in err
+
+
+def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distilled_root, observed, tmp_path):
+    """A distilled root with a plain ``model_index.json`` (entries without a loading spec) instead
+    of ``modular_model_index.json``: the same pipeline, the same latent."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(distilled_root, root)
+    modular = json.loads((root / "modular_model_index.json").read_text())
+    (root / "modular_model_index.json").unlink()
+    index = {k: v[:2] if isinstance(v, list) and len(v) == 3 else v for k, v in modular.items()}
+    (root / "model_index.json").write_text(json.dumps(index))
+    report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
+    assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
+    assert _latents(report)[0][:2] == _latents(observed[0]["one image"])[0][:2]
+
+
+def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(distilled_root):
+    """The step callback (our block at the end of diffusers' denoising loop) stops the loop when
+    every request of the round is cancelled, and diffusers logs no error for it; the next request
+    runs its 4 steps."""
+    import torch
+
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.generation.engine import Engine, Observer, tasks_of
+    from fsdp_fp8.generation.values import GenerationRequest
+    from fsdp_fp8.interop.modular import DIFFUSERS_BLOCKS_LOGGER
+
+    class CancelAfterOne(Observer):
+        steps = 0
+
+        def on_step(self, task_key, index, step, steps):
+            self.steps = step
+
+        def cancelled(self):
+            return frozenset({"a"}) if self.steps >= 1 else frozenset()
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.seen = []
+
+        def emit(self, record):
+            self.seen.append(record.getMessage())
+
+    records = Records()
+    logging.getLogger(DIFFUSERS_BLOCKS_LOGGER).addHandler(records)  # after the logger's filters
+    pipe = load_pipeline(distilled_root, device=torch.device("cpu"))
+    forwards = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    engine = Engine(pipe)
+    request = GenerationRequest(prompt="a fox", frames=1, height=32, width=32, steps=4, guidance=1.0)
+    (cancelled,) = engine.generate(tasks_of(request, key="a"), CancelAfterOne())
+    assert cancelled.status == "cancelled" and len(forwards) == 2
+    logging.getLogger(DIFFUSERS_BLOCKS_LOGGER).removeHandler(records)
+    assert records.seen == []
+    (done,) = engine.generate(tasks_of(request, key="b"))
+    assert done.status == "completed" and len(forwards) == 6
+
+
+def test_inspect_forecasts_a_distilled_root_as_a_pipeline(distilled_root, capsys):
+    """``inspect`` reads a modular root's index as a pipeline's: the whole job, the VAE included."""
+    from fsdp_fp8.cli import commands
+
+    assert commands.main(["inspect", distilled_root, "--world-size", "2", *SIZE, "--frames", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "whole job per GPU" in out and "step policy:     none" in out
+
+
+def test_values_without_the_launchers_given_options_are_checked_as_they_are(distilled_root):
+    """A served request's values (no ``given``: every field is the request's) off the schedule are
+    refused at submission, not at their round (where the engine raises for the whole round)."""
+    from fsdp_fp8.generation.inputs import pipeline_problems
+    from fsdp_fp8.generation.values import GenerationRequest, OptionValues, RunSettings
+
+    settings = RunSettings(checkpoint=distilled_root)
+    default = OptionValues(GenerationRequest(frames=1, height=32, width=32), settings)
+    problems = pipeline_problems(default, Path(distilled_root))
+    assert any("steps must be 4, got 20" in p for p in problems), problems
+    assert any("guidance must be 1.0, got 3.0" in p for p in problems), problems
+    scheduled = OptionValues(GenerationRequest(frames=1, height=32, width=32, steps=4, guidance=1.0), settings)
+    assert pipeline_problems(scheduled, Path(distilled_root)) == []
