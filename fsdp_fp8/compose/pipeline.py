@@ -186,8 +186,8 @@ def _cache_config(cache):
     """``cache`` as diffusers' ``SeaCacheConfig`` (None: off); a bad one is an ``ArgumentError``."""
     try:
         return cache_config(cache)
-    except ValueError as exc:
-        raise ArgumentError(str(exc), "load_pipeline") from None
+    except ArgumentError as exc:
+        raise ArgumentError(exc.problems, "load_pipeline") from None
 
 
 def _with_mesh(layout: ParallelLayout, mesh, options: LoadOptions):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fsdp_fp8.errors import ArgumentError
+
 CACHE_METHODS = ("seacache",)  # diffusers' SeaCache (hooks/sea_cache.py); the only one so far
 OFF = "off"
 
@@ -45,10 +47,10 @@ def cache_option_problems(value: object, name: str = "--cache") -> list[str]:
 
 
 def parse_cache_option(value: str | None, name: str = "--cache") -> CacheChoice | None:
-    """``value`` as a ``CacheChoice`` (None: off); a bad value is a ``ValueError`` naming it."""
+    """``value`` as a ``CacheChoice`` (None: off); a bad value is an ``ArgumentError`` naming it."""
     problems = cache_option_problems(value, name)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ArgumentError(problems, "cannot use the step cache")
     if value is None or value == OFF:
         return None
     method, sep, threshold = value.partition(":")

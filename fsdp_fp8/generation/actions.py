@@ -21,34 +21,37 @@ import json
 import math
 from pathlib import Path
 
+from fsdp_fp8.errors import ArgumentError
+
 ACTION_MODES = ("forward_dynamics", "inverse_dynamics", "policy")  # CosmosActionCondition's modes
 PREDICTS = ("inverse_dynamics", "policy")  # the modes whose actions the model predicts
 RESOLUTION_TIERS = (256, 480, 704, 720)  # diffusers' _ACTION_RESOLUTION_BINS (a test holds them equal)
 ACTION_SUFFIXES = (".npy", ".json", ".csv")
 MAX_ACTIONS = 100_000  # rows: a bound on what one request reads
+ACTIONS_CONTEXT = "cannot read the raw actions"
 
 
 def _rows_of(path: Path) -> list:
-    """The file's rows as Python lists (numbers unchecked); ``ValueError`` naming what is wrong."""
+    """The file's rows as Python lists (numbers unchecked); an ``ArgumentError`` naming what is wrong."""
     suffix = path.suffix.lower()
     if suffix == ".npy":
         import numpy as np
 
         array = np.load(path, allow_pickle=False)  # never a pickle
         if array.ndim != 2:
-            raise ValueError(f"holds a {array.ndim}-D array of shape {tuple(array.shape)}; actions are [T, D]")
+            raise ArgumentError(f"holds a {array.ndim}-D array of shape {tuple(array.shape)}; actions are [T, D]")
         if not np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.complexfloating):
-            raise ValueError(f"holds {array.dtype} values, not real numbers")
+            raise ArgumentError(f"holds {array.dtype} values, not real numbers")
         return array.astype("float64").tolist()
     if suffix == ".json":
         rows = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
-            raise ValueError("is not a JSON list of lists of numbers ([[a, b, ...], ...])")
+            raise ArgumentError("is not a JSON list of lists of numbers ([[a, b, ...], ...])")
         return rows
     if suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as handle:
             return [[_number(cell) for cell in row] for row in csv.reader(handle) if row]
-    raise ValueError(f"has the suffix {path.suffix!r}; actions are read from {', '.join(ACTION_SUFFIXES)}")
+    raise ArgumentError(f"has the suffix {path.suffix!r}; actions are read from {', '.join(ACTION_SUFFIXES)}")
 
 
 def _number(cell: str):
@@ -59,32 +62,37 @@ def _number(cell: str):
 
 
 def read_actions(path: str | Path) -> list[list[float]]:
-    """The raw actions of ``path`` as ``T`` rows of ``D`` floats; ``ValueError`` with one line
-    naming the file and what is wrong (empty, ragged, not numbers, NaN or infinity)."""
+    """The raw actions of ``path`` as ``T`` rows of ``D`` floats; an ``ArgumentError`` with one
+    problem naming the file and what is wrong (empty, ragged, not numbers, NaN or infinity)."""
     path = Path(path)
     try:
         rows = _rows_of(path)
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--actions {path}: cannot be read: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"--actions {path} {exc}") from None
+        raise ArgumentError(f"--actions {path}: cannot be read: {exc}", ACTIONS_CONTEXT) from None
+    except ArgumentError as exc:  # what _rows_of found
+        raise ArgumentError(f"--actions {path} {exc.problems[0]}", ACTIONS_CONTEXT) from None
+    except ValueError as exc:  # numpy's or json's own (a pickle refused, bad JSON)
+        raise ArgumentError(f"--actions {path} {exc}", ACTIONS_CONTEXT) from None
     if not rows or not rows[0]:
-        raise ValueError(f"--actions {path} holds no actions (an empty file, or empty rows)")
+        raise ArgumentError(f"--actions {path} holds no actions (an empty file, or empty rows)", ACTIONS_CONTEXT)
     if len(rows) > MAX_ACTIONS:
-        raise ValueError(f"--actions {path} holds {len(rows)} actions; at most {MAX_ACTIONS}")
+        raise ArgumentError(f"--actions {path} holds {len(rows)} actions; at most {MAX_ACTIONS}", ACTIONS_CONTEXT)
     widths = sorted({len(r) for r in rows})
     if len(widths) > 1:
         first = next(i for i, r in enumerate(rows) if len(r) != len(rows[0]))
-        raise ValueError(
+        raise ArgumentError(
             f"--actions {path} is ragged: rows of {', '.join(map(str, widths))} values (row {first} has "
-            f"{len(rows[first])}, row 0 has {len(rows[0])})"
+            f"{len(rows[first])}, row 0 has {len(rows[0])})",
+            ACTIONS_CONTEXT,
         )
     for i, row in enumerate(rows):
         for j, value in enumerate(row):
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"--actions {path}: row {i} value {j} is {value!r}, not a number")
+                raise ArgumentError(f"--actions {path}: row {i} value {j} is {value!r}, not a number", ACTIONS_CONTEXT)
             if not math.isfinite(value):
-                raise ValueError(f"--actions {path}: row {i} value {j} is {value}; actions must be finite")
+                raise ArgumentError(
+                    f"--actions {path}: row {i} value {j} is {value}; actions must be finite", ACTIONS_CONTEXT
+                )
     return [[float(v) for v in row] for row in rows]
 
 
@@ -135,8 +143,8 @@ def action_problems(values, transformer: dict | None, where: str) -> list[str]:
 def _file_problems(path: str, width: int | None, domain, transformer: dict | None, where: str) -> list[str]:
     try:
         rows = read_actions(path)
-    except ValueError as exc:
-        return [str(exc)]
+    except ArgumentError as exc:
+        return list(exc.problems)
     got = len(rows[0])
     problems = []
     if width is not None and got != width:

@@ -284,21 +284,7 @@ class Engine:
         cache_start = len(self.cache.trace) if self.cache is not None else 0
         request = task.request
         started = time.perf_counter()
-        call = functools.partial(call_modular, self.pipe) if self.modular else self.pipe
-        with _scheduler_shifted(self.pipe, request.flow_shift):
-            out = call(
-                task.prompt.text,
-                negative_prompt=task.prompt.negative_prompt,
-                **conditioning,
-                **request.sizes(),
-                fps=request.fps,
-                enable_sound=request.sound,
-                num_inference_steps=request.steps,
-                guidance_scale=request.guidance,
-                generator=torch.Generator().manual_seed(task.prompt.seed),
-                callback_on_step_end=self._on_step(task, writes, meeting, observer),
-                output_type="latent",
-            )
+        out = self._call_pipeline(task, conditioning, self._on_step(task, writes, meeting, observer))
         seconds.denoise = time.perf_counter() - started
         if meeting.stopped or not real or (task.key and task.key in meeting.cancelled):
             return None
@@ -342,6 +328,26 @@ class Engine:
         result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return result
+
+    def _call_pipeline(self, task: Task, conditioning: dict, on_step):
+        """The pipeline's own call for ``task`` (a modular one through ``call_modular``), to its
+        final latents (``output_type="latent"``), ``on_step`` at every step's end."""
+        request = task.request
+        call = functools.partial(call_modular, self.pipe) if self.modular else self.pipe
+        with _scheduler_shifted(self.pipe, request.flow_shift):
+            return call(
+                task.prompt.text,
+                negative_prompt=task.prompt.negative_prompt,
+                **conditioning,
+                **request.sizes(),
+                fps=request.fps,
+                enable_sound=request.sound,
+                num_inference_steps=request.steps,
+                guidance_scale=request.guidance,
+                generator=torch.Generator().manual_seed(task.prompt.seed),
+                callback_on_step_end=on_step,
+                output_type="latent",
+            )
 
     def _on_step(self, task: Task, writes: bool, meeting: StepMeeting, observer: Observer):
         """The pipeline's step callback: this step's meeting, and what it decides."""

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.format.cache_option import CacheChoice, parse_cache_option
 
 log = logging.getLogger("fsdp_fp8")
@@ -98,13 +99,14 @@ def sea_cache_config(choice: CacheChoice):
 
 def cache_config(cache):
     """``load_pipeline(cache=...)`` as a ``SeaCacheConfig`` or None: None / ``"off"``,
-    ``"seacache[:THRESHOLD]"``, or a ``SeaCacheConfig`` itself (a ``ValueError`` otherwise)."""
+    ``"seacache[:THRESHOLD]"``, or a ``SeaCacheConfig`` itself (an ``ArgumentError`` otherwise)."""
     from diffusers.hooks.sea_cache import SeaCacheConfig
 
     if isinstance(cache, SeaCacheConfig):
         if cache.raw_vision_callback is not None:
-            raise ValueError(
-                "cache: a SeaCacheConfig with a raw_vision_callback is not supported (Cosmos 3's own is used)"
+            raise ArgumentError(
+                "cache: a SeaCacheConfig with a raw_vision_callback is not supported (Cosmos 3's own is used)",
+                "cannot use the step cache",
             )
         return cache
     choice = parse_cache_option(cache, "cache")

@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+from fsdp_fp8.errors import ArgumentError
 from fsdp_fp8.generation.actions import ACTION_MODES, RESOLUTION_TIERS, action_problems, read_actions
 
 ROWS = [[0.1, -0.2], [0.3, 0.0], [0.5, 0.5]]
@@ -46,10 +47,10 @@ def test_the_three_formats_read_the_same_rows(files):
 )
 def test_a_careless_file_is_one_line_naming_it(tmp_path, name, text, said):
     (tmp_path / name).write_text(text)
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ArgumentError) as refused:
         read_actions(tmp_path / name)
-    assert said in str(refused.value) and str(tmp_path / name) in str(refused.value)
-    assert "\n" not in str(refused.value)
+    [problem] = refused.value.problems  # one line
+    assert said in problem and str(tmp_path / name) in problem and "\n" not in problem
 
 
 def test_a_npy_that_is_no_matrix_or_a_pickle_is_refused(tmp_path):
