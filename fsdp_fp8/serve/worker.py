@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fsdp_fp8.collective import distributed, rank_and_world
 from fsdp_fp8.collective.group import side_group
-from fsdp_fp8.errors import PeerLostError
+from fsdp_fp8.errors import ArgumentError, PeerLostError
 from fsdp_fp8.generation.engine import STOPPED_WITH_ROUND, Engine, Observer, Task, round_key
 from fsdp_fp8.generation.results import CANCELLED, COMPLETED, TaskResult
 from fsdp_fp8.generation.values import GenerationRequest, Prompt
@@ -161,9 +161,17 @@ class Worker:
     def _run_round(self, specs: tuple[JobSpec, ...]) -> None:
         tasks = [self._task(index, spec) for index, spec in enumerate(specs)]
         self.observer.running = frozenset(spec.id for spec in specs)
-        results = self.engine.run_round(tasks, self.observer)
-        for path in self.uploads.iterdir():
-            path.unlink(missing_ok=True)
+        try:
+            results = self.engine.run_round(tasks, self.observer)
+        except ArgumentError as exc:  # the round refused before any call, alike on every rank: its jobs fail
+            results = []
+            if self.store is not None:
+                for spec in specs:
+                    message = "; ".join(exc.problems)
+                    self.store.finish(spec.id, job_states.FAILED, error={"code": "invalid_request", "message": message})
+        finally:
+            for path in self.uploads.iterdir():
+                path.unlink(missing_ok=True)
         if self.store is not None:
             for result in results:
                 self._record(result)

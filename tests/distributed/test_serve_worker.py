@@ -121,6 +121,28 @@ def test_twenty_requests_failing_in_the_pipeline_leave_memory_where_one_left_it(
     assert store.get(ok).status == "completed"
 
 
+def test_a_round_the_engine_refuses_fails_its_jobs_and_the_server_goes_on(engine, tmp_path, monkeypatch):
+    """A refusal the engine raises alike on every rank before any call (a mixed round, a distilled
+    root's other schedule, which the HTTP checks keep out) fails the round's jobs with its reason;
+    the loop serves the next job (it once ended the server)."""
+    from fsdp_fp8.errors import ArgumentError
+
+    store = WatchedStore(tmp_path)
+    refused, ok = _job(store, "refused", steps=2), _job(store, "served", steps=2)
+    real_run_round = engine.run_round
+
+    def refuse_the_first(tasks, observer=None):
+        if any(t.key == refused for t in tasks):
+            raise ArgumentError("this schedule runs 4 steps, got 2", "cannot run the round")
+        return real_run_round(tasks, observer)
+
+    monkeypatch.setattr(engine, "run_round", refuse_the_first)
+    _serve_until_done(engine, store, tmp_path, [refused, ok])
+    assert store.get(refused).status == "failed"
+    assert store.get(refused).error == {"code": "invalid_request", "message": "this schedule runs 4 steps, got 2"}
+    assert store.get(ok).status == "completed"
+
+
 def test_a_round_mixing_sound_and_silent_requests_is_refused_before_any_call(engine):
     """Its ranks would gather different blocks at once (the sound tower): a collective mismatch."""
     from fsdp_fp8 import GenerationRequest, Prompt
