@@ -65,16 +65,22 @@ def _launch(rank: int, world: int, root: str, fixture_root: str, base: str) -> d
 
 
 def _reference(root: str, out: Path) -> bytes:
-    """The pipeline's own tiled decode on this process, saved as the launcher saves."""
+    """The pipeline's own tiled decode on this process, saved as the launcher saves: on one intra-op
+    thread, as the launcher decodes on CPU (frames thread-invariant: test_decode_threads.py)."""
     from fsdp_fp8 import load_pipeline
     from fsdp_fp8.generation.engine import save_frames
 
     pipe = load_pipeline(root, device=torch.device("cpu"))
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.enable_tiling()
-    video = pipe(
-        PROMPT, **SIZE, num_inference_steps=STEPS, guidance_scale=3.0, generator=torch.Generator().manual_seed(0)
-    ).video
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        video = pipe(
+            PROMPT, **SIZE, num_inference_steps=STEPS, guidance_scale=3.0, generator=torch.Generator().manual_seed(0)
+        ).video
+    finally:
+        torch.set_num_threads(threads)
     out.mkdir(exist_ok=True)
     save_frames(list(video), out / "reference.png", 24.0)
     return (out / "reference.png").read_bytes()
