@@ -44,6 +44,8 @@ DEFAULT_STALL_S = 30.0  # no beat for this long: the peer is named
 DEFAULT_INTERVAL_S = 1.0  # how often each rank beats and looks at the others
 # After a signal, how many intervals a gone peer has to show its last word before it is named.
 SIGNAL_WORD_BEATS = 3
+# A gone peer: how many intervals the main thread has to name it before the watcher does.
+GONE_GRACE_BEATS = 2
 EXIT_CODE = 1
 _PREFIX = "fsdp_fp8/heartbeat"
 _watches = itertools.count()  # every rank enters its watches in the same order
@@ -122,7 +124,8 @@ class _Watch:
                 self.seen[peer] = (value, time.monotonic())
                 self.beats_seen[peer] += 1
 
-    # --- the judge, on another thread: local state only, so a blocked store cannot block it ---
+    # --- the judge, on another thread: local state only (but for re-reading the last word of a
+    # peer whose process is gone), so a blocked store cannot block it ---
 
     def _stalled(self) -> str | None:
         now = time.monotonic()
@@ -188,10 +191,19 @@ class _Watch:
         return verdict
 
     def _judge(self) -> None:
+        gone_since = None
         while not self.stop.wait(self.interval_s):
             verdict = self._stalled()
             if verdict is None:
-                continue
+                # A peer's process gone: a main thread that can raise (the backend's error,
+                # torchrun's SIGTERM) names it itself within moments; one blocked in the backend
+                # (a wait on the dead peer) cannot, and torchrun's SIGKILL would end it without
+                # a word: named here once the main thread has had GONE_GRACE_BEATS intervals.
+                gone = self.gone()
+                gone_since = (gone_since or time.monotonic()) if gone else None
+                if gone is None or time.monotonic() - gone_since < GONE_GRACE_BEATS * self.interval_s:
+                    continue
+                verdict = gone
             self.verdict = verdict
             if self.handling.is_set():
                 return  # the main thread raises it

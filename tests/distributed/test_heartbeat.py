@@ -114,6 +114,24 @@ def _the_same_error_one_after_the_other(rank: int, world: int):
         raise ValueError("the same bad input on every rank")
 
 
+def _blocked_in_the_backend_when_the_peer_died(rank: int, world: int):
+    """Rank 0's main thread blocked in a backend wait (a store wait on a key only the dead peer
+    would set: it cannot raise, nor run a signal handler); rank 1 killed once both are inside."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    store = dist.distributed_c10d._get_default_store()
+    with watch_peers(stall_s=bound(60.0), interval_s=INTERVAL_S):
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.wait(["never set"], datetime.timedelta(seconds=bound(120.0)))
+    return "finished"
+
+
 def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
     """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
     leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
@@ -217,6 +235,22 @@ def test_a_peer_that_failed_on_the_same_input_and_ended_is_not_named(monkeypatch
     message = str(info.value)
     assert message.count("ValueError: the same bad input on every rank") == 2, message
     assert "PeerLostError" not in message and "its process is gone" not in message, message
+
+
+def test_a_rank_blocked_in_the_backend_names_a_peer_whose_process_is_gone(monkeypatch, capfd):
+    """CI once saw rank 0 end without a word after rank 1 was killed: its main thread waited in
+    the backend, where neither an error nor torchrun's SIGTERM reaches it, until torchrun's
+    SIGKILL. The watcher names the gone peer itself (well before its 60 s stall threshold)."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_blocked_in_the_backend_when_the_peer_died, 2, timeout=300)
+    message = str(info.value)
+    assert "rank 0 exited with code 1 before returning a result" in message, message
+    err = capfd.readouterr().err
+    assert "error (rank 0): " in err and "stopped answering" not in err, err
+    _gone(err, 1)
 
 
 def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
