@@ -100,16 +100,16 @@ def _local_bytes(model) -> int:
 
 
 def method_p(fp8_dir, bf16_dir, cfg) -> dict:
-    from fsdp_fp8.format.read_options import ReadOptions
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     return method_a(fp8_dir, bf16_dir, cfg, ReadOptions(prefetch_bytes=0))  # a's default hints every row
 
 
 def method_a(fp8_dir, bf16_dir, cfg, options=None) -> dict:
     from fsdp_fp8.compose.model import load_model
-    from fsdp_fp8.format import slice_reader
-    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.interop.architectures import resolve_model_spec
+    from fsdp_fp8.reading import slice_reader
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     slice_reader.reset_bytes_read()
     arch = resolve_model_spec(cfg.to_config_dict())
@@ -219,8 +219,8 @@ def method_n(fp8_dir, bf16_dir, cfg) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.load.reader import _named_tensor, local_rows
+    from fsdp_fp8.reading import slice_reader
 
     model, plan = _open_and_shard(fp8_dir)
     device, rank, read = _device(), dist.get_rank(), 0
@@ -260,7 +260,7 @@ def method_h(fp8_dir, bf16_dir, cfg) -> dict:
     import torch.distributed as dist
 
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
+    from fsdp_fp8.reading.rank_bytes import entry_rank_bytes
 
     if DEVICE != "cuda":
         raise RuntimeError("method h measures pinned host-to-device copies: --device cuda only")
@@ -382,7 +382,7 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
 def _forecast(fp8_dir, world) -> dict:
     """Per rank: the bytes it must hold (padded local shards) and read, from the plan."""
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
+    from fsdp_fp8.reading.rank_bytes import entry_rank_bytes
 
     ckpt = open_checkpoint(fp8_dir)
     entries = list(ckpt.tensors.values())

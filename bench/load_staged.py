@@ -32,12 +32,12 @@ import peer_checkpoints  # noqa: E402
 
 from fsdp_fp8.format import read_choice  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.format.read_options import ReadOptions  # noqa: E402
 from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
 from fsdp_fp8.load import reader  # noqa: E402
 from fsdp_fp8.load.meta_build import meta_init  # noqa: E402
 from fsdp_fp8.load.plan import plan_load  # noqa: E402
 from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
+from fsdp_fp8.reading.read_options import ReadOptions  # noqa: E402
 
 
 def trial(directory: Path, direct: bool | None, evict: str) -> dict:

@@ -119,7 +119,7 @@ FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is 
         "agreement (plan)",
         [("fsdp_fp8.collective.agreement", "agree_or_raise"), ("fsdp_fp8.load.agreement", "agree_or_raise")],
     ),
-    ("start prefetch", [("fsdp_fp8.load.prefetch", "start_prefetch")]),
+    ("start prefetch", [("fsdp_fp8.reading.prefetch", "start_prefetch")]),
     ("swap", [("fsdp_fp8.load.swap", "swap_fp8_linears")]),
     ("fully_shard", [("fsdp_fp8.load.fsdp_wrap", "shard_model")]),
     ("to_empty", [("fsdp_fp8.load.meta_build", "materialize")]),
@@ -297,10 +297,10 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     import torch
 
     from fsdp_fp8.compose.model import load_model
-    from fsdp_fp8.format import slice_reader
+    from fsdp_fp8.reading import slice_reader
 
     slice_reader.reset_bytes_read()
-    from fsdp_fp8.format.read_options import ReadOptions
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     options = ReadOptions(**opts.get("_read_fields", {}))
     loaded = load_model(None, directory, device=torch.device("cpu"), read_options=options)
@@ -436,7 +436,7 @@ def _sub_span(pieces, start: int, nbytes: int) -> list[tuple[str, int, int]]:
 def rank_row_bytes(directory: Path, world: int) -> list[int]:
     """What each rank's rows of every tensor with a shape hold, in bytes (torch.chunk rows)."""
     from fsdp_fp8.format.safetensors_header import read_header
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
+    from fsdp_fp8.reading.rank_bytes import entry_rank_bytes
 
     entries = []
     for path in common.checkpoint_files(directory):

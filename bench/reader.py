@@ -30,8 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from fsdp_fp8.format import read_schedule, slice_reader  # noqa: E402
+from fsdp_fp8.format import slice_reader  # noqa: E402
 from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
+from fsdp_fp8.reading import read_schedule
 from fsdp_fp8.shard_rows import chunk_rows  # noqa: E402
 
 

@@ -53,12 +53,12 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.load import reader
     from fsdp_fp8.load.fsdp_wrap import shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init
     from fsdp_fp8.load.swap import swap_fp8_linears
+    from fsdp_fp8.reading import slice_reader
 
     out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes, "phases_s": {}, "phases_cpu_s": {}}
     available = _mem_available()

@@ -76,7 +76,7 @@ _PUBLIC = {
     "materialize": "fsdp_fp8.load.meta_build",
     "meta_init": "fsdp_fp8.load.meta_build",
     "LoadReport": "fsdp_fp8.load.reader",
-    "ReadOptions": "fsdp_fp8.format.read_options",
+    "ReadOptions": "fsdp_fp8.reading.read_options",
     "collective_phase": "fsdp_fp8.collective.phase",
     "load_checkpoint": "fsdp_fp8.load.reader",
     "gather_state_dict": "fsdp_fp8.save.gather",

@@ -32,11 +32,11 @@ from fsdp_fp8.cli.inspection import (
 from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.cache_option import cache_option_problems
-from fsdp_fp8.format.read_options import ALL_ROWS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
 from fsdp_fp8.generation.declare import declared
 from fsdp_fp8.generation.inputs import checkpoint_problems
 from fsdp_fp8.generation.values import RESIDENT_POLICIES, RunSettings
+from fsdp_fp8.reading.read_options import ALL_ROWS, ReadOptions
 
 if TYPE_CHECKING:
     from fsdp_fp8.format.checkpoint import Checkpoint

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli.reports import hsdp_words, plural
 from fsdp_fp8.format.cache_option import computed_steps_range
-from fsdp_fp8.format.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.step_policy import describe_policy, parse_step_policy
+from fsdp_fp8.reading.read_options import ALL_ROWS, DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.shard_rows import shard_groups
 
 if TYPE_CHECKING:
@@ -134,8 +134,8 @@ def summary(
 
 def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: ReadOptions) -> list[str]:
     """``inspect --world-size``: how the ranks share the tensors, then each rank's (or shard's) bytes."""
-    from fsdp_fp8.load.prefetch import prefetch_budget
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes, rank_forecast
+    from fsdp_fp8.reading.prefetch import prefetch_budget
+    from fsdp_fp8.reading.rank_bytes import entry_rank_bytes, rank_forecast
 
     fp8 = [e for m in ckpt.fp8_modules.values() for e in (m.weight, m.weight_scale, m.input_scale)]
     other = [*ckpt.high_precision.values(), *ckpt.kv_scales.values()]
@@ -170,7 +170,7 @@ def _forecast_lines(ckpt: Checkpoint, world_size: int, replicas: int, options: R
 def _bounce_words(ckpt: Checkpoint, options: ReadOptions, most: int) -> str:
     """The O_DIRECT bounce buffers a load into host memory holds at most per rank (``most``: the
     most a rank reads); a load into an accelerator reads into its staging ring instead."""
-    from fsdp_fp8.format.read_choice import bounce_forecast
+    from fsdp_fp8.reading.read_choice import bounce_forecast
 
     buffers, each = bounce_forecast(options, list(ckpt.handles.values()), most)
     return (

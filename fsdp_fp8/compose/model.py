@@ -31,7 +31,6 @@ from fsdp_fp8.collective import agreement_before_changes, collective_phase, mark
 from fsdp_fp8.errors import CheckpointError, raise_if_problems
 from fsdp_fp8.format.checkpoint import Checkpoint, open_checkpoint
 from fsdp_fp8.format.facts import checkpoint_facts
-from fsdp_fp8.format.read_choice import ReadChoice, choose_reads
 from fsdp_fp8.format.step_policy import parse_step_policy
 from fsdp_fp8.fp8.linear import cuda_shape_problems
 from fsdp_fp8.interop.architectures import model_spec
@@ -40,11 +39,12 @@ from fsdp_fp8.load.loaded import LoadedModel
 from fsdp_fp8.load.meta_build import buffers_to, build_on_meta, materialize
 from fsdp_fp8.load.options import LoadOptions, load_options
 from fsdp_fp8.load.plan import LoadPlan, plan_load, warn_not_strict
-from fsdp_fp8.load.prefetch import start_prefetch
 from fsdp_fp8.load.preflight import join_ranks, setup_problems
 from fsdp_fp8.load.reader import load_report, read_rows
 from fsdp_fp8.load.spec import ModelSpec, TowerSpec
 from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.reading.prefetch import start_prefetch
+from fsdp_fp8.reading.read_choice import ReadChoice, choose_reads
 from fsdp_fp8.runtime.towers import resolve_towers, tower_map_problems
 
 ModelFn = Callable[[dict], nn.Module]
@@ -107,7 +107,7 @@ def load_model(
 
 
 def choose_rank_reads(plan: LoadPlan, options: LoadOptions, context: str) -> ReadChoice:
-    """How this rank reads its rows (``format.read_choice``), before any read; a forced
+    """How this rank reads its rows (``reading.read_choice``), before any read; a forced
     ``O_DIRECT`` a file refuses raises here, inside the agreement, so every rank raises it."""
     shards, shard = planned_position(options.mesh)
     ranges = [(e.handle, offset, n) for e, offset, n in plan.rank_ranges(shards, shard) if n]

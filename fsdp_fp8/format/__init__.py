@@ -1,3 +1,3 @@
-"""The checkpoint files: safetensors headers, the file set, the ModelOpt quantization config,
-the step-policy schema and byte-exact row reads. Never imports torch.nn, torch.distributed or
-torchao."""
+"""What the checkpoint files mean: safetensors headers, the file set, the ModelOpt quantization
+config, the step-policy schema, the writer of the layout, and the count of bytes read (the
+reading engine is ``fsdp_fp8.reading``). Never imports torch.nn, torch.distributed or torchao."""

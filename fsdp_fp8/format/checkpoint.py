@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from fsdp_fp8.errors import raise_if_problems
+from fsdp_fp8.format.counted_reads import read_scale_value
 from fsdp_fp8.format.files import Layout, find_layout, resolve_directory
 from fsdp_fp8.format.handles import OpenFile, open_regular, present, read_json_file, short_repr
 from fsdp_fp8.format.quant_config import QuantConfig, parse_quant_config
 from fsdp_fp8.format.safetensors_header import Header, TensorEntry, read_header
-from fsdp_fp8.format.slice_reader import read_scale_value
 
 __all__ = ["Checkpoint", "Fp8ModuleEntry", "QuantConfig", "ShardFile", "TensorEntry", "open_checkpoint"]
 

@@ -20,9 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S
 from fsdp_fp8.errors import ArgumentError, ArgumentTypeError
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 from fsdp_fp8.format.timeouts import timeout_problems
 from fsdp_fp8.fp8.kernels import DEFAULT_KERNELS, KernelOptions
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS, ReadOptions
 
 
 def local_cuda_index() -> int:

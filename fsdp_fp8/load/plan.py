@@ -19,11 +19,11 @@ import torch.nn as nn
 
 from fsdp_fp8.collective import rank_and_world
 from fsdp_fp8.errors import raise_if_problems
-from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import Checkpoint, Fp8ModuleEntry
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.load.rank_bytes import RankForecast, entry_rank_bytes, rank_forecast
+from fsdp_fp8.reading import slice_reader
+from fsdp_fp8.reading.rank_bytes import RankForecast, entry_rank_bytes, rank_forecast
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.shard_rows import rank_rows
 
 logger = logging.getLogger(__name__)

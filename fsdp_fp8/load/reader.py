@@ -3,9 +3,9 @@
 Reading is purely local (no collective per tensor): a rank works out which rows of each
 tensor its DTensor shard owns (``torch.chunk`` semantics, uneven and empty shards
 included), and reads exactly those bytes from the safetensors files into the shard's storage,
-all of them as one schedule (``fsdp_fp8.format.read_schedule``: sorted by file and offset,
+all of them as one schedule (``fsdp_fp8.reading.read_schedule``: sorted by file and offset,
 adjacent ranges coalesced into one ``preadv``, a small thread pool) and, when the storage is on
-an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.format.staging``);
+an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.reading.staging``);
 the per-tensor scales are filled from memory. One small collective at the end makes every rank agree on the outcome,
 so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
 If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
@@ -31,14 +31,14 @@ from torch import nn
 
 from fsdp_fp8.collective import DEFAULT_TIMEOUT_S, collective_phase, outcome_timeout_s, rank_and_world
 from fsdp_fp8.errors import CheckpointError, raise_if_problems
-from fsdp_fp8.format import read_schedule, slice_reader
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS, ReadOptions
-from fsdp_fp8.format.read_schedule import Piece
-from fsdp_fp8.format.staging import StagingRing, staging_ring
 from fsdp_fp8.fp8.codes_check import CodeCheck, nan_code_problems
 from fsdp_fp8.load.fsdp_wrap import local_rows, shard_position
 from fsdp_fp8.load.meta_build import tensors_on_meta
 from fsdp_fp8.load.progress import LoadProgress
+from fsdp_fp8.reading import read_schedule, slice_reader
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS, ReadOptions
+from fsdp_fp8.reading.read_schedule import Piece
+from fsdp_fp8.reading.staging import StagingRing, staging_ring
 
 log = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ from fsdp_fp8.collective import (
 )
 from fsdp_fp8.errors import ExportError
 from fsdp_fp8.format.checkpoint import Checkpoint
-from fsdp_fp8.format.read_options import DEFAULT_STAGING_BYTES
 from fsdp_fp8.format.writer import create_files, write_index_and_configs
 from fsdp_fp8.load.loaded import LoadedModel
+from fsdp_fp8.reading.read_options import DEFAULT_STAGING_BYTES
 from fsdp_fp8.save.destination import destination_problems, space_problem
 from fsdp_fp8.save.plan import SavePlan, plan_save
 from fsdp_fp8.save.source_files import SourceFiles, copy_source_files, source_files

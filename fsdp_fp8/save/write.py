@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_fp8.format import slice_reader
-from fsdp_fp8.format.staging import staging_rows
 from fsdp_fp8.format.writer import ShardWriter
+from fsdp_fp8.reading import slice_reader
+from fsdp_fp8.reading.staging import staging_rows
 from fsdp_fp8.save.plan import SavePlan
 
 

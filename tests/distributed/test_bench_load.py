@@ -71,7 +71,7 @@ def test_the_reader_bench_runs_every_variant_on_the_same_bytes(tmp_path):
         assert {(cache, v) for v in ("floor", "reader x1", "reader x2")} <= variants
     assert {("-", "memcpy x1"), ("-", "memcpy x2")} <= variants
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.load.rank_bytes import entry_rank_bytes
+    from fsdp_fp8.reading.rank_bytes import entry_rank_bytes
 
     ckpt = open_checkpoint(path)
     expected = sum(entry_rank_bytes(e, 2, 1) for e in ckpt.tensors.values() if e.shape)

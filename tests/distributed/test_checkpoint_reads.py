@@ -12,10 +12,11 @@ from safetensors import safe_open
 from test_checkpoint_fixture import FIXTURE, llama_on_meta
 
 from fsdp_fp8.cli import commands as cli
-from fsdp_fp8.format import slice_reader
+from fsdp_fp8.format import counted_reads
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.format.safetensors_header import read_header
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.reading import slice_reader
 from fsdp_fp8.shard_rows import chunk_rows
 
 
@@ -98,7 +99,7 @@ def test_truncation_after_open_is_reported(written):
 
 
 def test_open_and_plan_read_only_scale_bytes(monkeypatch):
-    real = slice_reader._pread_into
+    real = counted_reads.pread_entry
     reads = []
 
     def guarded(entry, offset, buf):
@@ -107,7 +108,7 @@ def test_open_and_plan_read_only_scale_bytes(monkeypatch):
         reads.append(entry.key)
         return real(entry, offset, buf)
 
-    monkeypatch.setattr(slice_reader, "_pread_into", guarded)
+    monkeypatch.setattr(counted_reads, "pread_entry", guarded)
     opened = []
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])

@@ -1,4 +1,4 @@
-"""How a rank reads, chosen before its first read (``format.read_choice``): O_DIRECT where the files
+"""How a rank reads, chosen before its first read (``reading.read_choice``): O_DIRECT where the files
 take it and the rows are not cached, the page cache otherwise; threads and request size from the
 device; a forced O_DIRECT that a file system refuses is one line, raised before any read.
 
@@ -17,10 +17,10 @@ from small_models import load_files, uneven_model_fn, write_uneven_checkpoint
 
 from fsdp_fp8 import load_model
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.format import direct_io, read_choice, slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.load.meta_build import storage_tensors
+from fsdp_fp8.reading import direct_io, read_choice, slice_reader
+from fsdp_fp8.reading.read_options import ReadOptions
 
 
 def _evicted(directory) -> bool:

@@ -46,7 +46,7 @@ def _inject(rank: int, case: dict, stack) -> None:
     """Arrange this rank's fault for ``case`` (undone by ``stack`` when the case ends)."""
     import fsdp_fp8.collective.agreement as api
     import fsdp_fp8.compose.model as composed
-    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.reading import read_schedule
 
     if rank != case.get("fault_rank", 1):
         return

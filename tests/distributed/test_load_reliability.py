@@ -59,7 +59,7 @@ def _fault(rank: int, case: dict, stack) -> None:
     import fsdp_fp8.collective.agreement as api
     import fsdp_fp8.compose.model as composed
     from fsdp_fp8.collective import agreement
-    from fsdp_fp8.format import read_schedule
+    from fsdp_fp8.reading import read_schedule
 
     if case.get("slow_storage"):  # every rank: the forecast assumes storage this slow
         stack.enter_context(mock.patch.object(agreement, "ASSUMED_READ_BYTES_PER_S", case["slow_storage"]))

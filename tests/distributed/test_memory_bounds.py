@@ -71,9 +71,9 @@ def _load_cpu(rank: int, world: int, path: str) -> dict:
     import torch
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.models import build_model  # noqa: F401 - imported before the measured block
+    from fsdp_fp8.reading import slice_reader
 
     arch = resolve_model_spec(CONFIG.to_config_dict())
     with _PeakRSS() as mem:
@@ -84,14 +84,14 @@ def _load_cpu(rank: int, world: int, path: str) -> dict:
 def _load_staged(rank: int, world: int, path: str) -> dict:
     import torch
 
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load import reader
     from fsdp_fp8.load.meta_build import meta_init
     from fsdp_fp8.load.plan import plan_load
     from fsdp_fp8.load.swap import swap_fp8_linears
     from fsdp_fp8.models import build_model
+    from fsdp_fp8.reading import slice_reader
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     ckpt = open_checkpoint(path)
     with meta_init():

@@ -9,9 +9,9 @@ from calibration import bound
 from ranks import run_ranks
 
 from fsdp_fp8.cli import commands as cli
-from fsdp_fp8.format.read_options import ReadOptions
-from fsdp_fp8.load import prefetch
 from fsdp_fp8.models import MoTConfig
+from fsdp_fp8.reading import prefetch
+from fsdp_fp8.reading.read_options import ReadOptions
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 
 CONFIG = MoTConfig(
@@ -42,9 +42,8 @@ def _load(rank: int, world: int, path: str) -> dict:
     import time
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.format import read_schedule
     from fsdp_fp8.interop.architectures import resolve_model_spec
-    from fsdp_fp8.load import prefetch
+    from fsdp_fp8.reading import prefetch, read_schedule
 
     events: list[tuple[str, float, tuple]] = []
     real_advise, real_read = os.posix_fadvise, read_schedule.read_request

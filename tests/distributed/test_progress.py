@@ -130,10 +130,10 @@ def test_progress_counts_finished_reads_not_the_reads_still_being_collected(tmp_
 
     from safetensors.torch import save_file
 
-    from fsdp_fp8.format import read_schedule, slice_reader
-    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.format.safetensors_header import read_header
     from fsdp_fp8.load import reader
+    from fsdp_fp8.reading import read_schedule, slice_reader
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     entries = {}
     for i, rows in enumerate((3, 5)):

@@ -11,9 +11,9 @@ from small_models import load_files
 
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
+from fsdp_fp8.reading.read_options import ReadOptions
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 
 MiB = 1 << 20
@@ -109,8 +109,8 @@ def test_inspect_super_for_8_ranks(super_dir, capsys):
 
 def _load_small(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8 import gather_state_dict, load_model
-    from fsdp_fp8.format import slice_reader
     from fsdp_fp8.interop.architectures import resolve_model_spec
+    from fsdp_fp8.reading import slice_reader
 
     reads = []
     real = slice_reader.preadv_into

@@ -17,11 +17,11 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     from safetensors.torch import load_file
 
     from fsdp_fp8 import load_model
-    from fsdp_fp8.format import direct_io, staging
     from fsdp_fp8.format.checkpoint import open_checkpoint
-    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.interop.architectures import resolve_model_spec
     from fsdp_fp8.load import reader
+    from fsdp_fp8.reading import direct_io, staging
+    from fsdp_fp8.reading.read_options import ReadOptions
     from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     path = write_mot_checkpoint(tmp_path / "ckpt")
@@ -41,7 +41,7 @@ def test_a_load_through_a_small_pinned_ring_equals_the_files(tmp_path, monkeypat
     options = ReadOptions(staging_bytes=256 << 10, direct=direct)  # 4 slots of 64 KiB: reused many times
     device = torch.device("cuda", 0)
     model_fn = resolve_model_spec(open_checkpoint(path).config).model_fn
-    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.format.read_schedule"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.reading.read_schedule"):
         loaded = load_model(model_fn, path, device=device, read_options=options)
     # torch's pinned memory takes O_DIRECT reads (else the load went through the bounce, warning)
     assert not [r for r in caplog.records if "staging slots refused" in r.getMessage()]

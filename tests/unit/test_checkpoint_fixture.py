@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.reading import slice_reader
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-llama-sharded"
 PROJ = (

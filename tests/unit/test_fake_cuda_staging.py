@@ -12,9 +12,9 @@ import torch
 from fake_cuda import fake_cuda
 from torch._guards import active_fake_mode
 
-from fsdp_fp8.format import direct_io, read_schedule, staging
 from fsdp_fp8.format.safetensors_header import TensorEntry
 from fsdp_fp8.load import reader
+from fsdp_fp8.reading import direct_io, read_schedule, staging
 
 
 def _entry(key: str, dtype: str, shape: tuple[int, ...], begin: int) -> TensorEntry:

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from small_models import FIXTURE, quantize_per_tensor
 
 import fsdp_fp8.fp8.linear as fp8_linear_module
-from fsdp_fp8.format.slice_reader import read_scale
 from fsdp_fp8.fp8.linear import Float8StaticLinear, SharedActivation
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
 from fsdp_fp8.fp8.tensor import E4M3, as_prototype, make_static_fp8_weight
+from fsdp_fp8.reading.slice_reader import read_scale
 
 
 def _linear(out_features=7, in_features=16, bias=True, seed=0, input_scale=3.0 / 448):
@@ -128,7 +128,7 @@ def test_a16_dequantizes_inside_the_call_and_keeps_no_copy(monkeypatch):
 def test_a16_is_closer_than_w8a8_to_the_unquantized_activation_on_a_real_layer():
     """The fixture's real ModelOpt layer: calibrated codes, weight and input scales."""
     from fsdp_fp8 import open_checkpoint
-    from fsdp_fp8.format.slice_reader import read_bytes
+    from fsdp_fp8.reading.slice_reader import read_bytes
 
     entry = open_checkpoint(FIXTURE).fp8_modules["model.layers.0.mlp.down_proj"]
     out_f, in_f = entry.weight.shape

@@ -38,10 +38,10 @@ from calibration import bound
 from small_models import FIXTURE, fixture_llama_fn
 
 from fsdp_fp8.errors import CheckpointError
-from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.reading import slice_reader
 
 CASES = int(os.environ.get("FSDP_FP8_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("FSDP_FP8_FUZZ_SEED", "0"))

@@ -12,18 +12,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_fp8"
 
 # layer -> the layers it may import (its own layer is always allowed)
-_COMPOSED = {"errors", "format", "collective", "fp8", "load", "models", "runtime", "export", "interop"}
+_COMPOSED = {"errors", "format", "reading", "collective", "fp8", "load", "models", "runtime", "export", "interop"}
 _TOP = _COMPOSED | {"save", "compose"}  # what the entry points and the test helpers may use
 ALLOWED = {
     "errors": set(),
     "format": {"errors"},
+    "reading": {"errors", "format"},
     "collective": {"errors", "format"},
     "fp8": {"errors", "format"},
     "models": {"errors"},
-    "load": {"errors", "format", "collective", "fp8", "models"},
+    "load": {"errors", "format", "reading", "collective", "fp8", "models"},
     "export": {"errors", "format", "collective", "fp8"},
-    "runtime": {"errors", "format", "collective", "fp8", "load", "models"},
-    "save": {"errors", "format", "collective", "fp8", "load", "models", "export"},
+    "runtime": {"errors", "format", "reading", "collective", "fp8", "load", "models"},
+    "save": {"errors", "format", "reading", "collective", "fp8", "load", "models", "export"},
     "interop": _COMPOSED - {"interop"},
     "compose": _COMPOSED,
     "generation": _TOP,
@@ -40,6 +41,7 @@ ALLOWED = {"errors": set(), "shard_rows": {"errors"}, "third_party": set()} | {
 # third-party modules a layer must never import (prefix match)
 FORBIDDEN_EXTERNAL = {
     "format": ("torch.nn", "torch.distributed", "torchao"),
+    "reading": ("torch.nn", "torch.distributed", "torchao"),
     "shard_rows": ("torch",),
 }
 TOP_LEVEL = {

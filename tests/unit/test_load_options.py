@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.timeouts import MAX_TIMEOUT_S
 from fsdp_fp8.fp8.kernels import KernelOptions
 from fsdp_fp8.load.options import LoadOptions, load_options
+from fsdp_fp8.reading.read_options import ReadOptions
 
 
 def test_defaults_are_fsdp2s_and_the_device_is_resolved_once():

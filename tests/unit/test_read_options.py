@@ -10,8 +10,8 @@ import torch
 from small_models import uneven_model_fn, write_uneven_checkpoint
 
 from fsdp_fp8.errors import ArgumentError
-from fsdp_fp8.format import read_schedule, slice_reader
-from fsdp_fp8.format.read_options import ReadOptions
+from fsdp_fp8.reading import read_schedule, slice_reader
+from fsdp_fp8.reading.read_options import ReadOptions
 
 
 def test_bad_options_are_refused_naming_each_field():

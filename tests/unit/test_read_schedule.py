@@ -13,9 +13,9 @@ import torch
 from calibration import bound
 from safetensors.torch import save_file
 
-from fsdp_fp8.format import direct_io, read_schedule, slice_reader
-from fsdp_fp8.format.read_schedule import Piece
 from fsdp_fp8.format.safetensors_header import read_header
+from fsdp_fp8.reading import direct_io, read_schedule, slice_reader
+from fsdp_fp8.reading.read_schedule import Piece
 
 
 @pytest.fixture

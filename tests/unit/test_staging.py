@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_fp8.format import direct_io, read_schedule, staging
 from fsdp_fp8.format.checkpoint import open_checkpoint
-from fsdp_fp8.format.read_options import ReadOptions
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.staging import STAGING_SLOTS
 from fsdp_fp8.load import reader
 from fsdp_fp8.load.meta_build import meta_init
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.load.swap import swap_fp8_linears
 from fsdp_fp8.models import MoTConfig, build_model
+from fsdp_fp8.reading import direct_io, read_schedule, staging
+from fsdp_fp8.reading.read_options import ReadOptions
+from fsdp_fp8.reading.staging import STAGING_SLOTS
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 
 CONFIG = MoTConfig(
@@ -147,7 +147,7 @@ def test_slots_a_direct_read_cannot_pin_go_through_the_bounce_with_one_warning(c
         return read_span(fd, offset, nbytes, area)
 
     monkeypatch.setattr(direct_io, "read_span", refusing)
-    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.format.read_schedule"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_fp8.reading.read_schedule"):
         reader._load_local(model, plan, options=ReadOptions(staging_bytes=150, direct=True), stage_cpu=True)
     warned = [r for r in caplog.records if "staging slots refused" in r.getMessage()]
     assert len(warned) == 1 and 1 <= len(refusals) <= len(rings[0].buffers)  # (reads in flight meet it too)

@@ -150,8 +150,8 @@ def test_fp8_codes_that_are_nan_in_e4m3_are_refused_after_the_read(tmp_path, mon
     from small_models import uneven_model_fn
 
     from fsdp_fp8 import LoadFailedError, ModelUnusableError, load_model
-    from fsdp_fp8.format.read_options import ReadOptions
     from fsdp_fp8.load import reader
+    from fsdp_fp8.reading.read_options import ReadOptions
 
     options = ReadOptions()
     if path == "staged":

@@ -29,8 +29,8 @@ import threading
 
 import torch
 
-from fsdp_fp8.format import slice_reader
 from fsdp_fp8.format.handles import OpenFile
+from fsdp_fp8.reading import slice_reader
 
 ALIGN = 4096
 

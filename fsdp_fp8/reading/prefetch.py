@@ -7,7 +7,7 @@ kernel with ``posix_fadvise(POSIX_FADV_WILLNEED)``, ``PREFETCH_CALL_BYTES`` per 
 node's ranks, ``LOCAL_WORLD_SIZE``, share one page cache). Page cache, not this process's
 memory; a hint for rows another rank reads would cost page cache, never a wrong byte. Only for
 reads through the page cache: a load that reads with O_DIRECT starts none
-(``fsdp_fp8.format.read_choice.ReadChoice.prefetch_bytes``).
+(``fsdp_fp8.reading.read_choice.ReadChoice.prefetch_bytes``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 import threading
 from collections.abc import Iterable
 
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS
 
 PREFETCH_CALL_BYTES = 8 << 20  # one hint at a time, so a stop request is honoured quickly
 

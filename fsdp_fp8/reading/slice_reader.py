@@ -1,12 +1,9 @@
 """Read exactly the bytes a rank needs: a row range of one tensor, or one scale.
 
-Every data read in the package goes through ``_pread_into`` (one range), ``preadv_into``
-(several file-adjacent ranges in one call: ``fsdp_fp8.format.read_schedule``) or
-``direct_io.read_direct`` (the same, O_DIRECT), each adding what it delivered to ``count_bytes``, so
-``bytes_read()`` is an honest count of tensor bytes this process pulled from disk; tests use it to prove that planning
-reads only scales and that each rank reads only its own rows. Reads use the descriptor the
-header was validated through (``TensorEntry.handle``), never the path: a file replaced after
-the checks cannot feed the reads.
+Every data read in the package goes through ``counted_reads.pread_entry`` (one range),
+``preadv_into`` (several file-adjacent ranges in one call: ``fsdp_fp8.reading.read_schedule``)
+or ``direct_io.read_direct`` (the same, O_DIRECT), each adding what it delivered to
+``fsdp_fp8.format.counted_reads``' count (``bytes_read()``, re-exported here).
 """
 
 from __future__ import annotations
@@ -14,46 +11,21 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import struct
-import sys
-import threading
 
 import torch
 
-from fsdp_fp8.errors import ArgumentError, CheckpointError
+from fsdp_fp8.errors import ArgumentError
+from fsdp_fp8.format import counted_reads
+from fsdp_fp8.format.counted_reads import bytes_read as bytes_read  # re-exported: the one count
+from fsdp_fp8.format.counted_reads import count_bytes as count_bytes
+from fsdp_fp8.format.counted_reads import reset_bytes_read as reset_bytes_read
 from fsdp_fp8.format.handles import OpenFile
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
-
-# safetensors stores little-endian; viewing the bytes in place is only right on such hosts.
-if sys.byteorder != "little":  # pragma: no cover
-    raise ImportError("fsdp_fp8.format.slice_reader needs a little-endian host")
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS
 
 # The default staging budget (``ReadOptions.staging_bytes``), named here for the callers that
 # size a buffer from it; a load takes its own from the ``ReadOptions`` it is given.
 STAGING_BYTES = DEFAULT_READ_OPTIONS.staging_bytes
-
-_lock = threading.Lock()
-_bytes_read = 0
-
-
-def bytes_read() -> int:
-    """Tensor-data bytes read by this process since the last reset: every load's and every
-    other read's, together (a load's own count is ``LoadReport.bytes_read``)."""
-    return _bytes_read
-
-
-def reset_bytes_read() -> None:
-    global _bytes_read
-    with _lock:
-        _bytes_read = 0
-
-
-def count_bytes(n: int) -> None:
-    """Add ``n`` tensor-data bytes to ``bytes_read()`` (every reader of the package calls it)."""
-    global _bytes_read
-    with _lock:
-        _bytes_read += n
 
 
 def preadv_into(handle: OpenFile, offset: int, buffers: list[memoryview]) -> int:
@@ -76,24 +48,6 @@ def preadv_into(handle: OpenFile, offset: int, buffers: list[memoryview]) -> int
     finally:
         count_bytes(done)
     return done
-
-
-def _pread_into(entry: TensorEntry, offset: int, buf: memoryview) -> None:
-    if not (entry.begin <= offset and offset + len(buf) <= entry.end):
-        raise AssertionError(f"read outside `{entry.key}`")  # internal invariant
-    if entry.handle is None:  # every entry read_header makes holds one; a hand-made one does not
-        raise ArgumentError(
-            f"`{entry.key}` in {entry.file} has no open file; read it through open_checkpoint or read_header",
-            "slice read",
-        )
-    done = entry.handle.pread_into(buf, offset)
-    if done < len(buf):
-        raise CheckpointError(
-            f"`{entry.key}` in {entry.file}: file ended after {done} of {len(buf)} "
-            f"bytes at offset {offset} (truncated since the header was checked?)",
-            "checkpoint changed during the read",
-        )
-    count_bytes(done)
 
 
 def writable(flat: torch.Tensor) -> memoryview:
@@ -145,31 +99,13 @@ def read_bytes(entry: TensorEntry, start_row: int, stop_row: int, out: torch.Ten
         )
     flat = out.view(-1)
     if nbytes:
-        _pread_into(entry, offset, writable(flat))
+        counted_reads.pread_entry(entry, offset, writable(flat))
     return flat.view(entry.torch_dtype).view((stop_row - start_row, *entry.shape[1:]))
-
-
-def _require_scale(entry: TensorEntry) -> None:
-    if entry.dtype != "F32" or entry.numel != 1:
-        raise ArgumentError(
-            f"`{entry.key}` in {entry.file}: a scale must be F32 with one element, "
-            f"got {entry.dtype} shape {entry.shape}",
-            "slice read",
-        )
 
 
 def read_scale(entry: TensorEntry) -> torch.Tensor:
     """A one-element F32 tensor (any shape) as a 0-d float32 tensor."""
-    _require_scale(entry)
+    counted_reads.require_scale(entry)
     flat = torch.empty(4, dtype=torch.uint8)
-    _pread_into(entry, entry.begin, writable(flat))
+    counted_reads.pread_entry(entry, entry.begin, writable(flat))
     return flat.view(torch.float32).reshape(())
-
-
-def read_scale_value(entry: TensorEntry) -> float:
-    """``float(read_scale(entry))`` without a tensor: ``open_checkpoint`` checks every scale
-    of the checkpoint (1,792 at Super scale), and the tensor cost more than the read."""
-    _require_scale(entry)
-    raw = bytearray(4)
-    _pread_into(entry, entry.begin, memoryview(raw))
-    return struct.unpack("<f", raw)[0]

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fsdp_fp8.format.safetensors_header import TensorEntry
-from fsdp_fp8.format.staging import staging_ring
+from fsdp_fp8.reading.staging import staging_ring
 from fsdp_fp8.shard_rows import chunk_rows, padded_rows
 
 

@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_fp8.format import direct_io, read_schedule
 from fsdp_fp8.format.handles import OpenFile
-from fsdp_fp8.format.read_options import ReadOptions
+from fsdp_fp8.reading import direct_io, read_schedule
+from fsdp_fp8.reading.read_options import ReadOptions
 
 MIN_REQUEST, MAX_REQUEST = 1 << 20, 16 << 20
 DEFAULT_THREADS, DEFAULT_REQUEST = read_schedule.THREADS, read_schedule.REQUEST_BYTES

@@ -20,21 +20,21 @@ DEFAULT_STAGING_BYTES = 64 << 20
 class ReadOptions:
     """Settings of one load's reads.
 
-    - ``direct``: read with ``O_DIRECT`` (past the page cache, ``fsdp_fp8.format.direct_io``).
+    - ``direct``: read with ``O_DIRECT`` (past the page cache, ``fsdp_fp8.reading.direct_io``).
       ``None`` (the default): where every file the rank reads takes it and the rank's rows are not
       already in the page cache; ``True``: always (a file system that refuses it is refused before
       any read); ``False``: never.
     - ``threads``: reader workers; ``preadv`` releases the GIL, so they overlap on storage and cores.
-      ``None``: chosen from the device the files are on (``fsdp_fp8.format.read_choice``).
+      ``None``: chosen from the device the files are on (``fsdp_fp8.reading.read_choice``).
     - ``request_bytes``: the largest single ``preadv`` into host storage; ``None``: chosen as ``threads``.
     - ``in_flight``: requests submitted and not yet finished.
     - ``staging_bytes``: host memory reads into accelerator memory go through (one ring of
-      ``fsdp_fp8.format.staging.STAGING_SLOTS`` slots, allocated once per load); CPU storage is
+      ``fsdp_fp8.reading.staging.STAGING_SLOTS`` slots, allocated once per load); CPU storage is
       read into directly.
     - ``prefetch_bytes``: bytes of this rank's rows hinted to the page cache
       (``POSIX_FADV_WILLNEED``) while the model is set up; ``0`` turns it off, ``ALL_ROWS`` (the
       default) hints every row the rank reads. Capped at the rank's share of half the available
-      memory (``fsdp_fp8.load.prefetch.prefetch_budget``). Reads through the page cache only: an
+      memory (``fsdp_fp8.reading.prefetch.prefetch_budget``). Reads through the page cache only: an
       O_DIRECT load hints nothing (it would not use what the hints fetch).
     """
 

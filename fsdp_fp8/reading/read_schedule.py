@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp_fp8.errors import ArgumentError
-from fsdp_fp8.format import direct_io, slice_reader
-from fsdp_fp8.format.read_options import DEFAULT_READ_OPTIONS
 from fsdp_fp8.format.safetensors_header import TensorEntry
+from fsdp_fp8.reading import direct_io, slice_reader
+from fsdp_fp8.reading.read_options import DEFAULT_READ_OPTIONS
 
 log = logging.getLogger(__name__)
 
 # What ``schedule`` and ``run`` use when called without a load's resolved ``ReadOptions``
-# (``fsdp_fp8.format.read_choice`` starts from them too).
+# (``fsdp_fp8.reading.read_choice`` starts from them too).
 REQUEST_BYTES = 8 << 20
 THREADS = 4
 IN_FLIGHT = DEFAULT_READ_OPTIONS.in_flight
@@ -95,7 +95,7 @@ class Request:
 
 
 class Stage(Protocol):
-    """Host buffers for staged requests (``fsdp_fp8.format.staging.StagingRing``)."""
+    """Host buffers for staged requests (``fsdp_fp8.reading.staging.StagingRing``)."""
 
     def ready(self) -> bool: ...  # a slot is free for the next staged request
 

@@ -28,8 +28,8 @@ from contextlib import nullcontext
 
 import torch
 
-from fsdp_fp8.format import direct_io, slice_reader
-from fsdp_fp8.format.read_schedule import Request
+from fsdp_fp8.reading import direct_io, slice_reader
+from fsdp_fp8.reading.read_schedule import Request
 
 
 def staging_rows(row_bytes: int, budget: int) -> int:
