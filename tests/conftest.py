@@ -9,17 +9,9 @@ that hangs is stopped after the scaled time, and the report says the factor used
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-# The two tiers (tests/unit: one process each; tests/distributed: ranks, torchrun, subprocesses)
-# share helpers and a few module fixtures: each tier's folder is importable whichever runs.
-for _tier in ("unit", "distributed"):
-    if str(Path(__file__).parent / _tier) not in sys.path:
-        sys.path.insert(0, str(Path(__file__).parent / _tier))
-
-import calibration  # noqa: E402
-import pytest  # noqa: E402
+import calibration
+import pytest
 
 # The VAE forecast's store between processes (fsdp_fp8.runtime.vae_forecast) stays out of the
 # user's cache: every test computes its forecasts (tests/unit/test_vae_forecast.py turns it on).
@@ -58,3 +50,48 @@ def demo_root(tmp_path_factory):
 def demo_cache(demo_root):
     """The ``FSDP_FP8_CACHE`` that holds ``demo_root`` (``<cache>/cosmos3-demo-<version>``)."""
     return demo_root.parent
+
+
+@pytest.fixture(scope="session")
+def action_root(demo_cache) -> str:
+    """The action-capable demo root (``action_demo_checkpoint``), built once beside the demo."""
+    from fsdp_fp8.generation.demo import action_demo_checkpoint
+
+    return str(action_demo_checkpoint(demo_cache))
+
+
+@pytest.fixture(scope="session")
+def distilled_root(demo_cache) -> str:
+    """The distilled 4-step demo root (``distilled_checkpoint``), built once beside the demo."""
+    from fsdp_fp8.generation.demo import distilled_checkpoint
+
+    return str(distilled_checkpoint(demo_cache))
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory, demo_root):
+    """The demo's root and a pipeline of the real ModelOpt Cosmos 3 fixture beside the demo's VAE
+    (``pipelines.pipeline_beside_the_demo``), as strings; one per module."""
+    from pipelines import pipeline_beside_the_demo
+
+    return str(demo_root), pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("fixture") / "root")
+
+
+@pytest.fixture
+def fake_rank(monkeypatch):
+    """``fake_rank(rank, world)``: the fake process group for that rank, torn down after the test."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # fully_shard's device lookup only
+
+    def start(rank: int, world: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cuda", (world,))
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()

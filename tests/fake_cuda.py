@@ -22,6 +22,8 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import (
@@ -30,6 +32,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
     is_traceable_wrapper_subclass,
 )
+
+from fsdp_fp8.fp8.linear import Float8StaticLinear
 
 aten = torch.ops.aten
 
@@ -119,3 +123,44 @@ def fused_traced_not_generated(kernels_module):
     finally:
         kernels_module._fused = original
         torch._dynamo.reset()
+
+
+# --- FSDP2 over static-FP8 linears on a fake CUDA mesh (tests/unit/test_fake_cuda_fsdp.py) ------
+
+
+IN = 32
+ROWS = {"up": 7 * 16, "down": IN, "gate": 16}  # 112, 32 and 16 rows: uneven over 3 and 8 ranks
+SMALL = {"tiny": 1}  # one row: ranks >= 1 hold none
+
+
+class _FP8Block(nn.Module):
+    def __init__(self, rows: dict[str, int]):
+        super().__init__()
+        for name, n in rows.items():
+            self.add_module(name, Float8StaticLinear(IN, n, name == "up", torch.bfloat16, device="cuda"))
+
+
+class FakeMeshModel(nn.Module):
+    """Two blocks of static-FP8 linears on fake CUDA, rows uneven over 3 and 8 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_FP8Block(ROWS), _FP8Block(SMALL)])
+
+
+def gather_unsharded(fsdp_params, group) -> None:
+    """FSDP2's ``foreach_all_gather`` then ``foreach_all_gather_copy_out``, without their streams."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as c
+
+    inputs = c._get_param_all_gather_inputs(fsdp_params)
+    dtypes, numels, dtype = c._get_all_gather_input_metadatas(inputs)
+    flat = [t.view(torch.uint8) for ts in inputs for t in ts]
+    sizes = [t.numel() for t in flat]
+    world, rank = group.size(), group.rank()
+    out = torch.empty(sum(sizes) * world, dtype=dtype, device="cuda")
+    inp, out = torch.ops.fsdp.all_gather_copy_in(flat, out, sizes, sum(sizes), rank)
+    dist.all_gather_into_tensor(out, inp, group=group)
+    c.foreach_all_gather_copy_out(c.AllGatherResult(out, None, None, dtypes, numels, sizes), fsdp_params, group)
+    for p in fsdp_params:
+        p.init_unsharded_param()
+        p.to_unsharded()

@@ -173,3 +173,86 @@ def random_fp8_linear(in_features: int, out_features: int, device, seed: int = 0
         lin.weight.act_quant_scale.fill_(0.02)
         lin.bias.copy_(torch.randn(out_features, generator=g))
     return lin, g
+
+
+# --- the plan tests' small model ---------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+        self.up = nn.Linear(16, 24, bias=bias)
+        self.down = nn.Linear(24, 16, bias=False)
+
+
+class SmallModel(nn.Module):
+    def __init__(self, bias=False, dtype=torch.bfloat16):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(bias)])
+        self.norm = nn.LayerNorm(16, bias=False)
+        self.lm_head = nn.Linear(16, 40, bias=False)
+        self.to(dtype)
+
+
+def meta(cls=SmallModel, **kw):
+    with torch.device("meta"):
+        return cls(**kw)
+
+
+# --- a Llama of the ModelOpt fixture's config, on the meta device ------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        h, d = c["hidden_size"], c["head_dim"]
+        self.q_proj = nn.Linear(h, c["num_attention_heads"] * d, bias=c["attention_bias"])
+        self.k_proj = nn.Linear(h, c["num_key_value_heads"] * d, bias=c["attention_bias"])
+        self.v_proj = nn.Linear(h, c["num_key_value_heads"] * d, bias=c["attention_bias"])
+        self.o_proj = nn.Linear(c["num_attention_heads"] * d, h, bias=c["attention_bias"])
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        h, i = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(h, i, bias=c["mlp_bias"])
+        self.up_proj = nn.Linear(h, i, bias=c["mlp_bias"])
+        self.down_proj = nn.Linear(i, h, bias=c["mlp_bias"])
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(c), MLP(c)
+        self.input_layernorm = RMSNorm(c["hidden_size"])
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"])
+
+
+class Body(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"])
+        # A non-persistent buffer is not in the checkpoint and must not be reported missing.
+        self.register_buffer("inv_freq", torch.ones(c["head_dim"] // 2), persistent=False)
+
+
+class Llama(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.model = Body(c)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+
+
+def llama_on_meta(dtype=torch.bfloat16) -> nn.Module:
+    config = json.loads((FIXTURE / "config.json").read_text())
+    with torch.device("meta"):
+        return Llama(config).to(dtype)

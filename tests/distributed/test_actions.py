@@ -25,13 +25,6 @@ ACTIONS = [[0.1, -0.2], [0.3, 0.0], [0.5, 0.5], [-1.0, 2.0]]
 
 
 @pytest.fixture(scope="module")
-def action_root(demo_cache) -> str:
-    from fsdp_fp8.generation.demo import action_demo_checkpoint
-
-    return str(action_demo_checkpoint(demo_cache))
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     """The first frame, the raw actions, and a 5-frame clip (a directory of frames)."""
     import numpy as np

@@ -12,10 +12,8 @@ One spawn per world size records what the tests judge; world size 1 is this proc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -25,31 +23,13 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import LAUNCH_SIZE, PIPE_SIZE  # noqa: E402
+from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from test_cosmos3 import FIXTURE, LAUNCH_SIZE, PIPE_SIZE, with_policy  # noqa: E402
 
 STEPS = 8
 EXPECTED_TRACE = "W8A16 x3 / W8A8 x2 / W8A16 x3"
 PROMPTS = ("a red fox", "a lighthouse in a storm")
-
-
-def small_tokenizer():
-    """Characters a-z, space and a few marks, the chat and vision specials, '?' for the rest."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from fsdp_fp8.generation.demo import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    chars = ["?"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(" \n,.:")
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="?"))
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
-    )
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _generate(root: str, prompt: str, cfg_parallel: bool) -> dict:
@@ -107,20 +87,6 @@ def _observe(rank: int, world: int, demo_root: str, fixture_root: str, prompts_f
             hsdp = ("--cfg-parallel", "--replicas", "2")
             obs["launch_hsdp"] = _launch(demo_root, Path(reports, "4-hsdp.json"), *hsdp, rank=rank)
     return obs
-
-
-def pipeline_beside_the_demo(demo_root, root: Path, transformer: Path = FIXTURE) -> str:
-    """A pipeline at ``root``: ``transformer`` (a real ModelOpt export, given the step policy)
-    beside the demo's VAE and sound tokenizer, with the small text tokenizer above."""
-    shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(transformer, root / "transformer")
-    small_tokenizer().save_pretrained(root / "text_tokenizer")
-    return str(root)
-
-
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory, demo_root):
-    return str(demo_root), pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("fixture") / "root")
 
 
 @pytest.fixture(scope="module")

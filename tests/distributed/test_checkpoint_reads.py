@@ -9,7 +9,7 @@ import pytest
 import torch
 from ckpt_writer import small_tensors, write_checkpoint
 from safetensors import safe_open
-from test_checkpoint_fixture import FIXTURE, llama_on_meta
+from small_models import FIXTURE, llama_on_meta
 
 from fsdp_fp8.cli import commands as cli
 from fsdp_fp8.format import counted_reads
@@ -128,7 +128,7 @@ def test_open_and_plan_read_only_scale_bytes(monkeypatch):
 
 def test_plan_rank_bytes_match_reading_each_rank(tmp_path):
     """Reading each rank's chunk with the slice reader costs exactly plan.rank_bytes."""
-    from test_plan import SmallModel, meta
+    from small_models import SmallModel, meta
 
     ckpt = open_checkpoint(write_checkpoint(tmp_path, small_tensors()))
     plan = plan_load(ckpt, meta(SmallModel))

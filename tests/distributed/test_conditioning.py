@@ -88,7 +88,7 @@ def _observe(
 @pytest.fixture(scope="module")
 def fixture_root(tmp_path_factory, demo_root) -> str:
     """The real ModelOpt 0.47 Cosmos 3 export beside the demo's VAE (test_cfg_parallel's pipeline)."""
-    from test_cfg_parallel import pipeline_beside_the_demo
+    from pipelines import pipeline_beside_the_demo
 
     return pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("fixture") / "root")
 
@@ -230,7 +230,7 @@ def _sound_fixture_inputs(root: Path) -> None:
 @pytest.fixture(scope="module")
 def sound_fixture_root(tmp_path_factory, demo_root) -> str:
     """The sound-capable ModelOpt 0.47 export beside the demo's VAE and sound tokenizer."""
-    from test_cfg_parallel import pipeline_beside_the_demo
+    from pipelines import pipeline_beside_the_demo
 
     return pipeline_beside_the_demo(demo_root, tmp_path_factory.mktemp("sound-fixture") / "root", SOUND_FIXTURE)
 

@@ -13,7 +13,6 @@ One spawn per world size (world size 1: this process) records what the tests jud
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -28,32 +27,18 @@ pytest.importorskip("diffusers")
 # first test that asks for them; on a shared, loaded machine that alone can pass the default 300 s.
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import COSMOS3_FIXTURE as FIXTURE  # noqa: E402
+from pipelines import LAUNCH_SIZE, PIPE_SIZE, with_policy  # noqa: E402, F401
+from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from small_models import load_files  # noqa: E402
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-cosmos3-transformer"
 FLUX = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-flux-transformer"
 WORLD_SIZES = (1, 2, 4)
 STEPS, CHECKED_STEPS = 8, (0, 4, 7)  # first, a middle one, last
 COND, UNCOND = torch.arange(5), torch.arange(7) + 9  # und rows 5 / 7; gen rows 4 (latent 4x4, patch 2)
 LATENT = (1, 4, 1, 4, 4)
-PIPE_SIZE = {"num_frames": 1, "height": 32, "width": 32}
-LAUNCH_SIZE = ("--frames", "1", "--height", "32", "--width", "32")  # the launcher's PIPE_SIZE
 EXPECTED_TRACE = "W8A16 x3 / W8A8 x2 / W8A16 x3"
-
-
-def with_policy(src: Path, dst: Path, policy: dict | None = None) -> Path:
-    from fsdp_fp8.format.step_policy import PUBLISHED_POLICY
-
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"]["runtime"] = {"diffusion_step_policy": policy or PUBLISHED_POLICY}
-    (dst / "config.json").write_text(json.dumps(config, indent=4))
-    return dst
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

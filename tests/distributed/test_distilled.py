@@ -28,13 +28,6 @@ MODE = "distilled, 4 steps"
 
 
 @pytest.fixture(scope="module")
-def distilled_root(demo_cache) -> str:
-    from fsdp_fp8.generation.demo import distilled_checkpoint
-
-    return str(distilled_checkpoint(demo_cache))
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     from PIL import Image
 

@@ -13,10 +13,11 @@ import ctypes
 
 import pytest
 import torch
+from fake_cuda import FakeMeshModel as _Model
 from fake_cuda import fake_cuda
+from fake_cuda import gather_unsharded as _gather
 from ranks import run_ranks
 from small_models import uneven_model_fn, write_uneven_checkpoint
-from test_fake_cuda_fsdp import _gather, _Model, fake_rank  # noqa: F401 - fake_rank is a fixture
 
 from fsdp_fp8.models import MoTConfig
 
@@ -176,7 +177,7 @@ def test_a_pipeline_lets_its_transformer_go_while_it_still_holds_it(demo_root):
         model(**inputs)
 
 
-def test_release_on_a_fake_cuda_mesh_frees_every_fsdp_storage_of_a_gathered_block(fake_rank):  # noqa: F811
+def test_release_on_a_fake_cuda_mesh_frees_every_fsdp_storage_of_a_gathered_block(fake_rank):
     """The CUDA path (FakeTensorMode, torch's fake process group, rank 1 of 3): a block left
     gathered, as FSDP2 leaves the root after a forward, holds its shards and its gathered weights;
     ``release_model`` frees both, and FSDP2's padded shards, on the fake device."""

@@ -10,7 +10,6 @@ and a 12-token image (shorter than a rank's 16 rows: it stays whole on the group
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,8 +21,8 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from test_cfg_parallel import roots  # noqa: E402, F401 - the two pipeline roots (a module fixture)
 
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, ParallelLayout, head_problems, layout_problems  # noqa: E402
 
@@ -36,10 +35,6 @@ TINY = {"num_frames": 1, "height": 24, "width": 32}
 SIZES = {"image": IMAGE, "video": VIDEO, "tiny": TINY}
 SIZES_AT = {2: SIZES, 4: ("image", "video")}  # a pass kept whole is one group's matter: 2 ranks show it
 PROMPTS = ("a red fox", "a lighthouse in a storm")
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _pipeline(root: str, cfg_parallel: bool = False, ulysses: int = 1, policy: str = "auto"):

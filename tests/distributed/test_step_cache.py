@@ -12,7 +12,6 @@ world size records what the tests judge; world size 1 is this process.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from unittest import mock
@@ -23,8 +22,8 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from test_cfg_parallel import roots  # noqa: E402, F401 - the demo's root and the fixture pipeline's (a module fixture)
 
 STEPS = 10
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # 16 generation tokens: whole on one rank
@@ -33,10 +32,6 @@ PROMPTS = ("a red fox", "a lighthouse in a storm")
 EAGER = 1e9  # a threshold the budget never reaches: reuse wherever the rules allow
 NEVER = 0.0  # a budget always spent: compute every step
 DEFAULT = 0.25  # diffusers' own (SeaCacheConfig().threshold)
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _pipeline(root: str, cache, cfg_parallel: bool = False, ulysses: int = 1):

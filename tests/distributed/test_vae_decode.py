@@ -17,15 +17,12 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import DEMO_TILES, WAN22_CONFIG, WAN22_TILES  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 from fsdp_fp8.interop.vae_decode import RequestDecode, assign_tiles, tile_plan  # noqa: E402
-from fsdp_fp8.testing.wan22_vae import wan22_config  # noqa: E402
 
 # A Wan 2.2 VAE with narrow layers (fsdp_fp8.testing.wan22_vae), zero mean and unit spread.
-WAN22_CONFIG = wan22_config(8, 8, 1, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
-# (tile min height, width, stride height, width) in pixels: 4-latent tiles, 3-latent strides.
-DEMO_TILES, WAN22_TILES = (16, 16, 12, 12), (64, 64, 48, 48)
 DEMO_LATENT = (1, 4, 2, 7, 5)  # 3 x 2 tiles, heights 4 4 1, widths 4 2
 WAN22_LATENT = (1, 48, 2, 5, 3)  # 2 x 1 tiles: at 4 ranks two ranks decode none
 

@@ -88,7 +88,7 @@ def _reference(root: str, out: Path) -> bytes:
 
 def _fixture_root(demo_root, tmp_path):
     """The demo pipeline with the real ModelOpt fixture as its transformer (test_cfg_parallel's)."""
-    from test_cfg_parallel import pipeline_beside_the_demo
+    from pipelines import pipeline_beside_the_demo
 
     return pipeline_beside_the_demo(demo_root, tmp_path / "fixture-root")
 

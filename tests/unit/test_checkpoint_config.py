@@ -204,7 +204,7 @@ def test_ignore_order_does_not_matter(tmp_path):
 
 def test_fixture_configs_round_trip(tmp_path):
     """The fixture's own two spellings, copied, are accepted; flipping one field in either is not."""
-    from test_checkpoint_fixture import FIXTURE
+    from small_models import FIXTURE
 
     hf = json.loads((FIXTURE / "hf_quant_config.json").read_text())
     cfg = json.loads((FIXTURE / "config.json").read_text())

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 from safetensors import safe_open
+from small_models import FIXTURE, llama_on_meta
 
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.reading import slice_reader
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-llama-sharded"
 PROJ = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -24,62 +22,6 @@ PROJ = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class Attention(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        h, d = c["hidden_size"], c["head_dim"]
-        self.q_proj = nn.Linear(h, c["num_attention_heads"] * d, bias=c["attention_bias"])
-        self.k_proj = nn.Linear(h, c["num_key_value_heads"] * d, bias=c["attention_bias"])
-        self.v_proj = nn.Linear(h, c["num_key_value_heads"] * d, bias=c["attention_bias"])
-        self.o_proj = nn.Linear(c["num_attention_heads"] * d, h, bias=c["attention_bias"])
-
-
-class MLP(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        h, i = c["hidden_size"], c["intermediate_size"]
-        self.gate_proj = nn.Linear(h, i, bias=c["mlp_bias"])
-        self.up_proj = nn.Linear(h, i, bias=c["mlp_bias"])
-        self.down_proj = nn.Linear(i, h, bias=c["mlp_bias"])
-
-
-class Layer(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.self_attn, self.mlp = Attention(c), MLP(c)
-        self.input_layernorm = RMSNorm(c["hidden_size"])
-        self.post_attention_layernorm = RMSNorm(c["hidden_size"])
-
-
-class Body(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(c["hidden_size"])
-        # A non-persistent buffer is not in the checkpoint and must not be reported missing.
-        self.register_buffer("inv_freq", torch.ones(c["head_dim"] // 2), persistent=False)
-
-
-class Llama(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.model = Body(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-
-
-def llama_on_meta(dtype=torch.bfloat16) -> nn.Module:
-    config = json.loads((FIXTURE / "config.json").read_text())
-    with torch.device("meta"):
-        return Llama(config).to(dtype)
 
 
 def test_fixture_opens_with_every_projection_fp8():

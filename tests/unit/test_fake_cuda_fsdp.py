@@ -25,65 +25,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from fake_cuda import fake_cuda
-from torch import nn
+from fake_cuda import IN, fake_cuda
+from fake_cuda import FakeMeshModel as _Model
+from fake_cuda import gather_unsharded as _gather
 
-from fsdp_fp8.fp8.linear import Float8StaticLinear
 from fsdp_fp8.fp8.tensor import E4M3, is_static_fp8
-
-IN = 32
-ROWS = {"up": 7 * 16, "down": IN, "gate": 16}  # 112, 32 and 16 rows: uneven over 3 and 8 ranks
-SMALL = {"tiny": 1}  # one row: ranks >= 1 hold none
-
-
-class _Block(nn.Module):
-    def __init__(self, rows: dict[str, int]):
-        super().__init__()
-        for name, n in rows.items():
-            self.add_module(name, Float8StaticLinear(IN, n, name == "up", torch.bfloat16, device="cuda"))
-
-
-class _Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([_Block(ROWS), _Block(SMALL)])
-
-
-@pytest.fixture
-def fake_rank(monkeypatch):
-    """``fake_rank(rank, world)``: the fake process group for that rank, torn down after the test."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # fully_shard's device lookup only
-
-    def start(rank: int, world: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh("cuda", (world,))
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _gather(fsdp_params, group) -> None:
-    """FSDP2's ``foreach_all_gather`` then ``foreach_all_gather_copy_out``, without their streams."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as c
-
-    inputs = c._get_param_all_gather_inputs(fsdp_params)
-    dtypes, numels, dtype = c._get_all_gather_input_metadatas(inputs)
-    flat = [t.view(torch.uint8) for ts in inputs for t in ts]
-    sizes = [t.numel() for t in flat]
-    world, rank = group.size(), group.rank()
-    out = torch.empty(sum(sizes) * world, dtype=dtype, device="cuda")
-    inp, out = torch.ops.fsdp.all_gather_copy_in(flat, out, sizes, sum(sizes), rank)
-    dist.all_gather_into_tensor(out, inp, group=group)
-    c.foreach_all_gather_copy_out(c.AllGatherResult(out, None, None, dtypes, numels, sizes), fsdp_params, group)
-    for p in fsdp_params:
-        p.init_unsharded_param()
-        p.to_unsharded()
 
 
 def _chunk_rows(rows: int, world: int, rank: int) -> int:

@@ -6,32 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 from ckpt_writer import fp8_linear, small_tensors, write_checkpoint
+from small_models import SmallModel, meta
 
 from fsdp_fp8.errors import CheckpointError
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.shard_rows import chunk_rows
-
-
-class Block(nn.Module):
-    def __init__(self, bias=False):
-        super().__init__()
-        self.up = nn.Linear(16, 24, bias=bias)
-        self.down = nn.Linear(24, 16, bias=False)
-
-
-class SmallModel(nn.Module):
-    def __init__(self, bias=False, dtype=torch.bfloat16):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(bias)])
-        self.norm = nn.LayerNorm(16, bias=False)
-        self.lm_head = nn.Linear(16, 40, bias=False)
-        self.to(dtype)
-
-
-def meta(cls=SmallModel, **kw):
-    with torch.device("meta"):
-        return cls(**kw)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
-from test_vae_decode import DEMO_TILES, WAN22_CONFIG, WAN22_TILES  # noqa: E402
+from pipelines import DEMO_TILES, WAN22_CONFIG, WAN22_TILES  # noqa: E402
 
 from fsdp_fp8.runtime import vae_forecast  # noqa: E402
 from fsdp_fp8.runtime.vae_forecast import SIMULATED, decode_bytes, encode_bytes  # noqa: E402
