@@ -4,7 +4,7 @@
 
 The same reference MoT is loaded twice with ``load_model``: from its FP8 checkpoint and from
 its BF16 one (exported by bench/common.py, cached). Bytes are counted at the collective
-(``fsdp_fp8.runtime.collectives.AllGatherMeter``: the all-gather FSDP2 calls on this torch), per forward. A
+(``fsdp_fp8.runtime.allgather_meter.AllGatherMeter``: the all-gather FSDP2 calls on this torch), per forward. A
 denoising step is what the sampler does per step: a conditional and an unconditional
 ``denoise`` (classifier-free guidance); the reasoner runs once, outside the timing.
 """
@@ -31,7 +31,7 @@ from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
 from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
 from fsdp_fp8.load.options import local_cuda_index  # noqa: E402
-from fsdp_fp8.runtime.collectives import AllGatherMeter  # noqa: E402
+from fsdp_fp8.runtime.allgather_meter import AllGatherMeter  # noqa: E402
 from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import logging
 import os
 import sys
@@ -49,20 +48,17 @@ from fsdp_fp8.generation.loading import (
     load_engine,
     with_schedule,
 )
+from fsdp_fp8.generation.reference_mot import sample_reference_mot
 from fsdp_fp8.generation.results import FAILED
 from fsdp_fp8.generation.values import GenerationRequest, Job, OptionValues, RunSettings
-from fsdp_fp8.interop.hf_run import DENOISERS, prompt_bytes, run_hf
+from fsdp_fp8.interop.hf_run import DENOISERS, run_hf
 from fsdp_fp8.load.options import LoadOptions
 from fsdp_fp8.load.preflight import start_process_group
-from fsdp_fp8.runtime.collectives import AllGatherMeter
 from fsdp_fp8.runtime.heartbeat import stall_s_for, watch_peers
 from fsdp_fp8.runtime.inference import prepare_for_inference
 from fsdp_fp8.runtime.parallel_layout import ParallelLayout
 from fsdp_fp8.runtime.parallel_mesh import ParallelMesh, build_mesh
-from fsdp_fp8.runtime.precision import denoising_step
 from fsdp_fp8.runtime.ptq import check_ptq_checkpoint, check_ptq_world_size, linear_weight_bytes, quantize_model
-from fsdp_fp8.runtime.residency import apply_residency
-from fsdp_fp8.runtime.sampler import sample
 
 log = logging.getLogger("fsdp_fp8")
 
@@ -239,51 +235,18 @@ def _run_transformers(request: GenerationRequest, loaded, job: dict) -> Report:
 
 
 def _run_mot(job: Job, loaded, routing, device, common: dict) -> MoTReport:
-    """The reference MoT: our own sampler, the all-gather bytes of each step counted."""
-    model, request, settings = loaded.model, job.request, job.settings
-    residency = apply_residency(model, settings.resident, budget_bytes=settings.resident_budget, device=device)
-    rank = rank_and_world()[0]
-    if rank == 0:
-        log.info(
-            "loaded %d FP8 linears in %.2f s; %d of %d blocks resident (%s); sampling %d steps",
-            len(loaded.fp8_linears),
-            common["load_seconds"],
-            len(residency.resident),
-            residency.blocks,
-            settings.resident,
-            request.steps,
-        )
-    step_bytes: list[int] = []  # all-gather bytes this rank sent per step (step 1: with the reasoner)
-
-    def progress(i: int, n: int) -> None:
-        step_bytes.append(meter.bytes - sum(step_bytes))
-        if rank == 0:
-            log.info("step %d/%d  %s", i + 1, n, routing.trace[-1])
-
-    t1 = time.perf_counter()
-    with AllGatherMeter() as meter:  # run() watches the peers around the load and this
-        latent = sample(
-            model,
-            prompt_bytes(request.prompt, model.config.vocab_size),
-            steps=request.steps,
-            seed=request.seed,
-            guidance=request.guidance,
-            num_latent_tokens=request.latent_tokens,
-            step_context=lambda i, n: denoising_step(model, i, n),
-            on_step=progress,
-        )
-    sample_s = time.perf_counter() - t1
-    latent_bytes = latent.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    """The reference MoT (``fsdp_fp8.generation.reference_mot``), reported."""
+    run = sample_reference_mot(loaded, routing, job.request, job.settings, device)
     return MoTReport(
         **common,
-        sample_seconds=round(sample_s, 3),
-        steps=request.steps,
+        sample_seconds=round(run.seconds, 3),
+        steps=job.request.steps,
         precision_trace=describe_trace(routing.trace),
         step_policy="checkpoint" if routing.policy is not None else "none",
-        latent_shape=list(latent.shape),
-        latent_sha256=hashlib.sha256(latent_bytes).hexdigest(),
-        residency=residency.as_dict(),
-        allgather_bytes_per_step=step_bytes,
+        latent_shape=list(run.latent.shape),
+        latent_sha256=run.latent_sha256,
+        residency=run.residency.as_dict(),
+        allgather_bytes_per_step=list(run.allgather_bytes_per_step),
     )
 
 

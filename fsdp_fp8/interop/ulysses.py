@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_fp8.errors import ArgumentError
-from fsdp_fp8.runtime.collectives import all_gather_into
+from fsdp_fp8.runtime.allgather_meter import all_gather_into
 from fsdp_fp8.runtime.parallel_layout import ulysses_rows
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fp8.errors import ArgumentError
-from fsdp_fp8.runtime.collectives import all_gather_into
+from fsdp_fp8.runtime.allgather_meter import all_gather_into
 from fsdp_fp8.runtime.residency import device_budget
 from fsdp_fp8.runtime.vae_forecast import decode_bytes, wants_tiling
 

@@ -91,7 +91,7 @@ def _model_state(model, failed: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_fp8 import Float8StaticLinear, ModelUnusableError
-    from fsdp_fp8.runtime.collectives import all_gather_name
+    from fsdp_fp8.runtime.allgather_meter import all_gather_name
 
     if model is None:
         return {"built": False}

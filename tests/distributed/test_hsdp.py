@@ -53,7 +53,7 @@ def _observe(rank: int, world: int, uneven: str, mot: str, saved: str) -> dict:
 
     from fsdp_fp8 import ParallelLayout, build_mesh, gather_state_dict, load_model, save_checkpoint
     from fsdp_fp8.load import reader
-    from fsdp_fp8.runtime.collectives import AllGatherMeter
+    from fsdp_fp8.runtime.allgather_meter import AllGatherMeter
     from fsdp_fp8.runtime.residency import apply_residency
 
     cpu = torch.device("cpu")

@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _forwards(model, path_policy, budget, prefetch):
-    from fsdp_fp8.runtime.collectives import AllGatherMeter
+    from fsdp_fp8.runtime.allgather_meter import AllGatherMeter
     from fsdp_fp8.runtime.residency import apply_residency, fsdp_blocks
 
     residency = apply_residency(model, path_policy, budget_bytes=budget, prefetch=prefetch)

@@ -73,7 +73,7 @@ def _observe(rank: int, world: int, uneven_dir: str) -> dict:
     from fsdp_fp8.compose.model import load_model
     from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
     from fsdp_fp8.load.meta_build import materialize, meta_init, tensors_on_meta
-    from fsdp_fp8.runtime.collectives import AllGatherMeter
+    from fsdp_fp8.runtime.allgather_meter import AllGatherMeter
 
     obs: dict = {}
     op_calls = _count_our_ops()

@@ -2,7 +2,7 @@
 
 What differs across the range and what we do (docs/compatibility.md):
 - ``torch.distributed.all_gather_single`` exists from 2.13 (FSDP2 calls it there); 2.10-2.12
-  have only ``all_gather_into_tensor`` (FSDP2 calls that): ``fsdp_fp8.runtime.collectives``.
+  have only ``all_gather_into_tensor`` (FSDP2 calls that): ``fsdp_fp8.runtime.allgather_meter``.
 - the CPU ``torch._scaled_mm`` takes per-row scales from 2.13 only: tests/distributed/test_ptq.py.
 - a torch older than 2.10 is refused when the package is imported.
 """
@@ -45,7 +45,7 @@ def _gather_without_all_gather_single(rank, world):
     """torch 2.10-2.12 as far as the collective goes: no ``all_gather_single``."""
     import torch.distributed as dist
 
-    from fsdp_fp8.runtime import collectives
+    from fsdp_fp8.runtime import allgather_meter as collectives
 
     if hasattr(dist, "all_gather_single"):  # torch 2.13: hide it, as older torch lacks it
         del dist.all_gather_single
@@ -80,7 +80,7 @@ def test_the_all_gather_fallback_is_used_and_counted_without_all_gather_single()
 def _gather_native(rank, world):
     import torch.distributed as dist
 
-    from fsdp_fp8.runtime import collectives
+    from fsdp_fp8.runtime import allgather_meter as collectives
 
     out = torch.empty(world * 4, dtype=torch.int64)
     with collectives.AllGatherMeter() as meter:
@@ -107,7 +107,7 @@ def test_the_meter_counts_each_collective_once_on_this_torch():
 def test_the_meter_replaces_no_function_of_torch_distributed():
     import torch.distributed as dist
 
-    from fsdp_fp8.runtime import collectives
+    from fsdp_fp8.runtime import allgather_meter as collectives
 
     def functions():
         return {name: getattr(dist, name) for name in collectives.NAMES if hasattr(dist, name)}

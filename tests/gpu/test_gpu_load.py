@@ -119,7 +119,7 @@ def test_uint8_all_gather_through_nccl_rebuilds_the_codes(nccl_world_1, world, r
     import torch.distributed as dist
 
     from fsdp_fp8.fp8.tensor import E4M3, make_static_fp8_weight, rebuild
-    from fsdp_fp8.runtime.collectives import all_gather_into
+    from fsdp_fp8.runtime.allgather_meter import all_gather_into
 
     device = torch.device("cuda", 0)
     codes = (torch.randn(rows, 32, generator=torch.Generator().manual_seed(world)) * 40).to(E4M3).to(device)
