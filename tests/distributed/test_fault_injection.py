@@ -126,7 +126,30 @@ def _model_state(model, failed: bool) -> dict:
         setattr(dist, name, saved)
     state["forward_s"] = time.monotonic() - t0
     state["forward_collectives"] = len(collectives)
+    if failed:
+        state |= _what_still_runs(model)
     return state
+
+
+def _what_still_runs(model) -> dict:
+    """Which modules (and their ``forward``) still compute, and the storage bytes the model holds."""
+    from fsdp_fp8 import ModelUnusableError
+    from fsdp_fp8.load.meta_build import storage_tensors
+
+    computing = []
+    for name, module in model.named_modules():
+        for call in (module, module.forward):
+            try:
+                call(torch.zeros(1, 2, HIDDEN, dtype=torch.bfloat16))
+            except ModelUnusableError:
+                continue
+            except Exception:  # noqa: BLE001 - computed something (or tried): counted
+                pass
+            computing.append(name or "(root)")
+    held = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        held += sum(x.untyped_storage().nbytes() for x in storage_tensors(t) if not x.is_meta)
+    return {"computing": sorted(set(computing)), "held_bytes": held}
 
 
 def _attempt(rank: int, world: int, case: dict) -> dict:
@@ -399,9 +422,11 @@ def _assert_untouched(record: dict, exchanges: int = 1) -> None:
 
 
 def _assert_unusable(record: dict) -> None:
+    """Its forward refuses with no collective, no module of it computes, it holds no storage."""
     model = record["model"]
     assert model["forward"].startswith("ModelUnusableError: this model did not finish loading"), model
     assert model["forward_collectives"] == 0, model
+    assert model["computing"] == [] and model["held_bytes"] == 0, model
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
