@@ -175,6 +175,28 @@ def random_fp8_linear(in_features: int, out_features: int, device, seed: int = 0
     return lin, g
 
 
+def what_still_runs(model) -> dict:
+    """After a failed or closed load: which modules of an ``UnevenModel`` (and their ``forward``)
+    still compute on a batch, and the storage bytes the model still holds."""
+    from fsdp_fp8 import ModelUnusableError
+    from fsdp_fp8.load.meta_build import storage_tensors
+
+    computing = []
+    for name, module in model.named_modules():
+        for call in (module, module.forward):
+            try:
+                call(torch.zeros(1, 2, HIDDEN, dtype=torch.bfloat16))
+            except ModelUnusableError:
+                continue
+            except Exception:  # noqa: BLE001 - computed something (or tried): counted
+                pass
+            computing.append(name or "(root)")
+    held = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        held += sum(x.untyped_storage().nbytes() for x in storage_tensors(t) if not x.is_meta)
+    return {"computing": sorted(set(computing)), "held_bytes": held}
+
+
 # --- the plan tests' small model ---------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ import torch
 from calibration import bound
 from ckpt_writer import config_json_quant, edit_header, nested_config, read_raw, set_scalar, write_index, write_raw
 from ranks import RanksFailed, run_ranks
-from small_models import HIDDEN, UnevenModel, write_uneven_checkpoint
+from small_models import HIDDEN, UnevenModel, what_still_runs, write_uneven_checkpoint
 
 WORLD_SIZES = (2, 4)
 S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))  # S3 holds every scale
@@ -127,29 +127,8 @@ def _model_state(model, failed: bool) -> dict:
     state["forward_s"] = time.monotonic() - t0
     state["forward_collectives"] = len(collectives)
     if failed:
-        state |= _what_still_runs(model)
+        state |= what_still_runs(model)
     return state
-
-
-def _what_still_runs(model) -> dict:
-    """Which modules (and their ``forward``) still compute, and the storage bytes the model holds."""
-    from fsdp_fp8 import ModelUnusableError
-    from fsdp_fp8.load.meta_build import storage_tensors
-
-    computing = []
-    for name, module in model.named_modules():
-        for call in (module, module.forward):
-            try:
-                call(torch.zeros(1, 2, HIDDEN, dtype=torch.bfloat16))
-            except ModelUnusableError:
-                continue
-            except Exception:  # noqa: BLE001 - computed something (or tried): counted
-                pass
-            computing.append(name or "(root)")
-    held = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        held += sum(x.untyped_storage().nbytes() for x in storage_tensors(t) if not x.is_meta)
-    return {"computing": sorted(set(computing)), "held_bytes": held}
 
 
 def _attempt(rank: int, world: int, case: dict) -> dict:

@@ -28,7 +28,7 @@ import torch
 from calibration import bound, slowdown
 from ckpt_writer import read_raw, set_scalar, write_index
 from ranks import run_ranks
-from small_models import HIDDEN, UnevenModel, write_uneven_checkpoint
+from small_models import HIDDEN, UnevenModel, what_still_runs, write_uneven_checkpoint
 
 S1, S3 = "model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"
 REFUSE_WITHIN_S = 5.0
@@ -116,30 +116,9 @@ def _model_fn(rank: int, case: dict, built: list):
 
 def _state(model) -> dict:
     """Which modules still compute, how much storage the model holds, and its output."""
-    from fsdp_fp8 import ModelUnusableError
-    from fsdp_fp8.load.meta_build import storage_tensors
-
     if model is None:
         return {"built": False}
-    computing = []
-    for name, module in model.named_modules():
-        for call in (module, module.forward):
-            try:
-                call(torch.zeros(1, 2, HIDDEN, dtype=torch.bfloat16))
-            except ModelUnusableError:
-                continue
-            except Exception:  # noqa: BLE001 - computed something (or tried): counted
-                pass
-            computing.append(name or "(root)")
-    held = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        held += sum(x.untyped_storage().nbytes() for x in storage_tensors(t) if not x.is_meta)
-    return {
-        "built": True,
-        "computing": sorted(set(computing)),
-        "held_bytes": held,
-        "on_meta": all(p.is_meta for p in model.parameters()),
-    }
+    return {"built": True, **what_still_runs(model), "on_meta": all(p.is_meta for p in model.parameters())}
 
 
 def _attempt(rank: int, world: int, case: dict) -> dict:
