@@ -1,19 +1,14 @@
 """Every error type fsdp_fp8 raises on purpose, and the one way problems are reported.
 
-Checks collect problems the same way throughout: a checking function takes the caller's
-``problems`` list and appends to it, and the public boundary (``open_checkpoint``,
-``plan_load``, ``export_fp8``, ``save_checkpoint``, ``quantize_model``, the ranks'
-agreement) raises once, with the sorted list of every problem, as a ``ProblemsError``
-subclass (the way safetensors' ``load_model`` reports all missing and unexpected keys
-together). ``format_problems`` is the one formatter::
+A checking function appends to the ``problems`` list its caller passes down; the public boundary
+raises once, with every problem sorted, as a ``ProblemsError`` subclass (:func:`raise_if_problems`,
+the way safetensors' ``load_model`` reports all missing and unexpected keys together).
+:func:`format_problems` is the one formatter: ``<context>: 2 problems:`` and a line per problem.
 
-    <context>: 2 problems:
-      - `a.weight` in model.safetensors has shape (2, 3) but the model expects (3, 2)
-      - `b.input_scale` in model.safetensors is -1.0; a scale must be finite and > 0
+Distributed failures are ``RuntimeError``s: ``LoadFailedError`` (agreed by every rank),
+``PeerLostError`` (a peer died or hung) and ``ModelUnusableError`` (a model whose load failed).
 
-Distributed failures are ``RuntimeError``s: ``LoadFailedError`` (some rank failed and every
-rank agreed on it), ``PeerLostError`` (a collective itself failed: a peer died or hung) and
-``ModelUnusableError`` (any module of a model whose load did not complete).
+Design: docs/design.md, "Failure model".
 """
 
 from __future__ import annotations

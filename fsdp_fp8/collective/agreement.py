@@ -1,21 +1,15 @@
 """Ranks agree before anyone mutates: all raise or none does.
 
-One pattern, in one place: ``agreement_before_changes`` is a context manager whose body runs on each rank alone
-and whose exit is the single agreement; an exception in the body is this rank's problem, not
-raised where it happened (a rank that raised alone would strand its peers in the exchange)::
+:func:`agreement_before_changes` is a context manager whose body runs on each rank alone and
+whose exit is the single agreement. An exception in the body is this rank's problem, not raised
+where it happened: a rank that raised alone would strand its peers in the exchange. In the body,
+``pending.facts`` is what the ranks must have read and built alike, and ``pending.on_refusal(fn)``
+runs ``fn`` with the error on every rank if any rank refuses.
 
-    with agreement_before_changes("cannot load DIR", timeout_s) as pending:
-        planned = plan_model(...)               # anything raised here joins the problems
-        pending.facts = planned.facts(options)  # what the ranks must have read and built alike
-        pending.on_refusal(planned.release)     # run with the error on every rank if any rank refuses
-    # here every rank passed, or every rank raised the same error
+One exchange carries each rank's problems and a SHA-256 per component of its facts; only differing
+components travel a second time. Every rank then raises the same ``CheckpointError``.
 
-One exchange carries each rank's problems and a SHA-256 per component of its facts
-(``fsdp_fp8.collective.facts``); only when digests differ does a second exchange carry those
-components' facts, so every rank can name the same differing keys and values. Every rank then
-raises the same ``CheckpointError`` (each distinct problem once, with the ranks that found it:
-``all 4 ranks: ...``, ``rank 1: ...``). The exchanges run on the gloo side group
-(``fsdp_fp8.collective.group``) with their own timeout.
+Design: docs/design.md, "The two pipelines"; docs/reliability.md, "Guarantees".
 """
 
 from __future__ import annotations

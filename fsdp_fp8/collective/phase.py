@@ -6,13 +6,10 @@
         ...  # local work only: swap, shard, materialize, read (no agreement inside)
     # here every rank succeeded, or every rank raised the same error
 
-The body's exception (any ``Exception``) is not raised where it happened: it is this rank's
-outcome. The exit exchanges every rank's outcome once (``fsdp_fp8.collective.group.exchange``);
-if any rank failed, ``model`` is marked unusable (``fsdp_fp8.collective.unusable``) and every
-rank raises the same ``error`` listing each rank's failure; if the exchange itself fails (a
-peer died or was slower than ``timeout_s``), every rank that can still raise raises a
-``PeerLostError`` and the model is marked unusable too. Without a process group the phase is
-the body, and a failure is raised the same way (``rank 0: ...``).
+The body's exception is this rank's outcome, exchanged once at the exit. On any failure ``model``
+is marked unusable and every rank raises the same error; a failed exchange is a ``PeerLostError``.
+
+Design: docs/design.md, "The two pipelines"; docs/reliability.md, "Guarantees".
 """
 
 from __future__ import annotations

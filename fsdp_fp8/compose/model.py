@@ -1,20 +1,14 @@
 """``load_model``: a checkpoint directory to a loaded, sharded model, composed top to bottom.
 
-Each step takes values and returns a value; nothing below calls back up here::
-
-    load_options  -> one frozen LoadOptions (a bad setting: ValueError, before any collective)
-    join_ranks    -> a process group under torchrun, the gloo side group (collective)
-    agreement     -> plan_model, on each rank alone: open, the ModelSpec (interop), build on meta,
-                     plan, tower map, device checks; exit: the one agreement before any change
-                     then choose_rank_reads: O_DIRECT or the page cache, threads, request size
-    prefetch      -> buffered reads only: this rank's rows hinted to the page cache while the
-                     model is set up
-    collective_phase("load"): swap FP8 linears, fully_shard, to_empty, read the rank's rows;
-                     exit: one agreement on every rank's outcome
-    LoadedModel
+Each step takes values and returns a value; nothing below calls back up here: ``load_options``,
+``join_ranks``, then ``agreement_before_changes`` around ``plan_model`` (open, the ``ModelSpec``,
+meta build, plan, towers, device checks) and ``choose_rank_reads``, then ``start_prefetch``, then
+one ``collective_phase("load")``: swap, ``fully_shard``, ``to_empty``, read the rank's rows.
 
 ``load/`` holds the steps and takes resolved values (a ``ModelSpec``, a ``LoadOptions``); it never
 imports ``interop``, which only resolves specs.
+
+Design: docs/design.md, "The two pipelines".
 """
 
 from __future__ import annotations

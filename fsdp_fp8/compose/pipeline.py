@@ -1,23 +1,15 @@
 """``load_pipeline``: a diffusers pipeline whose transformer fsdp_fp8 loaded, sharded, with its step policy.
 
-    agree_on_settings                    every rank given the same checkpoint, layout, backend, step policy,
-                                         timeout (else one ArgumentError on every rank, naming them)
-    -> check model_index.json, the pipeline class and the parallel layout (world, degrees, the
-      transformer's heads, the diffusers facts CFG-parallel and Ulysses rely on), alike on every rank
-    -> build_mesh(layout)                one mesh: weights (replicate, shard), work (request, cfg, ulysses)
-    -> load_model(transformer/)          the load over the mesh's weight dims (compose.model)
-    -> prepare_for_inference             step policy over the towers, shared FP8 inputs (runtime)
-    -> the pipeline's from_pretrained    every other component, by diffusers, from local files only (a
-                                         modular pipeline: its blocks and load_components, interop.modular)
-    -> the transformer's per-forward state (interop.forward_state): step routing, CFG pair
-       (mesh["cfg"]), Ulysses group (mesh["ulysses"]); the pipeline's request gate
-       (interop.request_agreement): each call one request, its ranks meeting at its first forward
+One function, top to bottom: ``agree_on_settings`` (the same checkpoint, layout, backend, policy
+and timeout on every rank), the checks of ``model_index.json``, the class and the layout,
+``build_mesh``, ``load_model`` over the mesh's weight dims, ``prepare_for_inference``, the
+pipeline's own ``from_pretrained`` (a modular pipeline: its blocks), then the transformer's
+per-forward state and the pipeline's request gate.
 
-Every component but the transformer is loaded by diffusers itself, from local files only
-(``local_files_only=True``, ``trust_remote_code=False``): nothing is downloaded and no code from
-the checkpoint runs. ModelOpt is not needed. A transformer forward outside a denoising step while
-a policy is installed is refused (the policy could not be applied), never run silently at the
-wrong precision.
+Every other component is loaded by diffusers from local files only (``local_files_only=True``,
+``trust_remote_code=False``): nothing is downloaded, no checkpoint code runs, no ModelOpt needed.
+
+Design: docs/design.md, "The two pipelines"; usage: docs/interop.md, "The pipeline".
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Hugging Face hub names resolved through the local cache only, never the network.
 
-    org/name             -> <hub cache>/models--org--name/snapshots/<commit of refs/main>
-    org/name@revision    -> the snapshot of that branch, tag or commit
-    .../models--org--name[@revision]   (a cache repo root) -> its snapshot, the same way
+:func:`resolve_hub_path` maps ``org/name[@revision]``, or a cache repo root
+``.../models--org--name[@revision]``, to its snapshot directory. An existing directory is always
+taken as it is. The lookup is ``snapshot_download(..., local_files_only=True)``, which makes no
+request; a snapshot not in the cache is an error saying so. ``huggingface_hub`` is imported only
+when a hub name is given.
 
-An existing directory is always taken as it is: ``org/name`` names a repo only when no such
-directory exists. The lookup is ``huggingface_hub.snapshot_download(..., local_files_only=True)``,
-which reads ``refs/`` and ``snapshots/`` and makes no request; a snapshot that is not in the
-cache is an error saying so. ``huggingface_hub`` comes with ``fsdp_fp8[hf]`` and is imported
-only when a hub name is given.
+A name never leads out of the cache: the revision, the ref file's text and the resolved snapshot
+are checked here (huggingface_hub checks none of them), and anything else is refused.
 
-A name never leads out of the cache. huggingface_hub reads ``refs/<revision>`` as a path and
-takes that file's text as the snapshot's name, checking neither, so both are checked here: the
-revision must be a commit hash or a valid git ref name (git's ``check-ref-format`` rules: no
-``..``, no component starting with ``.``, no leading ``/``), a ref file must hold a commit hash,
-and the snapshot, after resolving symlinks, must be a directory directly inside that
-repository's ``snapshots/``. Anything else is refused naming the name, the revision and where
-it would have led.
+Usage: docs/usage.md, "Inspecting and verifying a checkpoint" ("Hub names"); docs/reliability.md, "Refused".
 """
 
 from __future__ import annotations

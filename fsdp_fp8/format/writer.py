@@ -1,22 +1,15 @@
 """The one writer of ModelOpt-layout checkpoints: plan the files from shapes, then fill them.
 
-Planning needs only each tensor's key, dtype and shape, so a file layout can be fixed before
-any data exists: the dense exporter plans from a state dict, the sparse dry-run checkpoint
-from meta tensors, and the distributed save from the global shapes of a sharded model, whose
-ranks then each write their own rows at their offsets. Writing is in three steps:
+Planning needs only each tensor's key, dtype and shape, so a layout is fixed before any data
+exists. :func:`plan_checkpoint` splits tensors into shard files and lays each out as safetensors'
+own ``save`` does (the same bytes); :func:`create_files` writes the headers and sizes the files
+(data as holes); :class:`ShardWriter` puts bytes at offsets inside tensors (``os.pwrite``), from
+any rank, in any order; :func:`write_index_and_configs` writes the index and configs as ModelOpt
+0.47 lays them out. Every output is a pure function of its inputs.
 
-1. ``plan_checkpoint`` splits the tensors into shard files (``max_shard_size``) and lays out
-   each file exactly as safetensors' own ``save`` does: tensors ordered by dtype, widest
-   first (so every tensor is naturally aligned), then by key; the header is compact JSON
-   padded with spaces to a multiple of 8 bytes. The bytes are those of ``safetensors.torch.save``
-   for the same tensors (tests/unit/test_writer.py checks it).
-2. ``create_files`` writes every header and sizes every file; the data region is a hole until
-   written, so a file of holes costs no disk.
-3. ``ShardWriter.write`` puts bytes at an offset inside one tensor (``os.pwrite``); then
-   ``write_index_and_configs`` writes the index, ``config.json`` and ``hf_quant_config.json``
-   with the layout of a real ModelOpt 0.47 export (key order, indentation, newlines).
+Users: the dense exporter, the sparse dry-run checkpoint, the distributed save.
 
-Every output is a pure function of the inputs: same tensors, same configs -> same bytes.
+Design: docs/design.md, "One checkpoint writer".
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """The per-forward math of a static FP8 linear, and two faster variants that are options.
 
-Defaults (what the demo digest and every parity test are produced with):
+Defaults (what the demo digest and every parity test use): :func:`quantize_activation` is TorchAO's
+``clamp(x.float() / s, ±448) -> E4M3``; :func:`dequantize` (W8A16) rounds once to the activation
+dtype, in row chunks of at most :data:`DEQUANT_CHUNK_ELEMENTS`; :func:`fp8_gemm` is
+``torch._scaled_mm`` with ``use_fast_accum=False``, its operands as CUDA takes them.
 
-- ``quantize_activation``: TorchAO's ``_quantize_affine_float8``, ``clamp(x.float() / s, ±448)
-  -> E4M3``. Eagerly that is four kernels with F32 temporaries.
-- ``dequantize`` (W8A16): ``(codes.float() * weight_scale).to(dtype)``, one rounding to the
-  activation dtype, computed in row chunks of at most ``DEQUANT_CHUNK_ELEMENTS`` (4 Mi) elements,
-  so at most one chunk's F32 temporary (16 MiB, or one row where a row is longer) lives at a
-  time: no full-size F32 copy of the weight exists, only the activation-dtype result
-  ``F.linear`` needs.
-- ``fp8_gemm``: ``torch._scaled_mm`` with ``use_fast_accum=False``, TorchAO's call, with the
-  operands as CUDA's kernel takes them: the activation codes row-major (a copy only when a
-  transposed or channels-last input left them otherwise), the bias in the output dtype.
+:class:`KernelOptions`: ``fused=True`` compiles the same two expressions into one kernel each, the
+same bits (on CUDA with inductor's IEEE-division switch, else refused). ``fast_accum=True`` lets
+Hopper's tensor cores keep reduced-precision partial sums: not the same arithmetic.
 
-``fused=True`` compiles the same two expressions with ``torch.compile`` (inductor) into one
-kernel each: the F32 values live in registers and never in memory, and the operations and
-their order are unchanged, so the bits are the same (tests/unit/test_kernels.py checks every E4M3
-code, infinities, NaN and saturation on CPU, and that one kernel is generated). On CUDA,
-inductor lowers ``x / y`` to Triton's approximate division unless its IEEE-division switch is
-on (``torch._inductor.config.eager_numerics.division_rounding`` in torch 2.13, earlier
-``emulate_divison_rounding``): the compiled functions are built with that switch (and with
-flush-to-zero off where the torch has that switch), so a code on a rounding boundary rounds as
-eagerly; a torch with neither switch refuses ``fused`` on CUDA rather than change codes
-(tests/gpu/test_gpu_kernels.py compares every code on a GPU).
-``fast_accum=True`` passes ``use_fast_accum=True`` to ``torch._scaled_mm``: on Hopper the FP8
-tensor cores then keep partial sums in their own reduced-precision accumulator instead of
-promoting them to F32 along K; the CPU kernel has one accumulation and ignores it. Its error
-against an F32 reference is measured by bench/kernels.py (docs/benchmarks.md).
+Design: docs/step-policy.md, "Kernel variants (the same arithmetic unless stated)".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The aten ops FSDP2 runs on a ``StaticFloat8Tensor``, in one table, registered on import
 through TorchAO's own API (``StaticFloat8Tensor.implements``).
 
-FSDP2 shards a parameter with ordinary aten ops (``torch.chunk`` -> split, ``new_zeros``,
-``narrow`` -> slice, ``copy_``, ``view(-1)``, ``as_strided`` when it unpads the gathered
-rows), and ``to_empty`` / ``.to()`` run ``empty_like`` / ``_to_copy``; its CPU offload
-(``CPUOffloadPolicy``) adds ``is_pinned`` / ``_pin_memory`` and a ``non_blocking`` ``_to_copy``
-to the device before each all-gather. The subclass
-inherits TorchAO 0.18's op table (``__init_subclass__`` copies it), and TorchAO's entries for
-``detach``, ``clone``, ``copy_`` and ``t`` serve static tensors as they are. For the ops in
-``FSDP_OPS`` TorchAO's entry fails on them, or there is none; the comment on each says how.
-``FAST_OPS`` replaces two correct TorchAO entries that FSDP2 runs on every parameter by
-cheaper ones with the same results (set-up cost, bench/setup_cost.py).
-tests/distributed/test_fsdp_ops.py drives every entry through FSDP2 on gloo ranks and shows the same
-flow failing with TorchAO's own entry put back.
+FSDP2 shards, pads, unpads and materializes a parameter with ordinary aten ops. The subclass
+inherits TorchAO 0.18's op table; :data:`FSDP_OPS` holds the ops where TorchAO's entry fails on a
+static tensor, or is missing (the comment on each says how), :data:`OFFLOAD_OPS` those of FSDP2's
+CPU offload, and :data:`FAST_OPS` cheaper entries, with the same results, for two that FSDP2 runs
+on every parameter. Our entries live in the subclass's table only: TorchAO's own class is left as
+TorchAO made it. tests/distributed/test_fsdp_ops.py tests every entry.
 
-Our entries live in the subclass's table only, so TorchAO's ``PrototypeFloat8Tensor`` (and
-any per-row or block-wise instance of it) is left exactly as TorchAO made it.
+Design: docs/design.md, "An FP8 weight, sharded, padded and gathered" ("Its op table").
 """
 
 from __future__ import annotations

@@ -2,19 +2,13 @@
 ``PrototypeFloat8Tensor`` that owns its FSDP2 all-gather hooks. The W8A8 / W8A16 math on
 these weights is in ``fsdp_fp8.fp8.kernels``.
 
-ModelOpt convention (docs/checkpoint-format.md): the weight is stored as E4M3 codes with one F32
-``weight_scale``; activations are quantized with the calibrated ``input_scale``:
-``x_q = clamp(x / input_scale, -448, 448).to(e4m3)``. Scales are held as (1, 1) tensors
-because TorchAO's ``from_hp(scale=...)`` requires ``scale.ndim == input.ndim`` for the
-2-D activations we feed it; the checkpoint's 0-d scales are reshaped on load and back
-on export.
+The weight is E4M3 codes with one F32 ``weight_scale``; activations use the calibrated
+``input_scale``. Scales are held as (1, 1) tensors, as TorchAO's ``from_hp`` wants for 2-D inputs.
+A subclass, not TorchAO's class itself, so the FSDP2 ops (``fsdp_fp8.fp8.ops``) and hooks apply to
+our tensors only: a per-row or block-wise ``PrototypeFloat8Tensor`` is never gathered as ours.
 
-Why a subclass rather than registering on ``PrototypeFloat8Tensor`` itself: the ops FSDP2
-needs (``fsdp_fp8.fp8.ops``) and the all-gather hooks below then apply to our tensors only.
-A ``PrototypeFloat8Tensor`` of another granularity (per-row, block-wise) in the same
-process keeps every TorchAO behaviour and has no FSDP2 hooks, so it is never gathered as if
-its scales were per tensor. torchao's ``WeightWithDynamicFloat8CastTensor`` keeps its FSDP
-hooks as methods of the class that owns them in the same way.
+Format: docs/checkpoint-format.md; design: docs/design.md, "An FP8 weight, sharded, padded and
+gathered".
 """
 
 from __future__ import annotations

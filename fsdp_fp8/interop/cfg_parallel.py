@@ -1,41 +1,15 @@
 """Classifier-free-guidance parallelism: the two passes of one step on the two ranks of a pair.
 
-Under FSDP every rank runs whole requests, so one prompt on two GPUs runs its conditional and
-its unconditional pass on both. With CFG-parallel, two ranks form a pair that serves one
-request (the layout's ``cfg`` mesh dim: ``(2k, 2k + 1)``; with Ulysses groups, the ranks at one
-Ulysses rank of a request's two groups: ``runtime.parallel_layout``): at each denoising step the
-pair's cfg rank 0 runs the conditional pass, its cfg rank 1 the unconditional pass, at the same
-time, and the two predictions are exchanged in one all-gather over the pair (a few hundred KB for a 720p video's latent; the weights' all-gathers
-stay FSDP's). Each rank computes one pass per step instead of two. FSDP's collectives stay in
-lockstep: both passes run the same blocks in the same order, only the sequence lengths differ.
+The pair is the layout's ``cfg`` mesh dim (``CfgPair.of(mesh)``). At each step cfg rank 0 runs
+the conditional pass and cfg rank 1 the unconditional one, at once; one all-gather over the pair
+exchanges the predictions. The latents are bit-identical to the sequential loop's.
 
-Each pass is the same computation on the same inputs as in the sequential loop (one packed
-sequence of batch 1; ``Cosmos3OmniPipeline`` never batches cond and uncond together), so the
-latents are bit-identical to the sequential run's.
+The pipeline is not modified. Step 0 runs both passes on every rank and records the uncond pass's
+step-invariant inputs; from step 1, cfg rank 1 runs that pass inside the "cond" call. A call whose
+inputs are not the recorded objects raises ``RuntimeError``. ``diffusers_problems`` checks the
+per-step keywords (:data:`PER_STEP`) against diffusers' signatures before the load.
 
-The pipeline (``Cosmos3OmniPipeline``, diffusers 0.42) is not modified. It names each pass
-through ``transformer.cache_context("cond" | "uncond", step_index=i, ...)`` and calls
-``self.transformer(**kwargs)`` inside it, once per pass. The uncond pass's step-invariant
-inputs (token ids, positions, sequence indexes) exist only as the pipeline's locals and are
-first handed over at step 0's uncond call, so:
-
-- step 0 runs both passes on every rank, as the sequential loop does, and records the uncond
-  call's step-invariant keyword arguments;
-- from step 1 the pair's cfg rank 1 runs, inside the "cond" call, the uncond pass on the recorded
-  inputs with this step's latent and timesteps (:data:`PER_STEP`); both ranks exchange; the
-  "uncond" call returns the exchanged prediction without running the model.
-
-The transformer's one subclass of ours (``interop.forward_state``) asks its state's
-:class:`CfgPair` at each call whether to run the model or to return the partner's prediction;
-its ``cache_context`` tells the pair which pass of which step runs. Before it substitutes
-anything the pair checks that
-the call's step-invariant inputs are the very objects recorded at step 0 and that both calls
-of a step receive the same latent and timesteps, and refuses (``RuntimeError``) otherwise: a
-pipeline that changed how it packs its passes is not guessed at. Which keywords change per step
-is a fact about diffusers' transformer and pipeline: ``diffusers_problems`` checks it against
-their signatures before the load (every keyword of the transformer's ``forward`` is classified as
-per step or step-invariant, and the pipeline's per-step latents are the modalities of
-:data:`PER_STEP`), so an upgrade that adds a per-step input is refused, not computed wrong.
+Design: docs/interop.md, "CFG-parallel"; docs/design.md, "One per-forward state".
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """One per-forward state for a diffusers pipeline's transformer, read by one subclass of ours.
 
-diffusers pipelines call every transformer pass inside ``transformer.cache_context(name,
-step_index=i, num_inference_steps=n, ...)`` (``Cosmos3OmniPipeline``: ``"cond"``, then
-``"uncond"`` under classifier-free guidance) and then ``self.transformer(**kwargs)``. fsdp_fp8
-gives the loaded transformer one subclass of its class, made once per class
-(``Pipelined<Class>``, as ``fully_shard`` makes ``FSDP<Class>``), whose methods read the
-transformer's ``PipelineState`` (kept in ``PIPELINE_STATE``, weakly, by the transformer):
+``attach_pipeline_state`` swaps the transformer's class once, at load, for ``Pipelined<Class>``
+(made once per class, as ``fully_shard`` makes ``FSDP<Class>``). Its methods read the
+:class:`PipelineState` in ``PIPELINE_STATE``: ``cache_context`` sets the step's precision,
+``__call__`` meets the request's peers and asks the CFG pair, ``_cp_shard_fn`` / ``_cp_gather_fn``
+split the tokens for Ulysses, ``_run_decoder_stack`` asks the step cache.
 
-- ``cache_context``: the generation tower at the step's precision (``runtime.precision``) for
-  the pass, W8A8 again on exit; the trace records each step once; under CFG-parallel the pair
-  learns which pass runs (``interop.cfg_parallel``).
-- ``__call__``: the first forward of a request first meets the request's peers
-  (``interop.request_agreement``: its gate); with a step policy installed, a forward outside a
-  step is refused (before FSDP's own pre-forward hook gathers anything); under CFG-parallel the
-  pair decides whether to run the model or hand back the partner's prediction.
-- ``_cp_shard_fn`` / ``_cp_gather_fn`` (the seams ``Cosmos3OmniTransformer.forward`` offers
-  around its decoder stack): under Ulysses the state's Ulysses group splits and re-joins the
-  generation tokens (``interop.ulysses``); otherwise they return their inputs.
-- ``_run_decoder_stack``: with a step cache (``interop.step_cache``), the step's decision, taken
-  by every rank at the step's first ``__call__``: the stack runs, or its cached output is returned.
+The precision is a pure function of ``(i, n)``, so both guidance passes and every rank agree. A
+step begins at a new ``(i, n)`` or a new request (the gate's serial), whatever the scheduler.
 
-The precision is a pure function of ``(i, n)``, so both guidance passes of one step, and every
-rank, agree. A step begins at a new ``(i, n)`` or with a new request: the pipeline's own
-``__call__`` opens each request on the gate (its serial), so the next request at the same
-``(i, n)`` (two one-step requests) is a new step whatever scheduler the pipeline holds. Nothing
-is set on the instance: the class is swapped once, at load, and the state is the one value every
-per-forward behaviour reads.
+Design: docs/design.md, "One per-forward state".
 """
 
 from __future__ import annotations

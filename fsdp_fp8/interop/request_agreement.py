@@ -1,28 +1,15 @@
-"""One request, agreed: every call of a pipeline ``load_pipeline`` returned is one request, and
-its ranks meet once before its first transformer forward.
+"""One request, agreed: each call of a pipeline from ``load_pipeline`` is one request, whose ranks
+meet once, before its first transformer forward.
 
-The pipeline ``load_pipeline`` returns is of one subclass of ours (made once per class, as
-``fully_shard`` makes ``FSDP<Class>``, but keeping the class's name) whose ``__call__`` opens a request on the
-pipeline's ``RequestGate``: a new serial (what tells the transformer's per-forward state that a
-new request begins: ``interop.forward_state``; a scheduler swapped between calls changes
-nothing) and, under CFG-parallel or Ulysses, the call's fingerprint. The ranks then meet at the
-request's first transformer forward, before FSDP gathers anything, in one exchange over the gloo
-agreement group (``fsdp_fp8.collective.exchange``):
+``attach_request_gate`` gives the pipeline one subclass of ours (made once per class, keeping the
+class's name). Its ``__call__`` opens a request on the :class:`RequestGate`: a new serial and,
+when a request spans several ranks, a fingerprint of every argument. The meeting is one exchange
+over the gloo agreement group (``fsdp_fp8.collective.exchange``).
 
-- under CFG-parallel or Ulysses the ranks of one request are trusted to pass it the same request.
-  A rank given another prompt, seed, size or step count does not fail by itself: the latents blend
-  silently, or one rank runs a step its partner does not and a collective hangs. So every argument
-  of the pipeline's ``__call__``, defaults applied, is one field of a fingerprint: a 16-byte BLAKE2b
-  digest of its value (text, numbers, tensors' and images' bytes, a generator's state) and a short
-  form for messages (``SHOWN`` bytes). The arguments that only say what this rank hands back
-  (``LOCAL``: the output type, the step callback) are not compared. A difference is one
-  ``RequestMismatchError`` on every rank of the world, naming each field and the ranks on each side;
-- a rank whose call failed before its first forward (a bad input, an error in the pipeline's own
-  preparation) meets the others with its error instead: every rank raises one
-  ``RequestAbortedError`` naming it, and nobody goes on into a collective its peers never reach.
+Ranks given different requests raise one ``RequestMismatchError`` each, naming the fields. A rank
+whose call failed before its first forward brings its error: every rank raises ``RequestAbortedError``.
 
-Everything before the first forward (checking inputs, encoding conditioning, drawing noise) is each
-rank's own: the meeting is the first thing the ranks of a request do together.
+Reliability: docs/reliability.md, "The ranks of one request agree on it".
 """
 
 from __future__ import annotations

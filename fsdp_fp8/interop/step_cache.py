@@ -1,41 +1,15 @@
 """Step caching (diffusers' SeaCache) that holds across ranks: one decision per request and step,
 and every rank of an FSDP shard group running the same blocks.
 
-diffusers 0.42.1 ships SeaCache for ``Cosmos3OmniTransformer`` (``hooks/sea_cache.py``): before the
-decoder stack of a pass it builds an indicator from the pass's raw vision latents (a spectral
-filter at the step's sigma), adds the relative L1 change since the last step to a budget, and
-while the budget stays under ``threshold`` it skips the stack, returning the input plus a cached
-(extrapolated) residual. Its hook refuses our case: with FSDP-managed blocks it computes every
-step ("cannot safely bypass FSDP-managed transformer blocks"), and elsewhere it votes over the
-default process group, which would tie requests that share nothing but their weights.
+:class:`StepCache` uses diffusers' own indicator, gate and config (:data:`SEA_CACHE_NAMES`); only
+who decides and who runs changes. At each step's first transformer call every rank votes, in one
+all-gather of one int32 per rank (:class:`Voters`). A request computes when any of its ranks votes
+so; a shard group runs its blocks when any request on it computes.
 
-Here the indicator, the gate (metric, budget, retention and end steps, the most cached steps in a
-row) and the config are diffusers' own objects (:data:`SEA_CACHE_NAMES`); what changes is who
-decides and who runs::
+A step is served only from residuals of its own precision (``runtime.precision``). A request's
+output is its one-rank cached output at any layout.
 
-    each step's first transformer call, on every rank (before FSDP gathers anything):
-      vote  = diffusers' gate on the request's indicator, or "compute" when no residual of this
-              step's precision is at hand                               (the same on every rank
-                                                                         of a request: the
-                                                                         indicator is built from
-                                                                         the whole latents)
-      votes = one all-gather of one int32 per rank over the world        (one collective per step)
-      the request computes  = any vote of its ranks (its CFG pair and Ulysses group)
-      the blocks run        = any vote of its shard group's ranks (FSDP's all-gathers are collective)
-    each pass's decoder stack:
-      blocks run, request computes   -> the output, its residual recorded
-      blocks run, request reuses     -> the blocks run for the peers; their output is dropped and
-                                        the request's own cached output returned (nothing recorded)
-      blocks skipped                 -> the cached output
-
-The step policy (runtime.precision): a step is served from the cache only when the last step
-the request computed ran at the same precision, and its extrapolation uses only the residuals of
-that precision; a W8A16 step is never served from a W8A8 residual, nor the reverse.
-
-Bits: the indicator is built from the transformer call's whole latents (before the Ulysses split),
-so every rank of a request computes the same vote; the residuals are elementwise on each rank's
-rows. A request's cached output is therefore its one-rank cached output at any layout, whatever
-its neighbours on the shard group decide.
+Usage and rules: docs/usage.md, "Step caching (`--cache seacache`)".
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """Ulysses attention for diffusers' ``Cosmos3OmniTransformer``: the ranks of a Ulysses group (the
-layout's ``ulysses`` mesh dim) split the generation tokens of one pass, bit for bit what one rank
-computes (DeepSpeed-Ulysses: all-to-alls swap a rank's rows of every head for every row of its heads).
+layout's ``ulysses`` mesh dim) split the generation tokens of one pass, bit for bit one rank's.
 
-Cosmos 3 packs one sequence per pass: a short causal text ("understanding") prefix and the long
-vision ("generation") part. The transformer offers two seams around its decoder stack
-(``_cp_shard_fn``, ``_cp_gather_fn``; the pipeline transformer's one subclass of ours calls
-``shard`` / ``gather`` below through them, ``interop.forward_state``), and each attention layer
-(``Cosmos3PackedMoTAttention``) takes a processor (``set_processor``): diffusers' own
-context-parallel path refuses causal and GQA attention, so the attention is this module's
-processor, found by type and checked against diffusers' (``diffusers_problems``).
+:class:`Ulysses` splits and re-joins the tokens at the transformer's ``_cp_shard_fn`` /
+``_cp_gather_fn`` seams. ``install_ulysses`` sets this module's processor on each attention layer,
+found by type: diffusers' context-parallel path refuses causal and GQA attention. Two all-to-alls
+per layer swap a rank's rows of every head for every row of its heads; the text stays whole.
 
-::
+Bits: a rank's slice is at least 16 rows (``ulysses_rows``); on CPU a one-head share runs as a
+batch of two (:func:`full_attention`). Tensors travel as ``uint8`` bytes.
 
-    gen rows (L)  ──pad to U x chunk──▶ rank u keeps rows [u x chunk, (u + 1) x chunk)    (shard)
-    every decoder layer, on each rank:
-      text rows: whole, every head (the causal pathway, as one rank runs it)
-      gen rows:  q/k/v of its rows, every head ──all-to-all──▶ every row, heads / U
-                 (keys and values: the text keys for those heads + every real gen row;
-                  the padded rows are dropped, never masked)
-                 attention ──all-to-all──▶ its rows, every head ──▶ to_add_out, MLP
-    gen rows of every rank ──all-gather──▶ the L real rows on every rank               (gather)
-
-Bits: every linear sees a row slice of what one rank sees, and ``F.linear`` in 16 bits gives
-any row slice the full result's bits on CPU, as ``torch._scaled_mm`` (W8A8) does from 12 rows;
-a rank's slice is therefore at least 16 rows (padded; ``runtime.parallel_layout.ulysses_rows``),
-and a pass shorter than that stays whole on the group's first rank. Attention per head is the same
-computation on the same rows, as long as the kernel does each head's work the way it does in one
-rank's call of every head: torch's CPU SDPA splits a call into (batch, head, query block) items
-and runs each item's GEMMs on one thread when there are several, multi-threaded when the call is a
-single item, which rounds differently; a rank whose share is one head therefore sends it as a batch
-of two (``full_attention``). Norms and rotary embeddings act per row. The text pathway is computed whole, alike, on every rank. The q/k/v
-projections of one pathway receive the same tensor object, as in diffusers' processor, so the
-shared FP8 quantization of one input still happens once (``fp8.shared_inputs``).
-
-Collectives: tensors travel as bytes (``uint8`` views: gloo takes no bfloat16 or float8; NCCL
-takes the same calls) into contiguous buffers made for them.
+Design: docs/design.md, "Ulysses: one pass over several ranks".
 """
 
 from __future__ import annotations

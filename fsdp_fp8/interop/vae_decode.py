@@ -1,31 +1,15 @@
 """diffusers' tiled VAE decode split over the ranks of one request, bit for bit the one-rank result.
 
-``AutoencoderKLWan.tiled_decode`` (diffusers 0.42.1, after ``enable_tiling()``) cuts the latent
-into overlapping spatial tiles, decodes each tile alone through every frame (its own causal
-cache, cleared before it), then blends each tile with the one above and the one to its left and
-crops the overlaps. A tile's decode reads nothing of another tile, so it is the same computation
-on whichever rank runs it; only the blend needs them all, and it runs where diffusers runs it::
+A tile of ``AutoencoderKLWan.tiled_decode`` reads nothing of another tile, so any rank may decode
+it. Tiles go largest first to the least-loaded rank (:func:`assign_tiles`). The writer (the rank
+that saves the request) gathers them and blends with diffusers' own ``blend_v`` / ``blend_h``.
+Only the writer holds the whole video; the others return None.
 
-    latent tiles (row-major)  ──assign: largest first, to the least-loaded rank──▶ rank r's tiles
-    every rank:   decode its tiles, exactly as tiled_decode's loop does
-    the writer:   ◀── every other rank's tiles (shapes, then the bytes, one send per rank)
-                  blend_v / blend_h (diffusers' own), crop, unpatchify, clamp   = vae.decode(z)
-    the others:   their tiles freed once sent; they return None
+The ranks compare the latent and tile settings before any transfer, and every decode's failure
+after it, so all raise alike, never hang. On CPU the decode runs on one intra-op thread
+(:func:`one_thread_on_cpu`). tests/distributed/test_vae_decode.py guards diffusers' private seams.
 
-Only the writer (the rank that saves the request) holds the whole video. Before the first
-transfer every rank of the group exchanges one fixed-size signature (latent shape, dtype, tile
-settings) and raises the same ``ValueError`` if any differs; after the decode every rank
-exchanges its tiles' shapes and whether its decode failed, so a rank that failed (out of memory)
-makes every rank raise, never hang in a send. Tiles travel as bytes (``uint8`` views: gloo takes no
-bfloat16; NCCL takes the same calls).
-
-diffusers' private seams this relies on (``clear_cache``, ``_feat_map``, ``_conv_idx``,
-``tile_sample_*``, ``blend_v`` / ``blend_h``, ``unpatchify``) are guarded by
-tests/distributed/test_vae_decode.py: the split result equals ``vae.decode`` with tiling on, byte for byte.
-
-On CPU the decode runs on one intra-op thread (``one_thread_on_cpu``): oneDNN's convolutions
-round by how their work is split over threads, so a one-rank run on every core would give other
-frames than ranks of one thread each (torchrun's default), while the latent is the same.
+Design: docs/interop.md, "The VAE decode over a request's ranks".
 """
 
 from __future__ import annotations

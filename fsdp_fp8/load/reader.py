@@ -1,22 +1,15 @@
 """The rank-slice loader: each rank reads only its own rows, straight into its local storage.
 
-Reading is purely local (no collective per tensor): a rank works out which rows of each
-tensor its DTensor shard owns (``torch.chunk`` semantics, uneven and empty shards
-included), and reads exactly those bytes from the safetensors files into the shard's storage,
-all of them as one schedule (``fsdp_fp8.reading.read_schedule``: sorted by file and offset,
-adjacent ranges coalesced into one ``preadv``, a small thread pool) and, when the storage is on
-an accelerator, through one ring of host buffers allocated once (``fsdp_fp8.reading.staging``);
-the per-tensor scales are filled from memory. One small collective at the end makes every rank agree on the outcome,
-so a failure on any rank raises on all of them and no rank keeps a half-loaded model.
-If that collective itself fails (a peer died mid-load) or times out (a peer hangs; bounded
-by the agreement timeout, ``fsdp_fp8.collective``), this rank marks the model unusable and
-raises a ``PeerLostError`` saying so: the model is never left usable after a failed load.
+:func:`read_rows` works out which rows of each tensor this rank's DTensor shard owns (``torch.chunk``
+semantics, uneven and empty shards included) and reads exactly those bytes as one schedule
+(``fsdp_fp8.reading.read_schedule``), through the staging ring when the storage is on an
+accelerator. Scales are filled from the values ``open_checkpoint`` checked, never read again.
 
-What is read is checked in the same pass, on the rank that read it: the FP8 codes of every
-weight for the two E4M3 NaN patterns (ModelOpt saturates to +-448 and never writes them), on
-the device that holds them. Scales are not read again: the values ``open_checkpoint`` checked
-are used. After the last read every shard is checked to be the file that was validated
-(``Checkpoint.changed_files``).
+Reading is purely local; :func:`load_checkpoint` runs it in one ``collective_phase``, so a failure
+on any rank raises on all and leaves the model unusable. The FP8 codes are checked for E4M3's NaN
+patterns in the same pass, and every shard is checked to be the file that was validated.
+
+Design: docs/design.md, "Data flow" and "The reader"; docs/reliability.md, "Guarantees".
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """Letting a loaded model go: every storage the load made freed at once, the model refusing to run.
 
-FSDP2 keeps a module and its state in reference cycles (the param group holds its modules, the
-modules' hooks hold the state), so a dropped model keeps its memory until Python's cycle
-collector happens to run. ``release_model`` does not wait for it: it frees the bytes in place,
-through every object that holds them, and leaves only the (small) Python objects to the
-collector. What holds bytes after a load and a forward:
+FSDP2 keeps a module and its state in reference cycles, so a dropped model keeps its memory until
+Python's cycle collector runs. :func:`release_model` frees the bytes in place: every parameter and
+buffer, FP8 codes and scales, FSDP2's padded shards, gathered parameters and all-gather outputs,
+and cached activation codes. Each storage is resized to zero bytes, so the bytes go even while
+something still references the tensors. Local work, no collective: every rank closes.
 
-- the parameters the modules have registered (sharded ones, or, on a module FSDP2 keeps
-  gathered after a forward, the root's included, the unsharded ones);
-- FSDP2's own copies: each ``FSDPParam``'s padded shard (``_sharded_param_data``, which the
-  registered ``DTensor``'s local tensor views only while the module is resharded), its
-  all-gather outputs and unsharded parameter, a group's pending all-gather result;
-- buffers, and the inner tensors of a tensor subclass (FP8 codes and scales);
-- a ``SharedActivation``'s cached codes (``fsdp_fp8.fp8.linear``) left by a forward that
-  stopped half-way through a group.
+On the host :func:`trim_host_heap` (``malloc_trim(0)``) hands glibc's freed blocks back to the OS.
 
-Each storage is resized to zero bytes (as FSDP2 frees its own all-gather outputs), so the bytes
-go even while the user, a pipeline or a cycle still references the tensors. This is local work:
-no collective, each rank frees its own storage; a rank whose peers still run the model would
-strand them in their next all-gather, so every rank closes (as every rank loads).
-
-On the host, glibc keeps freed blocks of up to 32 MiB in its heap for reuse, not in the
-process's resident set only when asked: ``malloc_trim(0)`` hands them back (measured: without
-it, most of a closed model's bytes stayed resident; docs/benchmarks.md). On CUDA, the freed
-blocks go back to torch's caching allocator (``torch.cuda.memory_allocated`` drops;
-``torch.cuda.empty_cache()`` returns them to the driver).
+Usage and measurements: docs/usage.md, "Using your own checkpoint and model from Python"
+("Letting a model go"); docs/reliability.md, "Guarantees".
 """
 
 from __future__ import annotations

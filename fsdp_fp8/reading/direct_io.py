@@ -1,23 +1,15 @@
 """Reads that bypass the page cache: ``O_DIRECT`` into aligned host memory, then one copy out.
 
-Why: a buffered cold read costs the kernel a page-cache page per 4 KiB, the readahead that fills
-it and the copy out of it; at W ranks on few cores that is the load's CPU bill, and the pages then
-crowd the cache for nothing (each rank reads its rows once). ``O_DIRECT`` has the device write
-into our memory instead, so the reader's CPU goes to one ``memmove`` per byte (GIL released).
+A buffered cold read costs the kernel a page-cache page per 4 KiB, its readahead and the copy
+out; at W ranks on few cores that is the load's CPU bill. With ``O_DIRECT`` the device writes
+into our memory: :func:`read_direct` widens a request to :data:`ALIGN` at both ends, reads it
+into the worker's aligned :class:`Bounce` buffer, then one ``memmove`` per piece fills its rows.
 
-    request (file-adjacent pieces, any offsets)
-      │ widen to ALIGN: [offset rounded down, end rounded up)   (<= 2 * ALIGN extra bytes)
-      ▼
-    preadv(direct fd) into the worker's aligned bounce buffer (allocated once per worker)
-      │ memmove each piece's bytes to its rows (``read_direct``)
-      ▼
-    bytes delivered: fewer only where the file ended (a short read, refused as today)
+A shard's rows sit at any offset, so they cannot take a direct read in place; a staging slot is
+laid out by us and takes the span itself (:func:`read_span`). The descriptor is a second one on the
+validated open file (``OpenFile.open_direct``), never the path.
 
-A shard's rows sit at any byte offset of storage the allocator chose, never aligned with the
-file, so the device writes into a bounce buffer, not into them. A staging slot is laid out by
-us: the span is read straight into it (``read_span``; ``staging.StagingRing.landing``). ``ALIGN`` is 4096: above every logical block
-size in use (512 or 4096), so one value works on every device. The descriptor is a second one on
-the validated open file (``OpenFile.open_direct``), never the path.
+Design: docs/design.md, "The reader" (the ``O_DIRECT`` bullet).
 """
 
 from __future__ import annotations

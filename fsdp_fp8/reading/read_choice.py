@@ -1,22 +1,15 @@
 """How this rank will read, chosen before the first read: ``ReadOptions`` with nothing left open.
 
-    direct   O_DIRECT where the files are on a local block device (a network or FUSE file system
-             reads past the page cache without readahead, one round trip per request; btrfs and
-             ZFS name an anonymous device too, so they get the page cache unless asked), every
-             file takes it (an aligned probe read through a second
-             descriptor on the validated file) and the rank's rows are not in the page cache
-             already (``mincore`` of the pages where a few of its ranges start: a warm cache is
-             served faster from memory than by the device again); ``direct=True`` where a file
-             refuses it is a problem, raised before any read
-    threads  4; 2 where the block device (``/sys/dev/block/MAJ:MIN/queue``) says it is rotational
-             and is not virtual (virtio disks say rotational whatever backs them). Measured on
-             a virtio disk at W=2 (docs/benchmarks.md): 4 beat 2 for O_DIRECT, 8 did not beat 4
-    request  twice the device's largest single transfer (``max_sectors_kb``), within 1-16 MiB
-             (8 MiB where the device does not say): a request the block layer splits in two
-             keeps two transfers queued per worker
+:func:`choose_reads` decides, from the options, the page cache and the block device
+(:class:`BlockQueue`): ``O_DIRECT`` where the files are on a local block device, every file takes
+it and the rank's rows are not already cached (``mincore``); 4 threads, 2 on a rotational device
+that is not virtual; requests of twice the device's largest transfer, within 1-16 MiB.
 
-Each value ``ReadOptions`` fixes is kept as given. ``ReadChoice.why`` says in one line what will
-run and why; the load report carries it.
+Each value ``ReadOptions`` fixes is kept as given; ``direct=True`` where a file refuses it is a
+problem, raised before any read. ``ReadChoice.why`` says in one line what will run and why; the
+load report carries it.
+
+Design: docs/design.md, "The reader" ("How a rank reads is chosen before its first read").
 """
 
 from __future__ import annotations

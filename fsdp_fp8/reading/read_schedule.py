@@ -1,28 +1,15 @@
-"""A rank's reads as one schedule: sorted by file and offset, file-adjacent ranges coalesced
-into one ``preadv`` with several destination buffers, run by a small thread pool with a
-bounded number of requests in flight.
+"""A rank's reads as one schedule: sorted by file and offset, file-adjacent ranges coalesced into one
+``preadv``, run by a small thread pool with a bounded number of requests in flight.
 
-    pieces (key, file offset, bytes, destination)      plan order
-      │ split: no piece above its request limit
-      │ sort by (file, offset); merge where one ends at the next's offset (same descriptor)
-      ▼
-    requests: one preadv each, <= request_bytes (staged: <= one ring slot), <= MAX_BUFFERS buffers
-      │ at most ``in_flight`` submitted and unfinished; a staged request waits for a free slot
-      ▼
-    ``threads`` workers: slice_reader.preadv_into on the shard's held descriptor (GIL released),
-      or, with ``direct``, on its O_DIRECT twin: into the request's staging slot itself (aligned:
-      ``Stage.landing``), else through the worker's aligned bounce buffer (``direct_io.read_direct``)
+:func:`schedule` turns pieces (key, file offset, bytes, destination) into requests of at most
+``request_bytes`` and :data:`MAX_BUFFERS` buffers; :func:`run` hands them to ``threads`` workers,
+at most ``in_flight`` at once, each on the descriptor ``open_checkpoint`` validated.
 
-Why: a plan walks tensors in model order, which jumps between shards and offsets, and one
-synchronous read at a time leaves the storage queue (and, warm, the other cores) idle. Each
-worker reads through the descriptor ``open_checkpoint`` validated (``OpenFile``): one per shard,
-shared by every thread (``preadv`` carries its own offset).
+A short read or an ``OSError`` is a problem naming the key and file, and stops new submissions.
+Nothing is raised before every submitted read has finished: no worker is left writing into
+storage a caller is about to free.
 
-Failures: a short read (the file ended: truncated since it was checked) is a problem naming
-the key, the file and both byte counts; an ``OSError`` is a problem naming the key, file and
-offset; either stops new submissions. Any other exception is re-raised. In every case nothing
-is raised before every submitted read has finished: no worker is left writing into storage a
-caller is about to free.
+Design: docs/design.md, "The reader".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""Staging: how reads into accelerator memory (and the save's writes out of it) pass through
-host memory. The sizes (``staging_rows``, ``staging_ring``, ``STAGING_SLOTS``: pure
-arithmetic, which the forecast uses too) and the ring itself (``StagingRing``).
+"""Staging: how reads into accelerator memory (and the save's writes out of it) pass through host
+memory. The sizes (:func:`staging_rows`, :func:`staging_ring`, :data:`STAGING_SLOTS`: pure
+arithmetic, which the forecast uses too) and the ring itself (:class:`StagingRing`).
 
-    read (worker) ─▶ slot k (pinned) ─copy_(non_blocking) on a side stream─▶ device rows
-                     event k recorded after the copy; slot k is reused only after event k
+A read lands in slot k, which is copied to the device (``non_blocking``, on a side stream); slot k
+is bound again only after that copy's event. The ring is allocated once per load, so host memory
+for an accelerator load is the ring, never a buffer per tensor. Slots are pinned only where CUDA
+is available. With ``O_DIRECT`` the device writes straight into the slot
+(``StagingRing.landing``): no bounce buffer, no host copy.
 
-With ``O_DIRECT`` the device writes straight into the slot, with no bounce buffer and no copy on
-the host: a slot starts ``ALIGN``-aligned and holds ``2 * ALIGN`` bytes more than its share of
-the budget, and a request's bytes are laid out from ``offset % ALIGN`` in it
-(``StagingRing.landing``: the aligned span the read covers). So a GPU load's host CPU per byte is
-the read's own (the pages of a slot are faulted in once, on its first use). Pinned memory a
-direct read cannot pin (``EFAULT`` / ``EINVAL``) sends that load's reads through the bounce
-buffer instead, with one warning (``read_schedule``).
-
-Allocated once per load (``staging_ring``: ``ReadOptions.staging_bytes`` in all,
-``STAGING_SLOTS`` slots), so host memory for an accelerator load is the ring, never a buffer
-per tensor; while one slot is copied to the device the next ones are being read. Slots are
-pinned only where CUDA is available (pinned memory needs a CUDA context, and a pageable source
-makes ``non_blocking`` copies synchronous). Without CUDA the same ring runs with plain host
-buffers and synchronous copies: the tests drive it into CPU (and meta) destinations.
+Design: docs/design.md, "The reader" (the staging ring bullet).
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Stalled peers named: a heartbeat over the job's store while the ranks generate.
 
-A rank that stops answering in the middle of generation (stopped by SIGSTOP, swapped out,
-wedged in a driver call) leaves its peers waiting inside a collective, where the backend
-either waits out the process-group timeout (``--timeout``, ten minutes by default) or, on
-gloo, ends with ``Timed out waiting ... for send operation to complete``, naming no rank.
-Instead, inside ``watch_peers()`` every rank publishes a beat to the default process group's
-store (torchrun's, served by its agent, outside every rank) each ``interval_s``, and watches
-every other rank's beats: a peer whose beat has not changed for ``stall_s`` is named by rank,
-host and pid, and every live rank exits non-zero with that line::
+Inside :func:`watch_peers` every rank writes a beat to the default group's store (torchrun's,
+outside every rank) each ``interval_s``, and reads the others'. A peer silent for ``stall_s`` is
+named by rank, host and pid, within ``stall_s + 2 * interval_s``; ``stall_s_for`` takes half the
+launcher's ``--timeout`` when that is shorter than 30 s.
 
-    error (rank 0): rank 1 (host node-3, pid 4242) stopped answering: no heartbeat for 30.4 s
-    during generation (a peer is named after 30 s without one, within 32 s)
+A rank blocked in a collective cannot raise, so the watcher prints the line and calls
+``os._exit(1)``. When the collective raises first, the block raises ``PeerLostError`` naming the
+gone peer; an agreed ``ProblemsError`` passes unchanged. A rank that leaves the block says so.
 
-The bound: a peer that stops is named within ``stall_s + 2 * interval_s`` (default 30 + 2 s;
-the launcher uses half its ``--timeout`` when that is shorter than 30 s: ``stall_s_for``).
-A rank blocked in a collective cannot raise, so the watcher prints the line and ends the
-process (``os._exit(1)``; torchrun then stops the others). When the collective raises first
-(a peer killed outright closes its connections), ``watch_peers`` waits up to twice that bound
-for the beats to say who is gone and raises ``PeerLostError`` naming it, chained to the
-backend's error; an agreed ``ProblemsError`` passes unchanged at once (the peer that prints it
-may already have exited). A rank that leaves the block normally says so, so a peer that is merely
-ahead is never mistaken for a stalled one. If the store itself stops answering for
-``stall_s``, that is named instead (the store's host is then the one to look at).
+Reliability: docs/reliability.md, "A stalled peer during generation is named".
 """
 
 from __future__ import annotations

@@ -2,30 +2,14 @@
 validated once (torchtitan's ``ParallelDims``). ``runtime.parallel_mesh`` builds its one mesh.
 
 Imports nothing but the error types (no torch): the launcher checks a layout before torch loads.
+Every problem is one ``LayoutError``.
 
-A world of ``W`` ranks is cut two ways, both row-major over the same ranks (one world mesh,
-two views of it)::
+:class:`ParallelLayout` cuts ``W`` ranks two ways, row-major over the same ranks: the weight dims
+``(replicate, shard)`` and the work dims ``(request, cfg, ulysses)``. The two cuts are independent.
+Ulysses is innermost, so its all-to-alls stay among neighbouring ranks. ``ulysses_rows`` gives each
+rank's generation rows: an equal share, at least ``MIN_ROWS``.
 
-    weights:  (replicate, shard)          FSDP2 shards every parameter over `shard` (HSDP: each
-                                          of `replicate` groups holds a full copy)
-    work:     (request, cfg, ulysses)     `request` groups run different requests; the ranks of
-                                          one request split its guidance passes (`cfg`: 2 under
-                                          CFG-parallel) and its generation tokens (`ulysses`)
-
-    rank = (request x cfg + cfg_rank) x ulysses + ulysses_rank = replicate_rank x shard + shard_rank
-
-    world 8, CFG-parallel, ulysses 4:  request 0: cfg 0 (cond)   ranks 0 1 2 3   <- one Ulysses group
-                                                  cfg 1 (uncond) ranks 4 5 6 7   <- another
-                                       CFG pairs: (0, 4) (1, 5) (2, 6) (3, 7)
-
-    world 8, ulysses 2, no CFG:        requests 0..3, Ulysses groups (0, 1) (2, 3) (4, 5) (6, 7)
-
-The Ulysses dim is innermost, so its all-to-alls, the busiest collectives, stay among
-neighbouring ranks (one node under torchrun's node-major rank order); an HSDP replica is a run of
-``W / replicas`` neighbouring ranks (one node when that is the ranks per node), so its
-all-gathers stay inside it. Without CFG or Ulysses every rank is its own request group (prompts
-spread over the ranks); with CFG-parallel alone the pairs are ``(2k, 2k + 1)``. The weight dims
-decide who holds which rows, the work dims who computes what: the two are independent.
+Design: docs/design.md, "One mesh: weights and work".
 """
 
 from __future__ import annotations

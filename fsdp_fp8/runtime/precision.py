@@ -1,19 +1,15 @@
 """Per-step precision: route each FP8 linear to W8A8 or W8A16 as the step policy says.
 
-The generation (denoising) tower follows the checkpoint's step policy, step by step; the
-understanding ("reasoner") tower runs once per request and takes the policy's
-``reasoner`` precision outright; linears in neither tower ("other": embedders, heads) are
-never switched. Which linear is in which tower comes from a tower map
-(``fsdp_fp8.runtime.towers``). The selector is a plain Python attribute on each linear,
-so choosing it costs no device sync and ``torch.compile`` guards on it like any constant.
-The choice is a pure function of ``(step, num_steps)``: both classifier-free-guidance
-passes of one step, and every rank, agree.
+The generation tower follows the checkpoint's step policy; the reasoner tower takes the policy's
+``reasoner`` precision outright; other linears are never switched. A tower map says which linear
+is which (``fsdp_fp8.runtime.towers``). :func:`denoising_step` sets step ``(i, n)``'s mode; the
+choice is a pure function of ``(i, n)``, so both guidance passes and every rank agree.
 
-One vocabulary for precisions, the launcher's: ``"W8A16"`` (weights dequantized inside the
-call, 16-bit activations) and ``"W8A8"`` (activations quantized, ``torch._scaled_mm``). The
-checkpoint's policy spells them ``"a16"`` / ``"native"`` (ModelOpt's words, kept in the file
-and in ``Float8StaticLinear.mode``); the trace, its summary and :func:`denoising_step` speak
-the launcher's.
+The mode is a plain Python attribute of each linear: no device sync, and ``torch.compile`` guards
+on it. Reports say ``W8A16`` / ``W8A8``; the checkpoint's words ``a16`` / ``native`` stay in the
+file and in ``Float8StaticLinear.mode``.
+
+Design: docs/step-policy.md; docs/design.md, "Forward: W8A8, W8A16 and the topology rule".
 """
 
 from __future__ import annotations

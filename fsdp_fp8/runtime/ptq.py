@@ -1,19 +1,15 @@
 """Runtime quantization (TorchAO PTQ) of a high-precision model's linears, for replicated inference.
 
-This is the other road to FP8: no calibrated checkpoint, the weights of a BF16 checkpoint are
-quantized after loading and activations are quantized dynamically per call. It is guarded:
+The other road to FP8: no calibrated checkpoint; a BF16 checkpoint's weights are quantized after
+loading, and activations dynamically per call (:func:`quantize_model`). Guarded: a plain
+(unsharded) model only, never a ModelOpt static-FP8 checkpoint (``check_ptq_checkpoint``), only
+on hardware that runs the method.
 
-- only a plain (unsharded) model: FSDP2 shards are DTensors, which TorchAO's weight
-  subclasses do not wrap; PTQ here is single-process / replicated inference only;
-- never over a ModelOpt static-FP8 checkpoint (``check_ptq_checkpoint``): its calibrated
-  ``input_scale``s would be thrown away and its weights quantized twice;
-- only on hardware that runs the method, refused by name elsewhere.
+On CPU, TorchAO 0.18's ``quantize_`` refuses FP8 although ``torch._scaled_mm`` runs there, so we
+build the very ``Float8Tensor`` it would (tests/distributed/test_ptq.py compares the bytes). On
+CUDA we call ``quantize_``.
 
-``fp8`` on CPU: TorchAO 0.18's ``quantize_`` asserts CUDA capability >= 8.9 / MI300 / XPU
-before it builds anything, although torch 2.13's ``torch._scaled_mm`` runs on CPU, per
-tensor and per row. On CPU we therefore build the very ``Float8Tensor`` that ``quantize_``
-would (``Float8Tensor.from_hp`` with the config's own granularity, mm config and kernel
-preference; tests/distributed/test_ptq.py compares the two byte for byte); on CUDA we call ``quantize_``.
+Usage and limits: docs/usage.md, "Runtime quantization (--quantize)".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Inference schedule for an FSDP2 model: which blocks stay unsharded between forwards, and
 forward prefetch of the next block's all-gather.
 
-FSDP2 reshards each block after its forward so a backward can re-gather it; inference has no
-backward, so a block that stays gathered (``reshard_after_forward=False``) is gathered once,
-in the first forward, and never again. A diffusion sampler runs two forwards per step (CFG)
-for tens of steps, so on a device with room for the whole model every re-gather is wasted.
+:func:`apply_residency` sets ``reshard_after_forward`` per block (``--resident none|auto|all``).
+Inference has no backward, so a block kept gathered is gathered once, in the first forward.
+``auto`` keeps blocks in forward order while they and the in-flight reserve fit the budget. Every
+rank takes the smallest budget of any rank (a collective): a rank that kept a block its peers
+re-gather would hang them.
 
-Policies (``--resident``):
-  none  every block reshards after its forward (FSDP2's default): each forward gathers them all
-  all   no block reshards: the first forward gathers each block once, later forwards gather 0 B
-  auto  blocks stay gathered, in forward order, while their unsharded bytes plus the in-flight
-        reserve for the others fit the budget: the stated budget if any, capped by what the
-        device reports free after the load (CUDA: ``mem_get_info`` plus what the caching
-        allocator holds unused; CPU: ``MemAvailable``), less ``HEADROOM`` of its total for
-        activations; every rank uses the smallest budget of any rank, so all pick the same
-        blocks (a rank that kept a block its peers re-gather would hang them)
+With ``prefetch`` each block issues the next block's all-gather before its own forward.
 
-The root module (embeddings, heads) is never resharded after forward by FSDP2 in either case.
-With ``prefetch`` each block (and the root, for the first block) issues the next block's
-all-gather before its own forward runs, so the transfer overlaps the compute on CUDA.
+Design: docs/design.md, "Residency: blocks kept gathered between forwards".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Leave a gloo/FSDP2 process without the SIGABRT that interpreter shutdown can cause.
 
-Why (docs/shutdown.md has the evidence): gloo's worker threads release a finished async
-collective (the all-gathers FSDP2 issues) on their own thread, and freeing its tensors needs
-the GIL. ``destroy_process_group()`` neither joins those threads nor frees the backend while
-FSDP's device mesh still references it. When the main thread has begun ``Py_FinalizeEx``, a
-worker that asks for the GIL is ended by ``pthread_exit`` inside a ``noexcept`` C++
-destructor, and libstdc++ calls ``std::terminate``: "terminate called without an active
-exception", SIGABRT, after every result was already correct. No Python-level cleanup
-(barrier, ``gc.collect()``, sleeping) closes that race for certain; not finalizing does.
+gloo's worker threads free a finished async collective's tensors on their own thread, which needs
+the GIL. A worker that asks for it during ``Py_FinalizeEx`` is ended inside a ``noexcept``
+destructor, and libstdc++ calls ``std::terminate``, after every result was correct. No
+Python-level cleanup closes that race for certain; not finalizing does (:func:`shutdown_distributed`).
 
-On the failure path the group is aborted, not destroyed: with NCCL, ``destroy_process_group``
-finalizes each communicator, which waits for the collectives already queued on it, and a
-peer that died (or raised before its all-gather) never joins them, so the rank that is
-trying to report an error would hang until the watchdog kills it. Aborting
-(``ncclCommAbort`` on NCCL) returns at once; the process exits next.
+On the failure path the group is aborted, not destroyed: NCCL's destroy waits for collectives a
+dead peer never joins, while an abort returns at once.
+
+Evidence and signals: docs/shutdown.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Time per denoising step of a Cosmos 3 transformer, forecast from FLOPs and bytes alone.
 
-One pass is one transformer forward over ``text + vision`` tokens; a step runs two (classifier-
-free guidance). The work of a pass, from the transformer's shape (``forecast.TransformerShape``):
+A pass's work comes from the transformer's shape (``forecast.TransformerShape``): the decoder
+linears' FLOPs and attention's; a step runs two passes under guidance. The ``ParallelLayout``
+splits it: CFG-parallel gives each rank one pass, Ulysses ``1/S`` of the vision tokens and heads.
 
-- **linears**: ``2 x tokens x weights`` FLOPs for each tower's decoder linears (the generation
-  tower on the vision tokens, the understanding tower on the text); the embedders and heads are
-  left out (under 1 % at these sizes);
-- **attention**: the generation queries against every key (text and vision) and the causal text
-  pathway: ``4 x queries x keys x heads x head_dim`` FLOPs (``Q K^T`` and ``P V``), half of it for
-  the causal part.
+A pass takes ``max(compute, all-gather) + all-to-all``: FSDP2's all-gathers overlap the compute,
+Ulysses' all-to-alls do not. Compute runs at an assumed fraction of the GPU's dense peak
+(:data:`MFU`), collectives at an assumed fraction of NVLink (:data:`LINK_EFFICIENCY`).
+Assumptions, not measurements.
 
-How the ranks split it (the ``ParallelLayout``, ``runtime.parallel_layout``): CFG-parallel gives
-each rank of a pair one pass; Ulysses (degree ``S``) gives each rank ``1/S`` of the vision tokens' linears
-and ``1/S`` of the heads of their attention, while the short text pathway stays whole on every
-rank. FSDP2 all-gathers every layer's weights once per pass (FP8: one byte per weight), overlapped
-with the compute by its prefetch; Ulysses moves each rank's Q/K/V before attention and the output
-after it through all-to-alls on the critical path.
-
-The forecast is ``max(compute, all-gather) + all-to-all`` per pass, with compute at an assumed
-fraction of the GPU's dense peak (``MFU``) and the collectives at an assumed fraction of its
-NVLink bandwidth. Assumptions, not measurements: docs/cosmos3.md prints them beside the figures.
+Figures and formulas: docs/cosmos3.md, "Parallel layouts: memory and time per step (forecast)".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """The VAE's phases of a job, forecast from its ``config.json``: decode (untiled and tiled) and the
 encode of a conditioning video, each a peak of live tensor bytes above the VAE's weights.
 
-The forecast runs diffusers' own ``AutoencoderKLWan`` built from the config under
-``FakeTensorMode`` (tensors with shapes and no data: no memory, no arithmetic; what torchtitan's
-memory estimator does for a training step) and follows every storage an op returns until it is
-freed, as ``fsdp_fp8.testing.live_bytes`` does on a real CPU run. The decode's causal cache makes
-the peak grow by the same bytes per latent frame from the fifth frame on (one more chunk of
-output kept; checked in tests/unit/test_vae_forecast.py), so a long video is run to ``SIMULATED``
-frames and extended along that line; the encode likewise by its 4-frame chunks.
+It runs diffusers' own ``AutoencoderKLWan`` under ``FakeTensorMode`` and follows every storage an
+op returns until it is freed. A long video runs to :data:`SIMULATED` latent frames and is extended
+along a line: from the fifth frame on, the peak grows by the same bytes per frame (the encode's,
+per 4-frame chunk). Each distinct decoder call is traced once per process and its repeats replayed
+(``_Calls``), with the same peak.
 
-Fast enough for ``inspect`` (seconds at 720p, where tracing every op took half a minute): the VAE
-runs its decoder once per latent frame and, tiled, once per tile and frame, each call with the
-same inputs as many others (a tile of the same size, a causal cache of the same shapes). Each
-distinct call is traced once per process; a repeat is replayed: the bytes its trace rose above
-the live total it started from, then its output and its new cache entries allocated as empty
-tensors of the traced shapes (``_Calls``). The replayed peak equals the traced one (held by
-tests/unit/test_vae_forecast.py on two VAEs, tiled and untiled, decode and encode).
+Not counted: cuDNN / oneDNN workspaces, the allocator's caching, the latent itself.
 
-Not counted: cuDNN / oneDNN workspaces and the allocator's rounding and caching (a CUDA run's
-reserved memory sits above this), the latent itself, and the pipeline's post-processing (uint8
-frames on the host).
+Design: docs/cosmos3.md, "The whole job: denoising, then the VAE".
 """
 
 from __future__ import annotations

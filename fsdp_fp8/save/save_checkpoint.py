@@ -1,29 +1,15 @@
 """``save_checkpoint``: write a (sharded) model back as a ModelOpt static-FP8 checkpoint.
 
-Nothing is gathered. The save is a pipeline that reads top to bottom::
+Nothing is gathered. ``plan_save`` runs on every rank alone; rank 0 makes the temporary directory
+and the files; one agreement on the plan; phase "writes": every rank writes its own rows
+(``pwrite``); phase "move into place": rank 0 renames the directory over the target. Each phase
+is one ``collective_phase``, so a failure anywhere raises the same ``ExportError`` on every rank
+and leaves nothing at the target.
 
-    plan_save (every rank, alone: its rows, the layout, the configs, every problem)
-      -> rank 0 begins: removes dead saves' leftovers, makes the temporary directory, creates
-         the files (headers, full size), lists the source's non-weight files
-      -> agreement on the planned files (problems, layout digest, where rank 0 put them)
-      -> phase "writes": every rank writes its rows (``pwrite``, from its local storage) and
-         syncs; rank 0 also the replicated tensors, the index, the configs, the source files
-      -> phase "move into place": rank 0 gives the directory the user's modes and renames it
-         over the target
+A rank's peak is its own shard plus one staging buffer. Under HSDP only the replica holding rank 0
+writes, so each row is written once. The target must be on a filesystem every rank sees.
 
-Each phase is one ``fsdp_fp8.collective.collective_phase``: its body runs on each rank alone
-and its exit is the single agreement on the outcome, so a failure anywhere makes every rank
-raise the same ``ExportError`` and leaves nothing at the target. The peak memory of a rank is
-its own shard plus one staging buffer.
-
-Under HSDP (a 2-D ``(replicate, shard)`` mesh) every replica holds the same rows; only the
-replica holding rank 0 writes them, so each row is written once, by one rank. The agreements
-run on the gloo side group with their own timeout, not on the default group, where NCCL's
-watchdog would abort instead of raising.
-
-The temporary directory's name says which process made it (``fsdp_fp8.save.temp_dir``):
-if rank 0 dies mid-save, the next save into the same parent (or ``fsdp-fp8 save --clean``)
-removes it. The target directory must be on a filesystem every rank sees.
+Usage: docs/usage.md, "Saving a model as a ModelOpt checkpoint"; crashes: docs/reliability.md, "Saves".
 """
 
 from __future__ import annotations

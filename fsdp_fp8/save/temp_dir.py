@@ -1,28 +1,15 @@
 """The hidden temporary directory a save writes into, who made it, and what is left when it dies.
 
-A save writes into ``.<name>.tmp-<owner>-<random>`` beside its target and renames it into
-place only when every rank has written and synced its part, so the target either does not
-exist or holds a whole checkpoint. The name carries its owner, so that a later save (or
-``fsdp-fp8 save --clean``) can tell a leftover of a dead save from one that is still being
-written, without a lock and without a file that a crash could leave half-written::
+A save writes into ``.<name>.tmp-<host>-<machine>-<boot>-<namespace>-<pid>-<start>-<random>``
+beside its target (:func:`make_temp_dir`) and renames it into place only when every rank has
+written and synced (:func:`move_into_place`). The name carries its owner, so a later save (or
+``fsdp-fp8 save --clean``) can tell a dead save's leftover from a live one, with no lock file.
 
-    .<name>.tmp-<host>-<machine>-<boot>-<namespace>-<pid>-<start>-<random>
+:func:`judge` calls a leftover dead only when it is sure: the same host, boot and PID namespace
+and no process ``pid`` with that start time, or the same machine in an earlier boot. Anything else
+is left alone and named. Only directories whose whole name matches are ever looked at.
 
-``host`` is the host name; ``machine``, ``boot`` and ``namespace`` are short hashes of
-``/etc/machine-id`` (the OS installation, the same across reboots), the kernel's boot id and
-the process's PID namespace (``00000000`` when unknown); ``pid`` and ``start`` the creating
-process and its start time (clock ticks since boot, ``/proc/<pid>/stat``; ``0`` when
-unknown). The rule, judged from the process that looks (``judge``):
-
-- the same host, boot and PID namespace: dead when no process ``pid`` with that start time runs
-  (a reused pid has another start time); alive otherwise;
-- the same host and machine id, another (known) boot: dead (no process outlives a reboot);
-- anything else (a directory of another user, another host, another PID namespace: a
-  container; a machine id or boot id unknown on either side; a leftover of an older fsdp_fp8
-  whose name carries no owner): not judged, left alone and named, for the user to remove once
-  no save runs there.
-
-Only directories whose whole name matches are ever looked at; nothing else is removed.
+Rules and crash table: docs/reliability.md, "Saves".
 """
 
 from __future__ import annotations
