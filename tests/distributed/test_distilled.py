@@ -3,7 +3,10 @@
 transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
 image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
 per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
-before the load, one line, exit 2; through the Python API one error on every rank.
+before the load, one line, exit 2; through the Python API one error on every rank. Served over
+HTTP (``serve`` at Ulysses 2), a request that leaves the steps and guidance out runs the schedule
+and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
+why.
 """
 
 from __future__ import annotations
@@ -94,9 +97,18 @@ def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def observed(distilled_root, inputs, tmp_path_factory):
-    reports = tmp_path_factory.mktemp("distilled-reports")
-    one = _jobs(distilled_root, str(inputs), reports, "one", ())
+def reports(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distilled-reports")
+
+
+@pytest.fixture(scope="module")
+def one(distilled_root, inputs, reports) -> dict:
+    """The launcher's reports on one rank."""
+    return _jobs(distilled_root, str(inputs), reports, "one", ())
+
+
+@pytest.fixture(scope="module")
+def observed(distilled_root, inputs, one, reports):
     ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
     return one, ranks
 
@@ -234,3 +246,51 @@ def test_values_without_the_launchers_given_options_are_checked_as_they_are(dist
     assert any("guidance must be 1.0, got 3.0" in p for p in problems), problems
     scheduled = OptionValues(GenerationRequest(frames=1, height=32, width=32, steps=4, guidance=1.0), settings)
     assert pipeline_problems(scheduled, Path(distilled_root)) == []
+
+
+@pytest.fixture(scope="module")
+def server(distilled_root, demo_cache, tmp_path_factory):
+    """The distilled demo served at Ulysses 2 on 2 ranks, each at this process's thread count (the
+    launcher's one-rank run here had it)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import torch
+    from servers import Ranks
+
+    directory = tmp_path_factory.mktemp("distilled-serve")
+    threads = torch.get_num_threads()
+    ranks = Ranks(2, directory, str(demo_cache), "--checkpoint", distilled_root, "--ulysses", "2", threads=threads)
+    yield ranks
+    ranks.stop()
+
+
+def test_a_served_request_runs_the_schedule_with_the_launchers_one_rank_digests(one, server):
+    from servers import openai_client
+
+    from fsdp_fp8.generation.values import DEFAULT_PROMPT
+
+    client = openai_client(server)
+    video = client.videos.create(prompt=DEFAULT_PROMPT, size="32x32", extra_body={"num_frames": 1})
+    assert client.videos.poll(video.id, poll_interval_ms=200).status == "completed"
+    record = server.get(f"/v1/videos/{video.id}")[1]
+    assert record["request"]["steps"] == 4 and record["request"]["guidance"] == 1.0 and record["steps_run"] == 4
+    (row,) = one["one image"]["outputs"]
+    assert (record["latent_sha256"], record["frames_sha256"]) == (row["latent_sha256"], row["frames_sha256"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"num_inference_steps": 8}, "`distilled_sigmas` config (4 steps): steps must be 4, got 8"),
+        ({"guidance_scale": 3}, "classifier-free guidance is baked into the weights: guidance must be 1.0, got 3.0"),
+        ({"negative_prompt": "blur"}, "is a distilled checkpoint; it takes no negative prompt"),
+        (
+            {"action_mode": "policy", "domain_name": "pusht", "chunk_size": 4},
+            "--action: {root}/transformer/config.json has no `action_gen`: its transformer takes no actions",
+        ),
+    ],
+    ids=["steps", "guidance", "negative-prompt", "action"],
+)
+def test_a_served_request_the_distilled_root_cannot_run_is_a_400_naming_why(server, distilled_root, fields, reason):
+    status, body, _ = server.post({"prompt": "x", "size": "32x32", **fields})
+    assert status == 400 and reason.format(root=distilled_root) in body["error"]["message"], body
