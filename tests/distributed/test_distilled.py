@@ -6,7 +6,9 @@ per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guid
 before the load, one line, exit 2; through the Python API one error on every rank. Served over
 HTTP (``serve`` at Ulysses 2), a request that leaves the steps and guidance out runs the schedule
 and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
-why.
+why. The non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
+through the same modular path, guidance, a negative prompt and sound included: the digests of
+``Cosmos3OmniPipeline`` on one rank, and at CFG 2 and Ulysses 2 (in the same run of 2 ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from ranks import run_ranks  # noqa: E402
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
 MODE = "distilled, 4 steps"
+# the non-distilled modular pipeline's job: guidance with a negative prompt, sound, W8A16 and W8A8 steps
+OMNI_JOB = ("--frames", "5", "--sound", "--negative-prompt", "blur", "--steps", "7")
+OMNI_LAYOUTS = {"cfg": ("--cfg-parallel",), "ulysses": ("--ulysses", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +92,14 @@ def _api_refusals(rank: int) -> list[str]:
     return seen
 
 
-def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+def _observe(rank: int, world: int, root: str, inputs: str, reports: str, omni: str) -> dict:
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
             obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
         obs["api"] = _api_refusals(rank)
+        for name, extra in OMNI_LAYOUTS.items():
+            obs[f"omni {name}"] = _launch(omni, Path(reports, f"omni-{name}.json"), *OMNI_JOB, *extra, rank=rank)
     return obs
 
 
@@ -102,14 +109,36 @@ def reports(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def omni_root(demo_root, tmp_path_factory) -> str:
+    """The demo's components under an index naming diffusers' non-distilled modular pipeline,
+    ``Cosmos3OmniModularPipeline`` (its default blocks, ``Cosmos3OmniBlocks``)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("omni-modular") / "root"
+    shutil.copytree(demo_root, root)
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**index, "_class_name": "Cosmos3OmniModularPipeline"}))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def omni_one(omni_root, demo_root, reports) -> dict:
+    """The modular job on one rank, and the same job on the demo's own ``Cosmos3OmniPipeline``."""
+    return {
+        "modular": _launch(omni_root, reports / "omni-one.json", *OMNI_JOB),
+        "plain": _launch(str(demo_root), reports / "plain-one.json", *OMNI_JOB),
+    }
+
+
+@pytest.fixture(scope="module")
 def one(distilled_root, inputs, reports) -> dict:
     """The launcher's reports on one rank."""
     return _jobs(distilled_root, str(inputs), reports, "one", ())
 
 
 @pytest.fixture(scope="module")
-def observed(distilled_root, inputs, one, reports):
-    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
+def observed(distilled_root, inputs, one, reports, omni_root):
+    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), omni_root, timeout=900)
     return one, ranks
 
 
@@ -145,6 +174,24 @@ def test_distilled_api_refusals_on_every_rank(observed):
     cfg, steps = ranks[0]["api"]
     assert cfg.startswith("LayoutError") and "no CFG pair" in cfg
     assert steps.startswith("ArgumentError") and "`distilled_sigmas` config (4 steps): steps must be 4, got 3" in steps
+
+
+def _digests(report: dict) -> tuple:
+    (row,) = report["outputs"]
+    return report["precision_trace"], row["mode"], row["latent_sha256"], row["sound_sha256"]
+
+
+def test_the_omni_modular_pipeline_gives_the_plain_pipelines_digests(omni_one):
+    modular, plain = omni_one["modular"], omni_one["plain"]
+    assert (modular["pipeline"], plain["pipeline"]) == ("Cosmos3OmniModularPipeline", "Cosmos3OmniPipeline")
+    assert _digests(modular) == _digests(plain)
+    assert _digests(modular)[:2] == ("W8A16 x3 / W8A8 x1 / W8A16 x3", "text-to-video, 5 frames, sound")
+
+
+@pytest.mark.parametrize("layout", list(OMNI_LAYOUTS))
+def test_the_omni_modular_pipeline_equals_one_rank(observed, omni_one, layout):
+    _, ranks = observed
+    assert _digests(ranks[0][f"omni {layout}"]) == _digests(omni_one["modular"]), layout
 
 
 @pytest.mark.parametrize(
