@@ -127,8 +127,9 @@ def option_reference(classes: tuple[type, ...] = VALUE_CLASSES) -> str:
     return "\n".join(lines)
 
 
-def add_option(parser_or_group, name: str, classes: tuple[type, ...] = VALUE_CLASSES) -> None:
-    """Add the declared option ``name`` (``generation.values``) to a parser or group, as declared."""
+def add_option(parser_or_group, name: str, classes: tuple[type, ...] = VALUE_CLASSES, note: str = "") -> None:
+    """Add the declared option ``name`` (``generation.values``) to a parser or group, as declared;
+    ``note`` before its help (another command's use of it: ``forecast: ``)."""
     for field_name, field, meta in declared(*classes):
         if field_name == name:
             default = list(field.default) if isinstance(field.default, tuple) else field.default
@@ -137,7 +138,9 @@ def add_option(parser_or_group, name: str, classes: tuple[type, ...] = VALUE_CLA
                 keywords["type"] = TEXT_PARSERS[keywords["type"]]
             elif keywords.get("type") is int:
                 keywords["type"] = integer
-            parser_or_group.add_argument(*flags_of(name, meta), dest=name, default=default, help=meta.help, **keywords)
+            parser_or_group.add_argument(
+                *flags_of(name, meta), dest=name, default=default, help=note + meta.help, **keywords
+            )
             return
     raise KeyError(name)
 

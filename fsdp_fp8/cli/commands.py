@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_fp8.cli import interrupts, quiet
-from fsdp_fp8.cli.arguments import RankZeroParser, byte_count
+from fsdp_fp8.cli.arguments import RankZeroParser, add_option, byte_count
 from fsdp_fp8.cli.inspection import (
     MAX_WORLD_SIZE,
     bytes_and_mib,
@@ -33,9 +33,9 @@ from fsdp_fp8.cli.reports import plural
 from fsdp_fp8.errors import CheckpointError, PeerLostError, ProblemsError
 from fsdp_fp8.format.cache_option import cache_option_problems
 from fsdp_fp8.format.timeouts import timeout_problems
-from fsdp_fp8.generation.declare import declared
+from fsdp_fp8.generation.declare import bounds, declared
 from fsdp_fp8.generation.inputs import checkpoint_problems
-from fsdp_fp8.generation.values import RESIDENT_POLICIES, RunSettings
+from fsdp_fp8.generation.values import RESIDENT_POLICIES, GenerationRequest, RunSettings
 from fsdp_fp8.reading.read_options import ALL_ROWS, ReadOptions
 
 if TYPE_CHECKING:
@@ -82,15 +82,21 @@ def _inspect(args: argparse.Namespace) -> int:
     print(summary(ckpt, args.world_size, args.replicas, ReadOptions(prefetch_bytes=args.prefetch_bytes)))
     if args.cache not in (None, "off"):  # the step cache's range of computed steps (format.cache_option)
         print(cache_line(ckpt.quant.step_policy, args.steps, args.cache))
-    if args.height or args.width or args.frames:  # the per-GPU memory forecast (fsdp_fp8.runtime.forecast)
-        from fsdp_fp8.runtime.forecast import forecast_checkpoint
+    if args.height or args.width or args.frames or args.action:  # the per-GPU memory forecast (runtime.forecast)
+        from fsdp_fp8.format.hub import resolve_hub_path
+        from fsdp_fp8.interop.diffusers_pipeline import schedule_of
+        from fsdp_fp8.runtime.forecast import ActionChunk, forecast_checkpoint
 
         size = {"height": args.height or 720, "width": args.width or 1280, "frames": args.frames or 1}
+        tier = {"resolution_tier": args.resolution_tier} if args.resolution_tier else {}
+        action = ActionChunk(args.action, args.chunk_size, **tier) if args.action else None
         try:
             fc = forecast_checkpoint(
                 args.directory,
                 args.world_size or 1,
                 **size,
+                action=action,
+                schedule=schedule_of(resolve_hub_path(args.directory)),
                 resident=args.resident,
                 resident_budget=args.resident_budget,
                 offload=args.offload,
@@ -101,8 +107,23 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print("\n".join(fc.lines()))
-        _print_job(args.directory, fc, size)
+        _print_job(args.directory, fc, {"height": fc.video.height, "width": fc.video.width, "frames": fc.video.frames})
     return 0
+
+
+def _action_problems(args: argparse.Namespace) -> list[str]:
+    """inspect's action options, as the run takes them: a chunk with the mode, the frames from the
+    chunk, the run's bound on it."""
+    chunk, tier = args.chunk_size, args.resolution_tier
+    if args.action is None:
+        given = [flag for flag, value in (("--chunk-size", chunk), ("--resolution-tier", tier)) if value is not None]
+        return [f"{' / '.join(given)}: the forecast of an action job; give --action too"] if given else []
+    problems = [f"--action {args.action} needs --chunk-size (its action tokens)"] if chunk is None else []
+    if args.frames:
+        problems.append("--action: the video is 1 + --chunk-size frames; leave out --frames")
+    if chunk is not None and (bound := bounds(GenerationRequest)["chunk_size"].problem("chunk_size", chunk)):
+        problems.append(bound)
+    return problems
 
 
 def _print_job(directory: str, fc, size: dict) -> None:
@@ -353,6 +374,11 @@ def _add_inspect(inspect: argparse.ArgumentParser) -> None:
         help="forecast: the steps a request computes with step caching, as the range its rules allow (with --steps)",
     )
     inspect.add_argument("--steps", type=_positive, default=35, help="with --cache: denoising steps (default 35)")
+    # An action job's tokens: the run's own declarations (one choice list, one help); --height /
+    # --width are then its first frame's
+    add_option(inspect, "action", note="forecast (--height / --width: its first frame's size): ")
+    for name in ("chunk_size", "resolution_tier"):
+        add_option(inspect, name, note="forecast: ")
     inspect.add_argument(
         "--ulysses",
         "--sequence-parallel",
@@ -432,6 +458,8 @@ def main(argv: list[str] | None = None, prog: str = "fsdp-fp8") -> int:
             parser.error("--resident auto needs --resident-budget BYTES here: inspect has no device to ask")
         if args.resident_budget is not None and args.resident != "auto":
             parser.error("--resident-budget applies to --resident auto; pass that too")
+        if problems := _action_problems(args):
+            parser.error("; ".join(problems))
         return _inspect(args)
     if args.command == "save":
         if args.clean and args.destination is not None:

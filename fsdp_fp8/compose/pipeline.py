@@ -117,8 +117,8 @@ def load_pipeline(
     with quiet_imports():
         cls = pipeline_class(index["_class_name"], index_path(root))
     components = _components(kwargs)  # refuses a transformer, trust_remote_code / custom_pipeline
-    layout = _layout(root, cls, index, given, *layout_args)  # alike on every rank: their settings agreed
     blocks = blocks_of(cls, index, index_path(root)) if is_modular(cls) else None  # our step end in its loops
+    layout = _layout(root, cls, index, given, blocks, *layout_args)  # alike on every rank: their settings agreed
     _refuse_before_load(root, index, components, attention_backend, options.device, cache, blocks)
     mesh, options = _with_mesh(layout, mesh, options)
     loaded = load_model(None, root / TRANSFORMER, towers=towers, options=options)
@@ -253,11 +253,12 @@ def _work_degrees(given: ParallelLayout | None, cfg_parallel, ulysses, sequence_
 
 
 def _layout(
-    root: Path, cls: type, index: dict, given: ParallelLayout | None, cfg_parallel: bool, ulysses: int
+    root: Path, cls: type, index: dict, given: ParallelLayout | None, blocks, cfg_parallel: bool, ulysses: int
 ) -> ParallelLayout:
     """The layout, checked once with the transformer's heads and what diffusers must provide for
-    CFG-parallel and Ulysses (from the files, the classes and the world size alone). A distilled
-    root (``distilled_sigmas``) runs guidance 1.0: one pass per step, no CFG pair to split."""
+    CFG-parallel and Ulysses (from the files, the classes, a modular pipeline's ``blocks`` and the
+    world size alone). A distilled root (``distilled_sigmas``) runs guidance 1.0: one pass per
+    step, no CFG pair to split."""
     if cfg_parallel is True and (steps := distilled_steps(index)) is not None:
         raise LayoutError(
             f"{index_path(root)}: a distilled checkpoint ({steps}-step `distilled_sigmas`) runs guidance 1.0, one "
@@ -280,7 +281,7 @@ def _layout(
         if not isinstance(transformer_cls, type):
             problems.append(f"{index_path(root)}: `{TRANSFORMER}` {name!r} is not a model class of diffusers")
         else:
-            problems += cfg_facts.diffusers_problems(cls, transformer_cls)
+            problems += cfg_facts.diffusers_problems(cls, transformer_cls, blocks)
     if split:
         problems += ulysses_facts.diffusers_problems()
     if problems:

@@ -15,7 +15,7 @@ from fsdp_fp8.compose.pipeline import load_pipeline
 from fsdp_fp8.format.hub import checkpoint_identity, resolve_hub_path
 from fsdp_fp8.generation.engine import Engine
 from fsdp_fp8.generation.values import RUN_SETTINGS_TO_AGREE, GenerationRequest, RunSettings
-from fsdp_fp8.interop.diffusers_pipeline import distilled_steps, index_path, is_pipeline_index
+from fsdp_fp8.interop.diffusers_pipeline import is_pipeline_index, schedule_of
 
 log = logging.getLogger("fsdp_fp8")
 
@@ -39,17 +39,6 @@ def checkpoint_of(settings: RunSettings, request: GenerationRequest) -> tuple[ob
     if rank_and_world()[0] == 0:
         log.info("using the embedded demo checkpoint (built once, then cached)")
     return demo_checkpoint(), demo_sizes(request)
-
-
-def schedule_of(root) -> int | None:
-    """The fixed step count of a distilled root (its index's ``distilled_sigmas``), else None."""
-    import json
-
-    try:
-        index = json.loads(index_path(root).read_text())
-    except (OSError, ValueError):
-        return None  # the load says what is wrong with it
-    return distilled_steps(index) if isinstance(index, dict) else None
 
 
 def with_schedule(path, request: GenerationRequest, given) -> GenerationRequest:
@@ -121,6 +110,5 @@ __all__ = [
     "demo_sizes",
     "is_pipeline_root",
     "load_engine",
-    "schedule_of",
     "with_schedule",
 ]

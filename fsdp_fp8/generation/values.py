@@ -273,6 +273,7 @@ class GenerationRequest:
         "policy rolls it out and predicts the actions; inverse_dynamics infers the actions of a --video",
         CONDITIONING,
         PIPELINE,
+        per_request=True,
         choices=ACTION_MODES,
     )
     domain: str | None = option(
@@ -280,6 +281,7 @@ class GenerationRequest:
         "with --action: the embodiment, one of diffusers' action domains (e.g. pusht, umi, droid_lerobot)",
         CONDITIONING,
         PIPELINE,
+        per_request=True,
         metavar="NAME",
     )
     chunk_size: int | None = option(
@@ -287,6 +289,7 @@ class GenerationRequest:
         "with --action: the action steps of the chunk (the video is 1 + that many frames)",
         CONDITIONING,
         PIPELINE,
+        per_request=True,
         bound=(1, 1024),
         type=int,
     )
@@ -295,6 +298,7 @@ class GenerationRequest:
         "with --action: the conditioning canvas tier (default: diffusers', 480)",
         CONDITIONING,
         PIPELINE,
+        per_request=True,
         type=int,
         choices=RESOLUTION_TIERS,
     )
@@ -303,6 +307,7 @@ class GenerationRequest:
         "with --action forward_dynamics: the raw actions [T, D], a .npy, .json or .csv file",
         CONDITIONING,
         PIPELINE,
+        per_request=True,
         metavar="FILE",
     )
     # --- end of action jobs

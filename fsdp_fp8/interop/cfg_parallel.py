@@ -146,11 +146,12 @@ class CfgPair:
         return tree_unflatten(out, spec)
 
 
-def diffusers_problems(pipeline_cls: type, transformer_cls: type) -> list[str]:
+def diffusers_problems(pipeline_cls: type, transformer_cls: type, blocks=None) -> list[str]:
     """What in ``pipeline_cls.__call__`` and ``transformer_cls.forward`` (diffusers' classes) differs
     from what ``CfgPair`` relies on: every transformer keyword is per step (:data:`PER_STEP`) or
     step-invariant (:data:`STEP_INVARIANT`), and the pipeline takes the per-step latents of each
-    modality (:data:`MODALITIES`). Empty when nothing does."""
+    modality (:data:`MODALITIES`): a modular pipeline's ``blocks`` (``Cosmos3OmniBlocks``) as their
+    inputs. Empty when nothing does."""
     forward = set(inspect.signature(transformer_cls.forward).parameters) - {"self", "return_dict"}
     known = set(PER_STEP) | set(STEP_INVARIANT)
     problems = [
@@ -159,9 +160,14 @@ def diffusers_problems(pipeline_cls: type, transformer_cls: type) -> list[str]:
         for name in sorted(forward - known)
     ]
     problems += [f"{transformer_cls.__name__}.forward no longer takes `{name}`" for name in sorted(known - forward)]
-    call = set(inspect.signature(pipeline_cls.__call__).parameters)
+    if blocks is None:
+        call = set(inspect.signature(pipeline_cls.__call__).parameters)
+        caller = f"{pipeline_cls.__name__}.__call__ takes"
+    else:
+        call = {param.name for param in blocks.inputs}
+        caller = f"{pipeline_cls.__name__}'s blocks ({type(blocks).__name__}) take"
     problems += [
-        f"{pipeline_cls.__name__}.__call__ takes no `{latents}`: the {modality} tokens may not change per step"
+        f"{caller} no `{latents}`: the {modality} tokens may not change per step"
         for modality, latents in MODALITIES.items()
         if latents not in call
     ]

@@ -153,6 +153,16 @@ def distilled_steps(index: dict) -> int | None:
     return len(sigmas) if isinstance(sigmas, list) and sigmas else None
 
 
+def schedule_of(root: Path) -> int | None:
+    """The fixed step count of a distilled root (its index's ``distilled_sigmas``), else None
+    (no index, or one that cannot be read: the load says what is wrong with it)."""
+    try:
+        index = json.loads(index_path(root).read_text())
+    except (OSError, ValueError):
+        return None
+    return distilled_steps(index) if isinstance(index, dict) else None
+
+
 def distilled_problems(where: str, steps: int, guidance: float, schedule: int) -> list[str]:
     """diffusers' own refusals of a distilled pipeline (``Cosmos3DistilledSetTimestepsStep``),
     made before anything runs: a step count other than the schedule's, guidance other than 1.0."""

@@ -168,39 +168,56 @@ def load_modular(cls: type, root: Path, blocks, transformer, components: dict):
 @dataclass(frozen=True)
 class ModularOutput:
     """What ``Cosmos3OmniPipeline`` returns with ``output_type="latent"``: ``video`` the latents
-    (None when the loop was stopped), ``sound`` None (the distilled blocks make none)."""
+    (None when the loop was stopped), ``sound`` the waveform, ``action`` the predicted actions
+    (a list of one tensor; None where the blocks made none: the distilled blocks make neither)."""
 
     video: object | None
     sound: object | None = None
+    action: list | None = None
 
 
-def call_modular(pipe, prompt: str, *, negative_prompt=None, enable_sound=False, output_type="latent", **kwargs):
+# The keywords only some blocks take (``Cosmos3OmniBlocks``: all three; ``Cosmos3DistilledBlocks``:
+# none): passed to blocks that take them, refused by the others
+OPTIONAL_INPUTS = {"negative_prompt": None, "enable_sound": False, "action": None}
+
+
+def call_modular(pipe, prompt: str, *, output_type="latent", **kwargs):
     """``pipe`` (a modular pipeline from ``load_modular``) called with ``Cosmos3OmniPipeline``'s
     keywords: the prompt, sizes, conditioning, ``num_inference_steps``, ``guidance_scale``,
-    ``generator``, ``callback_on_step_end``; the latents (``output_type="latent"``) back."""
-    if negative_prompt is not None or enable_sound:
+    ``generator``, ``callback_on_step_end``, and where its blocks take them the negative prompt,
+    ``enable_sound`` and an ``action``; the latents (``output_type="latent"``), the sound and the
+    predicted actions back."""
+    taken = {param.name for param in pipe.blocks.inputs}
+    refused = [k for k, unset in OPTIONAL_INPUTS.items() if kwargs.get(k, unset) != unset and k not in taken]
+    if refused:
         raise ArgumentError(
-            f"{type(pipe).__name__} takes no negative prompt and makes no sound (a distilled checkpoint's "
-            "guidance is baked into its weights)"
+            f"{type(pipe).__name__}'s blocks ({type(pipe.blocks).__name__}) take no {', '.join(refused)} (a distilled "
+            "checkpoint's guidance is baked into its weights: no negative prompt; it makes no sound and no actions)"
         )
+    kwargs = {k: v for k, v in kwargs.items() if k not in OPTIONAL_INPUTS or v != OPTIONAL_INPUTS[k]}
     if output_type != "latent":
         raise ArgumentError(f"call_modular returns latents (output_type='latent'), not {output_type!r}")
     pipe._interrupt = False  # as Cosmos3OmniPipeline's own call begins: a stop ends one request only
     # diffusers' own step policy stays off: fsdp_fp8's routing sets each step's precision
     try:
         with _stops_unlogged():
-            latents = pipe(
-                prompt=prompt, output_type="latent", output="videos", mixed_precision_format="none", **kwargs
+            out = pipe(
+                prompt=prompt,
+                output_type="latent",
+                output=["videos", "sound", "action"],
+                mixed_precision_format="none",
+                **kwargs,
             )
     except LoopStopped:
         return ModularOutput(None)
-    return ModularOutput(latents)
+    return ModularOutput(out["videos"], out.get("sound"), out.get("action"))
 
 
 __all__ = [
     "CALL_INPUTS",
     "LoopStopped",
     "ModularOutput",
+    "OPTIONAL_INPUTS",
     "blocks_of",
     "blocks_problems",
     "call_modular",

@@ -13,8 +13,10 @@ largest decoder layer runs its MLP on the generation tokens (the largest working
 - ``resident layers``: layers kept gathered between forwards (``--resident all``).
 - ``non-FP8 components``: every other component folder's safetensors (VAE, safety checker);
   the text tokenizer holds no tensors.
-- ``activations``: the Cosmos 3 transformer at ``text + vision`` tokens (vision tokens from the
-  frame count, the VAE's compression and the patch size): the layer inputs and residuals of
+- ``activations``: the Cosmos 3 transformer at ``text + vision (+ action)`` tokens (vision tokens
+  from the frame count, the VAE's compression and the patch size; an action job's ``chunk_size``
+  action tokens beside its ``1 + chunk_size`` frames, fitted into its resolution tier's canvas as
+  diffusers fits them, ``action_video_size``): the layer inputs and residuals of
   both towers, the generation MLP's three ``tokens x intermediate`` products and its FP8
   input, the attention's Q/K/V, rotary temporaries, the concatenated K/V and the outputs.
   Attention itself is counted as flash attention's working set (linear in the tokens, no
@@ -122,11 +124,58 @@ class VideoSize:
 
 
 @dataclass(frozen=True)
+class ActionChunk:
+    """An action job's part of the sequence (diffusers' ``CosmosActionCondition``): ``chunk_size``
+    action tokens in the generation pathway beside ``1 + chunk_size`` frames, those fitted into the
+    canvas of ``resolution_tier`` (diffusers' default 480)."""
+
+    mode: str
+    chunk_size: int
+    resolution_tier: int = 480
+
+
+def action_video_size(height: int, width: int, action: ActionChunk, spatial: int, temporal: int) -> VideoSize:
+    """The video an action job of a ``height`` x ``width`` first frame denoises, as diffusers'
+    ``_prepare_action_video_conditioning`` makes it: the frames read at a multiple of the VAE's
+    ``spatial`` factor, fitted (never upscaled) into the tier's canvas of the closest aspect ratio,
+    the latent then cropped to that content (``_remove_action_video_padding_from_latent``: whole
+    latent pixels, at least one)."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _ACTION_RESOLUTION_BINS
+    from diffusers.video_processor import VideoProcessor
+
+    source_h, source_w = height - height % spatial, width - width % spatial
+    if not (source_h and source_w):
+        raise ArgumentError(
+            f"an action job's frames are read at multiples of {spatial} pixels (the VAE's `scale_factor_spatial`): "
+            f"{height} x {width} has none"
+        )
+    bins = _ACTION_RESOLUTION_BINS[str(action.resolution_tier)]
+    target_h, target_w = VideoProcessor.classify_height_width_bin(source_h, source_w, ratios=bins)
+    scale = min(target_w / source_w, target_h / source_h, 1.0)
+    content_h, content_w = (max(1, int(scale * n + 0.5)) for n in (source_h, source_w))
+    latent_h, latent_w = max(content_h // spatial, 1), max(content_w // spatial, 1)
+    return VideoSize(latent_h * spatial, latent_w * spatial, action.chunk_size + 1, spatial, temporal)
+
+
+def mode_words(frames: int, action: ActionChunk | None = None, schedule: int | None = None) -> str:
+    """The request a forecast is for, as the run's report names it: ``policy, 9 frames, 8 actions``,
+    ``an image, distilled, 4 steps``."""
+    if action is not None:
+        words = f"{action.mode}, {frames} frames, {action.chunk_size} actions"
+    else:
+        words = "an image" if frames == 1 else f"{frames} frames"
+    return words + (f", distilled, {schedule} steps" if schedule is not None else "")
+
+
+@dataclass(frozen=True)
 class MemoryForecast:
     world_size: int
     text_tokens: int
     vision_tokens: int
     terms: tuple[Term, ...]
+    action_tokens: int = 0
+    mode: str = ""  # mode_words
+    video: VideoSize | None = None  # the video denoised (an action job's: fitted to its tier)
 
     @property
     def device_bytes(self) -> int:
@@ -138,9 +187,11 @@ class MemoryForecast:
 
     def lines(self) -> list[str]:
         host = any(t.host_bytes for t in self.terms)
+        mode = f" ({self.mode})" if self.mode else ""
+        actions = f" + {self.action_tokens} action" if self.action_tokens else ""
         out = [
-            f"memory forecast per GPU, world size {self.world_size}: {self.text_tokens} text + "
-            f"{self.vision_tokens} vision tokens"
+            f"memory forecast per GPU, world size {self.world_size}{mode}: {self.text_tokens} text + "
+            f"{self.vision_tokens} vision{actions} tokens"
         ]
         for t in self.terms:
             row = f"  {t.name:<28} {_gib(t.device_bytes):>10}"
@@ -190,6 +241,7 @@ def activation_terms(
     cfg_parallel: bool,
     fp8_time_embedder: bool = False,
     ulysses: int = 1,
+    action_tokens: int = 0,
 ) -> list[Term]:
     """The transformer's working set at its widest moment, phase by phase (no autograd: a
     temporary dies when its expression is done). A W8A8 linear quantizes its input through two
@@ -199,11 +251,14 @@ def activation_terms(
     With a Ulysses group of ``ulysses`` ranks the decoder stack runs on this rank's
     generation rows (``rows``: ``parallel_layout.ulysses_rows``) beside the whole text; the packed
     sequence, its rotary tables and the time embedding stay whole (built before the split), and
-    the attention adds the all-to-alls' buffers (``ulysses_terms``)."""
-    tokens = text + vision
+    the attention adds the all-to-alls' buffers (``ulysses_terms``). An action job's
+    ``action_tokens`` run in the generation pathway beside the vision tokens (split alike); their
+    latents (``chunk_size x action_dim``) are left out of the latents' term, a few KiB."""
+    generation = vision + action_tokens
+    tokens = text + generation
     sp = ulysses
-    rows = vision if sp == 1 else ulysses_rows(vision, sp)
-    phases = _activation_phases(shape, text, vision, rows, fp8_time_embedder, sp)
+    rows = generation if sp == 1 else ulysses_rows(generation, sp)
+    phases = _activation_phases(shape, text, generation, rows, fp8_time_embedder, sp)
     e = shape.dtype_bytes
     rope = 4 * tokens * shape.head_dim * e  # cos / sin of both pathways, held through the stack
     positions = 3 * tokens * 8 + tokens * 8 * 2  # mRoPE ids and the sequence indexes (int64)
@@ -317,12 +372,15 @@ def forecast(
     cfg_parallel: bool = False,
     ulysses: int = 1,
     prefetch: bool = True,
+    action: ActionChunk | None = None,
+    mode: str = "",
 ) -> MemoryForecast:
     """The per-GPU forecast for ``tensors`` (the transformer's) sharded over ``world_size`` ranks;
     ``cfg_parallel`` / ``ulysses``: the ranks of one request (``runtime.parallel_layout``, checked
     there: a ``LayoutError``). ``resident``: none, all, a layer count, or auto: the layers the run's
     ``--resident auto`` keeps gathered within ``resident_budget`` bytes (``choose_resident``; the
-    run also caps it at the free device memory, which a forecast does not know)."""
+    run also caps it at the free device memory, which a forecast does not know). ``action``: an
+    action job's tokens beside ``size`` (already fitted: ``action_video_size``); ``mode``: its words."""
     ParallelLayout(world_size, cfg_parallel=cfg_parallel, ulysses=ulysses)
     if offload not in (None, "cpu"):
         raise ArgumentError(f"offload must be None or 'cpu', got {offload!r}")
@@ -361,8 +419,9 @@ def forecast(
     terms.append(Term("non-FP8 components", components_bytes, detail="VAE and other component weights"))
     text = text_tokens
     fp8_time = any(t.key.startswith("time_embedder.") and t.itemsize == 1 for t in tensors)
-    terms += activation_terms(shape, text, size.vision_tokens(shape.patch), cfg_parallel, fp8_time, ulysses)
-    return MemoryForecast(world_size, text, size.vision_tokens(shape.patch), tuple(terms))
+    vision, actions = size.vision_tokens(shape.patch), action.chunk_size if action is not None else 0
+    terms += activation_terms(shape, text, vision, cfg_parallel, fp8_time, ulysses, actions)
+    return MemoryForecast(world_size, text, vision, tuple(terms), actions, mode, size)
 
 
 # --- from a pipeline root or a transformer directory -----------------------------------------
@@ -385,11 +444,22 @@ def components_bytes(root: Path) -> int:
 
 
 def forecast_checkpoint(
-    path: str | Path, world_size: int, *, height: int, width: int, frames: int, **options
+    path: str | Path,
+    world_size: int,
+    *,
+    height: int,
+    width: int,
+    frames: int,
+    action: ActionChunk | None = None,
+    schedule: int | None = None,
+    **options,
 ) -> MemoryForecast:
     """The forecast for a pipeline root (``model_index.json``) or a Cosmos 3 transformer directory.
     Configs the forecast divides by (the VAE's factors, the transformer's shape) that are no
-    integer >= 1 are refused together in one ``CheckpointError``, before any arithmetic."""
+    integer >= 1 are refused together in one ``CheckpointError``, before any arithmetic.
+    ``action``: an action job (``height`` x ``width``: its first frame's; ``frames`` is its chunk's),
+    refused for a transformer without ``action_gen``; ``schedule``: a distilled root's step count,
+    named in the forecast's mode."""
     from fsdp_fp8.format.hub import resolve_hub_path
     from fsdp_fp8.format.pipeline_config import has_pipeline_index
 
@@ -409,15 +479,23 @@ def forecast_checkpoint(
         shape = TransformerShape.from_config(config, where)
     except CheckpointError as exc:
         problems += exc.problems
+    if action is not None and config.get("action_gen") is not True:
+        problems.append(f"{where} has no `action_gen`: its transformer takes no actions ({action.mode} asked)")
     raise_if_problems(problems, f"cannot forecast {path}")
     # An official VAE's factors where the config does not say (or there is no pipeline around it).
     spatial, temporal = (factors.spatial or 16, factors.temporal or 4) if factors else (16, 4)
+    if action is not None:
+        size = action_video_size(height, width, action, spatial, temporal)
+    else:
+        size = VideoSize(height, width, frames, spatial, temporal)
     return forecast(
         checkpoint_tensors(transformer),
         shape,
-        VideoSize(height, width, frames, spatial, temporal),
+        size,
         world_size,
         components_bytes=components_bytes(path) if is_pipeline else 0,
+        action=action,
+        mode=mode_words(size.frames, action, schedule),
         **options,
     )
 

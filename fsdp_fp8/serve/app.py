@@ -2,7 +2,8 @@
 
     POST   /v1/videos                 a job (JSON, or multipart with ``input_reference``)
     GET    /v1/videos                 every job;  GET /v1/videos/{id}: one
-    GET    /v1/videos/{id}/content    the result: an mp4, or a png for one frame
+    GET    /v1/videos/{id}/content    the result: an mp4, or a png for one frame; ?variant=actions
+                                      (.json) or actions_npy (.npy): an action job's predicted actions
     DELETE /v1/videos/{id}            cancel a queued or running job; remove a finished one
     GET    /v1/models                 the one model served
     GET    /health                    200 once every rank has loaded; 503 loading, draining, lost
@@ -27,13 +28,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from fsdp_fp8.generation.results import actions_paths
 from fsdp_fp8.serve import jobs as states
 from fsdp_fp8.serve.jobs import JobRecord, JobStore, new_id
 from fsdp_fp8.serve.requests import FIELDS, Upload, request_of, request_problems, sniff_upload
 
 RETRY_AFTER_S = 5
-# the request's values a job keeps (what the ranks run; its prompt and upload are kept beside them)
-KEPT_FIELDS = {target for target, _ in FIELDS.values() if target != "prompt"} | {"width", "height", "frames"}
+# the request's values a job keeps (what the ranks run; its prompt, upload and raw actions are kept beside them)
+KEPT_FIELDS = {target for target, _ in FIELDS.values() if target not in ("prompt", "actions")}
+KEPT_FIELDS |= {"width", "height", "frames"}
+# content variants beside the video: an action job's predicted actions (generation.results.actions_paths)
+ACTION_VARIANTS = {"actions": (1, "application/json"), "actions_npy": (0, "application/octet-stream")}
 
 
 def error(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
@@ -137,11 +142,18 @@ def _video_routes(app: FastAPI, served: Served) -> None:
         record = served.store.get(job_id)
         if record is None:
             return error(404, f"no video job {job_id!r}", "not_found")
-        if variant != "video":
-            return error(400, f"variant {variant!r}: this server keeps the video only", "unsupported_variant")
+        if variant != "video" and variant not in ACTION_VARIANTS:
+            kept = ", ".join(["video", *ACTION_VARIANTS])
+            return error(400, f"variant {variant!r}: this server keeps {kept}", "unsupported_variant")
         if record.status != states.COMPLETED or not record.output:
             return error(409, f"video job {job_id} is {record.status}; its content exists once completed", "not_ready")
-        return FileResponse(served.store.directory / record.output, media_type=record.media_type)
+        if variant == "video":
+            return FileResponse(served.store.directory / record.output, media_type=record.media_type)
+        if not record.actions_sha256:
+            return error(404, f"video job {job_id} predicted no actions (only policy and inverse_dynamics do)",
+                         "no_actions")  # fmt: skip
+        which, media_type = ACTION_VARIANTS[variant]
+        return FileResponse(actions_paths(served.store.directory / record.output)[which], media_type=media_type)
 
     @app.delete("/v1/videos/{job_id}")
     def delete(job_id: str):
@@ -190,42 +202,59 @@ async def _read_body(request: Request, limit: int):
 
 
 def _create(served: Served, fields: dict, upload: Upload | None):
-    request, problems = request_of(fields, upload, served.temporal)
+    submission, problems = request_of(fields, upload, served.temporal)
     job_id = new_id()
-    saved = None
-    if request is not None:
-        from fsdp_fp8.generation.loading import demo_sizes
-
-        request = demo_sizes(request) if served.root is None else request
+    saved, actions = None, None
+    if submission is not None:
+        request = _with_defaults(served, submission)
+        uploads = served.store.directory / "uploads"
         if upload is not None:
-            saved = served.store.directory / "uploads" / f"{job_id}{upload.suffix}"
+            saved = uploads / f"{job_id}{upload.suffix}"
             saved.write_bytes(upload.data)
-        problems = request_problems(request, served.settings, served.root, saved)
+        if submission.actions is not None:  # read by the launcher's reader, as --actions FILE is
+            actions = uploads / f"{job_id}.actions.json"
+            actions.write_text(json.dumps(submission.actions))
+        problems = request_problems(request, served.settings, served.root, saved, actions)
     if problems:
-        if saved is not None:
-            saved.unlink(missing_ok=True)
+        for path in (saved, actions):
+            if path is not None:
+                path.unlink(missing_ok=True)
         return error(400, "; ".join(problems), "invalid_request")
-    one_frame = request.frames == 1 and not request.sound
+    frames = request.frames or (1 + request.chunk_size if request.action else 1)
+    one_frame = frames == 1 and not request.sound
     record = JobRecord(
         id=job_id,
         prompt=request.prompt,
         model=served.model,
         size=f"{request.width}x{request.height}" if request.width and request.height else "",
-        seconds=f"{(request.frames or 1) / request.fps:.3g}",
+        seconds=f"{frames / request.fps:.3g}",
         created_at=int(time.time()),
         request={k: v for k, v in _request_fields(request).items() if k in KEPT_FIELDS},
         upload=saved.name if saved is not None else None,
         upload_kind=upload.kind if upload is not None else None,
+        actions_upload=actions.name if actions is not None else None,
         output=f"{job_id}.{'png' if one_frame else 'mp4'}",
         media_type="image/png" if one_frame else "video/mp4",
     )
     if not served.store.add(record):
-        if saved is not None:
-            saved.unlink(missing_ok=True)
+        for path in (saved, actions):
+            if path is not None:
+                path.unlink(missing_ok=True)
         queue = served.store.max_queue
         return error(429, f"{queue} jobs are waiting (--max-queue); try again later", "queue_full",
                      {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     return record.api()
+
+
+def _with_defaults(served: Served, submission):
+    """The request with what the served pipeline sets where the request did not: the demo's sizes
+    (an action job's come from its chunk and tier), a distilled root's step count and guidance."""
+    from fsdp_fp8.generation.loading import demo_sizes, with_schedule
+
+    request = submission.request
+    if served.root is None:
+        return request if request.action else demo_sizes(request)
+    return with_schedule(served.root, request, submission.given)
 
 
 def _request_fields(request) -> dict:

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp_fp8.generation.results import actions_paths
+
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 ID_FORM = re.compile(r"video_[0-9a-f]{32}")
@@ -37,7 +39,10 @@ def valid_id(job_id: str) -> bool:
 @dataclass
 class JobRecord:
     """One job. ``request``: the request's values as sent to the ranks (JSON); ``upload``: the
-    input reference kept beside the records (``uploads/<id><suffix>``), until the job ends."""
+    input reference kept beside the records (``uploads/<id><suffix>``), until the job ends;
+    ``actions_upload``: an action job's raw actions, kept alike (``uploads/<id>.actions.json``).
+    An action job that predicts actions has them beside its output (``<id>.actions.npy`` and
+    ``.json``), ``actions_shape`` and ``actions_sha256`` in its record."""
 
     id: str
     prompt: str
@@ -54,6 +59,7 @@ class JobRecord:
     error: dict | None = None  # {"code", "message"}
     upload: str | None = None
     upload_kind: str | None = None  # "image" or "video"
+    actions_upload: str | None = None
     output: str | None = None  # the file's name in the output directory
     media_type: str | None = None
     steps_run: int = 0
@@ -63,13 +69,15 @@ class JobRecord:
     latent_sha256: str | None = None
     frames_sha256: str | None = None
     sound_sha256: str | None = None
+    actions_shape: list[int] | None = None
+    actions_sha256: str | None = None
     vae_decode: str | None = None
     attempts: int = 0
 
     def api(self) -> dict:
-        """The record as the API shows it (the upload's place and the attempts are ours alone)."""
+        """The record as the API shows it (the uploads' places and the attempts are ours alone)."""
         out = dataclasses.asdict(self)
-        for private in ("upload", "attempts"):
+        for private in ("upload", "actions_upload", "attempts"):
             out.pop(private)
         return out
 
@@ -178,9 +186,9 @@ class JobStore:
             if record is None or record.status not in FINISHED:
                 return False
             del self.jobs[job_id]
-            for name in (f"{job_id}.json", record.output):
-                if name:
-                    (self.directory / name).unlink(missing_ok=True)
+            outputs = [record.output, *(p.name for p in actions_paths(Path(record.output)))] if record.output else []
+            for name in (f"{job_id}.json", *outputs):
+                (self.directory / name).unlink(missing_ok=True)
             self._remove_upload(record)
             return True
 
@@ -234,9 +242,10 @@ class JobStore:
         self.changed.notify_all()
 
     def _remove_upload(self, record: JobRecord) -> None:
-        if record.upload:
-            (self.directory / "uploads" / record.upload).unlink(missing_ok=True)
-            record.upload = None
+        for name in (record.upload, record.actions_upload):
+            if name:
+                (self.directory / "uploads" / name).unlink(missing_ok=True)
+        record.upload, record.actions_upload = None, None
 
     def _write(self, record: JobRecord) -> None:
         """``<id>.json``, whole or not at all (a temporary file renamed into place)."""

@@ -3,21 +3,27 @@
 The OpenAI Videos API's fields (``prompt``, ``size`` "WxH", ``seconds``, ``model``,
 ``input_reference``) and the field's common extras (``negative_prompt``, ``width``, ``height``,
 ``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``generate_sound``) and the launcher's Cosmos 3 conditioning (``condition_frames``,
-``condition_keep``, ``flow_shift``) become one ``GenerationRequest``; then the checks the launcher
-makes before its load (bounds, sizes the VAE can make, sound without a sound tokenizer, image and
-clip headers, their combinations) run on it, and every problem is one line of the 400 answer.
-No torch here.
+``generate_sound``), the launcher's Cosmos 3 conditioning (``condition_frames``,
+``condition_keep``, ``flow_shift``) and an action job's fields in vLLM-Omni's names
+(``action_mode``, ``domain_name``, ``action_chunk_size``, ``resolution``, ``action``; ours beside
+them: ``chunk_size``, ``resolution_tier``, ``actions``) become one ``GenerationRequest``; then the
+checks the launcher makes before its load (bounds, choices, sizes the VAE can make, sound without
+a sound tokenizer, image and clip headers, an action job's domain, inputs and raw actions, their
+combinations) run on it, and every problem is one line of the 400 answer. The raw actions (rows of
+numbers, or their JSON text in a form) are kept as a ``.json`` file, read by the launcher's own
+reader (``generation.actions``). No torch here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_fp8.generation.checks import conditioning_problems, value_problems
+from fsdp_fp8.generation.declare import declared
 from fsdp_fp8.generation.inputs import pipeline_problems
 from fsdp_fp8.generation.media import IMAGE_FORMATS
 from fsdp_fp8.generation.values import GenerationRequest, OptionValues, RunSettings
@@ -38,8 +44,18 @@ FIELDS = {
     "condition_frames": ("condition_frames", "indexes"),
     "condition_keep": ("condition_keep", str),
     "flow_shift": ("flow_shift", float),
+    "action_mode": ("action", str),
+    "domain_name": ("domain", str),
+    "action_chunk_size": ("chunk_size", int),
+    "chunk_size": ("chunk_size", int),
+    "resolution": ("resolution_tier", int),
+    "resolution_tier": ("resolution_tier", int),
+    "action": ("actions", "rows"),
+    "actions": ("actions", "rows"),
 }
 OTHER_FIELDS = ("size", "seconds", "model", "input_reference")
+# the declared choices of the fields that have them (the command line's argparse checks its own)
+CHOICES = {name: meta.cli["choices"] for name, _, meta in declared(GenerationRequest) if "choices" in meta.cli}
 CONTAINER_MAGIC = {b"ftyp": ".mp4", b"\x1aE\xdf\xa3": ".webm"}
 
 
@@ -54,8 +70,25 @@ class Upload:
     suffix: str
 
 
+@dataclass(frozen=True)
+class Submission:
+    """A request as the launcher's values: its ``GenerationRequest`` (``actions`` unset), the raw
+    actions sent with it (rows as sent; kept beside the job as a ``.json`` file), and the
+    ``GenerationRequest`` fields it set (a distilled root's schedule fills the others)."""
+
+    request: GenerationRequest
+    actions: list | None = None
+    given: frozenset[str] = frozenset()
+
+
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-KIND_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", "indexes": "frame indexes"}
+KIND_WORDS = {
+    int: "an integer",
+    float: "a finite number",
+    bool: "true or false",
+    "indexes": "frame indexes",
+    "rows": "a list of lists of numbers (the raw actions [T, D]), or its JSON text",
+}
 
 
 def _typed(name: str, value, kind) -> tuple[object, str | None]:
@@ -80,6 +113,13 @@ def _converted(value, kind):
             return value
         word = str(value).lower()
         return word in TRUE if word in TRUE + FALSE else _REFUSED
+    if kind == "rows":  # its numbers are read by generation.actions.read_actions, as a file's are
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return _REFUSED
+        return value if isinstance(value, list) else _REFUSED
     if isinstance(value, bool):
         return _REFUSED  # JSON's true is no number
     if kind == "indexes":
@@ -122,8 +162,8 @@ def sniff_upload(data: bytes, filename: str) -> Upload | str:
     )
 
 
-def request_of(fields: dict, upload: Upload | None, temporal: int) -> tuple[GenerationRequest | None, list[str]]:
-    """The ``GenerationRequest`` of a request's fields (None with the problems found)."""
+def request_of(fields: dict, upload: Upload | None, temporal: int) -> tuple[Submission | None, list[str]]:
+    """The ``Submission`` of a request's fields (None with the problems found)."""
     problems = [f"unknown field `{k}`; this server takes {', '.join([*FIELDS, *OTHER_FIELDS])}" for k in fields if
                 k not in FIELDS and k not in OTHER_FIELDS]  # fmt: skip
     values = {}
@@ -134,6 +174,9 @@ def request_of(fields: dict, upload: Upload | None, temporal: int) -> tuple[Gene
         elif value is not None:
             if target in values and values[target] != value:
                 problems.append(f"`{name}` {value!r} and another name of it ({values[target]!r}) disagree; give one")
+            elif target in CHOICES and value not in CHOICES[target]:
+                choices = ", ".join(str(c) for c in CHOICES[target])
+                problems.append(f"`{name}` must be one of {choices}, got {value!r}")
             values[target] = value
     if not isinstance(values.get("prompt"), str) or not values["prompt"].strip():
         problems.append("`prompt` is required: the text to generate from")
@@ -143,9 +186,11 @@ def request_of(fields: dict, upload: Upload | None, temporal: int) -> tuple[Gene
         problems.append("`input_reference` must be a file uploaded as multipart/form-data (an image or a clip)")
     if problems:
         return None, problems
+    given = frozenset(values)
+    actions = values.pop("actions", None)
     if upload is not None:
         values[upload.kind] = upload.filename or f"upload{upload.suffix}"
-    return dataclasses.replace(GenerationRequest(), **values), []
+    return Submission(dataclasses.replace(GenerationRequest(), **values), actions, given), []
 
 
 def _size(size, values: dict) -> list[str]:
@@ -180,16 +225,23 @@ def _seconds(seconds, values: dict, temporal: int) -> list[str]:
     return []
 
 
-def request_problems(request: GenerationRequest, settings: RunSettings, root: Path | None, upload_path) -> list[str]:
+def request_problems(
+    request: GenerationRequest, settings: RunSettings, root: Path | None, upload_path, actions_path=None
+) -> list[str]:
     """The launcher's checks of ``request`` against the served pipeline (``root``; None: the
-    demo), the upload read at ``upload_path``."""
+    demo), the upload read at ``upload_path``, the raw actions at ``actions_path`` (their lines
+    name the field ``actions``, not the server's file)."""
     if upload_path is not None:
         kind = "image" if request.image else "video"
         request = dataclasses.replace(request, **{kind: str(upload_path)})
+    if actions_path is not None:
+        request = dataclasses.replace(request, actions=str(actions_path))
     values = OptionValues(request, settings)
     problems = value_problems(values) + pipeline_problems(values, root)
     problems += conditioning_problems(values, [])  # the upload's header and frames too
+    if actions_path is not None:
+        problems = [p.replace(f"--actions {actions_path}", "`actions`") for p in problems]
     return sorted(set(problems))
 
 
-__all__ = ["FIELDS", "Upload", "request_of", "request_problems", "sniff_upload"]
+__all__ = ["FIELDS", "Submission", "Upload", "request_of", "request_problems", "sniff_upload"]

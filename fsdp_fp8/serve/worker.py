@@ -17,6 +17,7 @@ it, keeps answering ``/health`` with 503 for ``LOST_GRACE_S``, and every process
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import threading
@@ -45,7 +46,8 @@ IDLE, ROUND, STOP = "idle", "round", "stop"
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every rank needs of one job: its values, its upload's bytes, its output's name."""
+    """What every rank needs of one job: its values, its upload's bytes, its raw actions' bytes
+    (a ``.json`` file), its output's name."""
 
     id: str
     request: GenerationRequest
@@ -54,6 +56,7 @@ class JobSpec:
     upload: bytes | None = None
     upload_suffix: str = ""
     upload_kind: str | None = None
+    actions: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,8 @@ def same_round(a: JobRecord, b: JobRecord) -> bool:
 
 
 def _round_key(record: JobRecord) -> tuple:
-    return round_key(
-        GenerationRequest(**{k: record.request[k] for k in ("steps", "guidance", "sound") if k in record.request})
-    )
+    keys = ("steps", "guidance", "sound", "action")
+    return round_key(GenerationRequest(**{k: record.request[k] for k in keys if k in record.request}))
 
 
 class StoreObserver(Observer):
@@ -138,6 +140,7 @@ class Worker:
 
     def _spec(self, record: JobRecord) -> JobSpec:
         upload = self.output_dir / "uploads" / record.upload if record.upload else None
+        actions = self.output_dir / "uploads" / record.actions_upload if record.actions_upload else None
         return JobSpec(
             id=record.id,
             request=GenerationRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.request.items()}),
@@ -146,6 +149,7 @@ class Worker:
             upload=upload.read_bytes() if upload is not None else None,
             upload_suffix=upload.suffix if upload is not None else "",
             upload_kind=record.upload_kind,
+            actions=actions.read_bytes() if actions is not None else None,
         )
 
     def _broadcast(self, command: Command | None) -> Command:
@@ -177,12 +181,16 @@ class Worker:
                 self._record(result)
 
     def _task(self, index: int, spec: JobSpec) -> Task:
-        prompt = spec.prompt
+        prompt, request = spec.prompt, spec.request
         if spec.upload is not None:  # this rank's own copy: the ranks may not share a filesystem
             path = self.uploads / f"{spec.id}{spec.upload_suffix}"
             path.write_bytes(spec.upload)
             prompt = Prompt(prompt.text, prompt.negative_prompt, seed=prompt.seed, **{spec.upload_kind: str(path)})
-        return Task(index, prompt, spec.request, self.output_dir / spec.output_name, decode=True, key=spec.id)
+        if spec.actions is not None:  # likewise: read by the engine as --actions FILE
+            path = self.uploads / f"{spec.id}.actions.json"
+            path.write_bytes(spec.actions)
+            request = dataclasses.replace(request, actions=str(path))
+        return Task(index, prompt, request, self.output_dir / spec.output_name, decode=True, key=spec.id)
 
     def _record(self, result: TaskResult) -> None:
         store, record = self.store, self.store.get(result.key)
@@ -199,6 +207,8 @@ class Worker:
                 latent_sha256=result.latent_sha256,
                 frames_sha256=result.frames_sha256,
                 sound_sha256=result.sound_sha256,
+                actions_shape=result.actions_shape,
+                actions_sha256=result.actions_sha256,
                 vae_decode=result.vae_decode,
             )
         elif result.status == CANCELLED:

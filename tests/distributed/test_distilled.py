@@ -3,7 +3,12 @@
 transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
 image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
 per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
-before the load, one line, exit 2; through the Python API one error on every rank.
+before the load, one line, exit 2; through the Python API one error on every rank. Served over
+HTTP (``serve`` at Ulysses 2), a request that leaves the steps and guidance out runs the schedule
+and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
+why. The non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
+through the same modular path, guidance, a negative prompt and sound included: the digests of
+``Cosmos3OmniPipeline`` on one rank, and at CFG 2 and Ulysses 2 (in the same run of 2 ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from ranks import run_ranks  # noqa: E402
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
 MODE = "distilled, 4 steps"
+# the non-distilled modular pipeline's job: guidance with a negative prompt, sound, W8A16 and W8A8 steps
+OMNI_JOB = ("--frames", "5", "--sound", "--negative-prompt", "blur", "--steps", "7")
+OMNI_LAYOUTS = {"cfg": ("--cfg-parallel",), "ulysses": ("--ulysses", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +85,53 @@ def _api_refusals(rank: int) -> list[str]:
     return seen
 
 
-def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+def _observe(rank: int, world: int, root: str, inputs: str, reports: str, omni: str) -> dict:
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
             obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
         obs["api"] = _api_refusals(rank)
+        for name, extra in OMNI_LAYOUTS.items():
+            obs[f"omni {name}"] = _launch(omni, Path(reports, f"omni-{name}.json"), *OMNI_JOB, *extra, rank=rank)
     return obs
 
 
 @pytest.fixture(scope="module")
-def observed(distilled_root, inputs, tmp_path_factory):
-    reports = tmp_path_factory.mktemp("distilled-reports")
-    one = _jobs(distilled_root, str(inputs), reports, "one", ())
-    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
+def reports(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distilled-reports")
+
+
+@pytest.fixture(scope="module")
+def omni_root(demo_root, tmp_path_factory) -> str:
+    """The demo's components under an index naming diffusers' non-distilled modular pipeline,
+    ``Cosmos3OmniModularPipeline`` (its default blocks, ``Cosmos3OmniBlocks``)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("omni-modular") / "root"
+    shutil.copytree(demo_root, root)
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**index, "_class_name": "Cosmos3OmniModularPipeline"}))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def omni_one(omni_root, demo_root, reports) -> dict:
+    """The modular job on one rank, and the same job on the demo's own ``Cosmos3OmniPipeline``."""
+    return {
+        "modular": _launch(omni_root, reports / "omni-one.json", *OMNI_JOB),
+        "plain": _launch(str(demo_root), reports / "plain-one.json", *OMNI_JOB),
+    }
+
+
+@pytest.fixture(scope="module")
+def one(distilled_root, inputs, reports) -> dict:
+    """The launcher's reports on one rank."""
+    return _jobs(distilled_root, str(inputs), reports, "one", ())
+
+
+@pytest.fixture(scope="module")
+def observed(distilled_root, inputs, one, reports, omni_root):
+    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), omni_root, timeout=900)
     return one, ranks
 
 
@@ -126,6 +167,24 @@ def test_distilled_api_refusals_on_every_rank(observed):
     cfg, steps = ranks[0]["api"]
     assert cfg.startswith("LayoutError") and "no CFG pair" in cfg
     assert steps.startswith("ArgumentError") and "`distilled_sigmas` config (4 steps): steps must be 4, got 3" in steps
+
+
+def _digests(report: dict) -> tuple:
+    (row,) = report["outputs"]
+    return report["precision_trace"], row["mode"], row["latent_sha256"], row["sound_sha256"]
+
+
+def test_the_omni_modular_pipeline_gives_the_plain_pipelines_digests(omni_one):
+    modular, plain = omni_one["modular"], omni_one["plain"]
+    assert (modular["pipeline"], plain["pipeline"]) == ("Cosmos3OmniModularPipeline", "Cosmos3OmniPipeline")
+    assert _digests(modular) == _digests(plain)
+    assert _digests(modular)[:2] == ("W8A16 x3 / W8A8 x1 / W8A16 x3", "text-to-video, 5 frames, sound")
+
+
+@pytest.mark.parametrize("layout", list(OMNI_LAYOUTS))
+def test_the_omni_modular_pipeline_equals_one_rank(observed, omni_one, layout):
+    _, ranks = observed
+    assert _digests(ranks[0][f"omni {layout}"]) == _digests(omni_one["modular"]), layout
 
 
 @pytest.mark.parametrize(
@@ -227,3 +286,51 @@ def test_values_without_the_launchers_given_options_are_checked_as_they_are(dist
     assert any("guidance must be 1.0, got 3.0" in p for p in problems), problems
     scheduled = OptionValues(GenerationRequest(frames=1, height=32, width=32, steps=4, guidance=1.0), settings)
     assert pipeline_problems(scheduled, Path(distilled_root)) == []
+
+
+@pytest.fixture(scope="module")
+def server(distilled_root, demo_cache, tmp_path_factory):
+    """The distilled demo served at Ulysses 2 on 2 ranks, each at this process's thread count (the
+    launcher's one-rank run here had it)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import torch
+    from servers import Ranks
+
+    directory = tmp_path_factory.mktemp("distilled-serve")
+    threads = torch.get_num_threads()
+    ranks = Ranks(2, directory, str(demo_cache), "--checkpoint", distilled_root, "--ulysses", "2", threads=threads)
+    yield ranks
+    ranks.stop()
+
+
+def test_a_served_request_runs_the_schedule_with_the_launchers_one_rank_digests(one, server):
+    from servers import openai_client
+
+    from fsdp_fp8.generation.values import DEFAULT_PROMPT
+
+    client = openai_client(server)
+    video = client.videos.create(prompt=DEFAULT_PROMPT, size="32x32", extra_body={"num_frames": 1})
+    assert client.videos.poll(video.id, poll_interval_ms=200).status == "completed"
+    record = server.get(f"/v1/videos/{video.id}")[1]
+    assert record["request"]["steps"] == 4 and record["request"]["guidance"] == 1.0 and record["steps_run"] == 4
+    (row,) = one["one image"]["outputs"]
+    assert (record["latent_sha256"], record["frames_sha256"]) == (row["latent_sha256"], row["frames_sha256"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"num_inference_steps": 8}, "`distilled_sigmas` config (4 steps): steps must be 4, got 8"),
+        ({"guidance_scale": 3}, "classifier-free guidance is baked into the weights: guidance must be 1.0, got 3.0"),
+        ({"negative_prompt": "blur"}, "is a distilled checkpoint; it takes no negative prompt"),
+        (
+            {"action_mode": "policy", "domain_name": "pusht", "chunk_size": 4},
+            "--action: {root}/transformer/config.json has no `action_gen`: its transformer takes no actions",
+        ),
+    ],
+    ids=["steps", "guidance", "negative-prompt", "action"],
+)
+def test_a_served_request_the_distilled_root_cannot_run_is_a_400_naming_why(server, distilled_root, fields, reason):
+    status, body, _ = server.post({"prompt": "x", "size": "32x32", **fields})
+    assert status == 400 and reason.format(root=distilled_root) in body["error"]["message"], body

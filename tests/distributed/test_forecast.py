@@ -167,3 +167,66 @@ def test_the_terms_are_named_and_add_up():
     assert "resident layers" in [t.name for t in resident.terms]
     with pytest.raises(ValueError, match="even world size, got 3"):
         forecast(tensors, shape, VideoSize(64, 64, 1), 3, cfg_parallel=True)
+
+
+def _forecast_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("memory forecast per GPU"))
+
+
+def test_inspect_counts_an_action_jobs_tokens_as_the_real_pipeline_builds_them(demo_cache, capsys):
+    """The real pipeline (the action demo, policy, one step without guidance) measured at its
+    transformer's call: its generation tokens (``sequence_length - und_len``) and its action tokens
+    against inspect's count for a first frame of that size: one the tier's canvas downscales (no
+    multiple of the VAE's factor; its content no whole latent pixel), one it keeps (never upscaled)."""
+    import re
+
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+    from PIL import Image
+
+    from fsdp_fp8 import load_pipeline
+    from fsdp_fp8.cli.commands import main
+    from fsdp_fp8.generation.demo import action_demo_checkpoint
+
+    root = str(action_demo_checkpoint(demo_cache))
+    pipe = load_pipeline(root, device=torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    seen = {}
+
+    def call(_module, _args, kwargs):
+        seen.update(generation=kwargs["sequence_length"] - kwargs["und_len"], actions=kwargs["action_token_shapes"])
+
+    hook = pipe.transformer.register_forward_pre_hook(call, with_kwargs=True)
+    job = dict(mode="policy", chunk_size=4, domain_name="pusht", resolution_tier=256)
+    options = ["--action", "policy", "--chunk-size", "4", "--resolution-tier", "256"]
+    for height, width in ((42, 369), (50, 70)):
+        first = Image.new("RGB", (width, height), (10, 120, 200))
+        pipe("the arm", action=CosmosActionCondition(**job, image=first), num_inference_steps=1, guidance_scale=1.0,
+             generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+        assert main(["inspect", root, *options, "--height", str(height), "--width", str(width)]) == 0
+        found = re.search(r"\(policy, 5 frames, 4 actions\): \d+ text \+ (\d+) vision \+ (\d+) action tokens$",
+                          _forecast_line(capsys.readouterr().out))  # fmt: skip
+        assert found is not None
+        vision, actions = int(found[1]), int(found[2])
+        assert (vision + actions, [(actions, 1, 1)]) == (seen["generation"], seen["actions"]), (height, width)
+    hook.remove()
+
+
+def test_inspect_names_a_distilled_schedule_and_refuses_action_options_it_cannot_forecast(
+    demo_root, demo_cache, capsys
+):
+    from fsdp_fp8.cli.commands import main
+    from fsdp_fp8.generation.demo import distilled_checkpoint
+
+    assert main(["inspect", str(distilled_checkpoint(demo_cache)), "--height", "32", "--width", "32"]) == 0
+    assert "world size 1 (an image, distilled, 4 steps): " in _forecast_line(capsys.readouterr().out)
+    for extra, said in (
+        (["--action", "policy"], "--action policy needs --chunk-size"),
+        (["--action", "policy", "--chunk-size", "4", "--frames", "5"], "leave out --frames"),
+        (["--chunk-size", "4"], "--chunk-size: the forecast of an action job; give --action too"),
+        (["--action", "policy", "--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["inspect", str(demo_root), *extra])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, extra
+    assert main(["inspect", str(demo_root), "--action", "policy", "--chunk-size", "4"]) == 1  # no action_gen
+    assert "has no `action_gen`: its transformer takes no actions (policy asked)" in capsys.readouterr().err

@@ -113,6 +113,21 @@ def test_a_new_transformer_keyword_or_a_lost_pipeline_latents_is_named():
     assert "NoSound.__call__ takes no `sound_latents`" in problem
 
 
+def test_a_modular_pipelines_blocks_take_each_latents():
+    """``Cosmos3OmniModularPipeline`` takes everything as ``**kwargs``: its blocks' inputs are the
+    per-step latents' keywords."""
+    import diffusers
+
+    blocks = diffusers.Cosmos3OmniBlocks()
+    modular = diffusers.Cosmos3OmniModularPipeline
+    assert cfg_parallel.diffusers_problems(modular, Cosmos3OmniTransformer, blocks) == []
+    problems = cfg_parallel.diffusers_problems(modular, Cosmos3OmniTransformer, diffusers.Cosmos3DistilledBlocks())
+    assert [p.split(":")[0] for p in problems] == [
+        f"Cosmos3OmniModularPipeline's blocks (Cosmos3DistilledBlocks) take no `{latents}`"
+        for latents in ("sound_latents", "action_latents")
+    ]
+
+
 # --- the step boundary: each call of the pipeline is one request, whatever its scheduler
 
 
