@@ -8,8 +8,8 @@ a check of the mechanism, not a claim about quality.
 thread per rank; both runs load the same pipeline the same way, warm it with a one-step call, and
 differ only in ``cache``; the uncached run goes first.
 
-    python bench/cache.py [--steps 35 --frames 9 --height 64 --width 48 --threshold 0.25]
-    python bench/cache.py --layout cfg-ulysses
+    python -m bench.cache [--steps 35 --frames 9 --height 64 --width 48 --threshold 0.25]
+    python -m bench.cache --layout cfg-ulysses
 """
 
 from __future__ import annotations

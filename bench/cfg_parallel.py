@@ -6,7 +6,7 @@ rank computes per step: both guidance passes (sequential) or one (CFG-parallel, 
 which runs both and records the unconditional inputs). Steps 1.. are timed (median of the
 per-step times of rank 0), one thread per rank; latents are compared too.
 
-    python bench/cfg_parallel.py [--height 256 --width 384 --frames 17 --steps 6]
+    python -m bench.cfg_parallel [--height 256 --width 384 --frames 17 --steps 6]
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ SIZES: dict[str, MoTConfig] = {
 INPUT_SCALE = 5.0 / 448
 MAX_SHARD_SIZE = 256 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# Where every bench appends its JSON lines by default (git-ignored).
+RESULTS = Path(__file__).resolve().parent / "results.jsonl"
 
 
 def default_cache() -> Path:

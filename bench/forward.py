@@ -1,6 +1,6 @@
 """All-gather bytes per forward and time per denoising step: FP8 (W8A8, W8A16) against BF16.
 
-    torchrun --nproc-per-node N bench/forward.py [--size small|default] [--steps 5] [--reps 3]
+    torchrun --nproc-per-node N -m bench.forward [--size small|default] [--steps 5] [--reps 3]
 
 The same reference MoT is loaded twice with ``load_model``: from its FP8 checkpoint and from
 its BF16 one (exported by bench/common.py, cached). Bytes are counted at the collective
@@ -15,24 +15,20 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
-from fsdp_fp8.load.options import local_cuda_index  # noqa: E402
-from fsdp_fp8.runtime.collectives import AllGatherMeter  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common
+from fsdp_fp8 import Float8StaticLinear, load_model
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.interop.architectures import resolve_model_spec
+from fsdp_fp8.load.options import local_cuda_index
+from fsdp_fp8.runtime.collectives import AllGatherMeter
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 
 def parse_args(argv=None):
@@ -49,7 +45,7 @@ def parse_args(argv=None):
         help="auto: CUDA (NCCL) when available, else CPU (gloo)",
     )
     p.add_argument("--dir", help="checkpoint cache (see bench/load.py)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     return p.parse_args(argv)
 
 

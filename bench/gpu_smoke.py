@@ -1,9 +1,9 @@
 """GPU smoke check for a bare CUDA box: figures per section, written as they are measured.
 
     bash bench/gpu_smoke.sh smoke.jsonl                                    # on the GPU box (installs the wheels)
-    PYTHONPATH=. python bench/gpu_smoke.py --out smoke.jsonl [--quick]     # the same, wheels already importable
-    PYTHONPATH=. python bench/gpu_smoke.py --dry --out smoke.jsonl         # CPU, scaled-down shapes
-    PYTHONPATH=. python bench/gpu_smoke.py --fake-cuda --out smoke.jsonl   # CPU build, fake CUDA tensors
+    python -m bench.gpu_smoke --out smoke.jsonl [--quick]     # the same, wheels already importable
+    python -m bench.gpu_smoke --dry --out smoke.jsonl         # CPU, scaled-down shapes
+    python -m bench.gpu_smoke --fake-cuda --out smoke.jsonl   # CPU build, fake CUDA tensors
 
 It measures; it does not judge correctness. The correctness checks (FP8 GEMMs against an fp32
 reference, ``_scaled_mm`` in the profiler, the all-gather hooks' bytes, NCCL loads and the demo
@@ -78,7 +78,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # fake_cuda, as a script and as an imported module
 
 # Seconds per section: (--quick on one H200, full run). The quick ones sum to 360 s, at the
 # 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
@@ -243,7 +242,7 @@ class Context:
     def place(self, t):
         """A CPU tensor on this context's device (a fake of the same layout under fake CUDA)."""
         if self.fake:
-            from smoke_fake_cuda import placed
+            from bench.smoke_fake_cuda import placed
 
             return placed(t, self.device)
         return t.to(self.device)
@@ -1065,7 +1064,7 @@ SECTIONS = {
 def run_section(name: str, ctx: Context) -> None:
     """Run one section in this process (under fake CUDA when ``ctx.fake``)."""
     if ctx.fake:
-        from smoke_fake_cuda import fake_cuda
+        from bench.smoke_fake_cuda import fake_cuda
 
         with fake_cuda():
             SECTIONS[name](ctx)
@@ -1127,7 +1126,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str, int | None, str]:
     """The section in its own process group, killed (with its torchrun ranks) at its budget."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", args.out, "--wheels", args.wheels]
+    cmd = [sys.executable, "-m", "bench.gpu_smoke", "--section", name, "--out", args.out, "--wheels", args.wheels]
     cmd += [flag for flag, on in (("--dry", args.dry), ("--fake-cuda", args.fake_cuda), ("--quick", args.quick)) if on]
     if args.demo_ranks:
         cmd += ["--demo-ranks", str(args.demo_ranks)]

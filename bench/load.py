@@ -1,8 +1,8 @@
 """Load time, memory and bytes read: fsdp_fp8 against the standard FSDP2 path, prior-art FP8
 loading, and the read-only floor, in one run, interleaved.
 
-    torchrun --nproc-per-node 4 bench/load.py [--size small|default] [--reps 3] [--dir DIR]
-    python bench/load.py --setup      # FP8-vs-BF16 set-up cost at Super scale (bench/setup_cost.py)
+    torchrun --nproc-per-node 4 -m bench.load [--size small|default] [--reps 3] [--dir DIR]
+    python -m bench.load --setup      # FP8-vs-BF16 set-up cost at Super scale (bench/setup_cost.py)
 
 Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   a  fsdp_fp8 ``load_model`` from the FP8 checkpoint (each rank preads its own rows)
@@ -39,11 +39,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8.load.plan import plan_load  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 METHODS = ("a", "b", "c", "d", "p", "n", "h")
 CUDA_METHODS = "ancdh"
@@ -66,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=None, help="default: abcd (cpu), ancdh (cuda)")
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
     p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument(
         "--device",
@@ -513,7 +511,7 @@ def main(argv=None) -> int:
             print("bench/load.py --device cuda: skipped: no CUDA device (torch.cuda.is_available() is False)")
             return 0
     if args.setup:  # one process on a fake process group of 8: see bench/setup_cost.py
-        import setup_cost
+        from bench import setup_cost
 
         return setup_cost.main(["--results", args.results] + (["--dir", args.dir] if args.dir else []))
     import torch.distributed as dist

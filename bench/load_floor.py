@@ -1,6 +1,6 @@
 """The load beside the storage's own floor: raw reads, ``load_model`` and DCP's reader, one run.
 
-    python bench/load_floor.py [--dir DIR] [--reps 3] [--world 2] [--size llama-3.4g]
+    python -m bench.load_floor [--dir DIR] [--reps 3] [--world 2] [--size llama-3.4g]
                                [--load fsdp_fp8,fsdp_fp8+buffered] [--evict auto|drop_caches|fadvise]
                                [--host fresh-2,readinto-2] [--host-memory as-is|settled|kept]
 
@@ -55,11 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import host_memory  # noqa: E402
-import peer_checkpoints  # noqa: E402
-import peer_load  # noqa: E402
+from bench import common, host_memory, peer_checkpoints, peer_load
 
 RAW = ("cat-1", "cat-2", "cat-4", "cat-8", "dd-direct-1", "dd-direct-4")
 # Beside the floor: what any load into host memory pays besides the read (``fresh-N``), and a
@@ -324,7 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", default="fsdp_fp8", help="load methods (peer_load names, what-ifs included)")
     p.add_argument("--dcp", default="dcp-1", help="DCP methods ('' for none)")
     p.add_argument("--evict", choices=("auto", "drop_caches", "fadvise"), default="auto")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=600.0)
     return p.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Where fsdp_fp8's load time goes, phase by phase, per rank (what bench/load.py's a/d hides).
 
-    torchrun --nproc-per-node 4 bench/load_phases.py [--size default]
+    torchrun --nproc-per-node 4 -m bench.load_phases [--size default]
 
 Phases between barriers: open_checkpoint, meta build, plan, FP8 swap, fully_shard, to_empty
 (materialize), and the rank-slice reads (``reader.read_rows``: every pread of this rank,
@@ -10,26 +10,22 @@ without the final agreement; the preadv time is summed over the reader's threads
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8.format import slice_reader  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
-from fsdp_fp8.load import reader  # noqa: E402
-from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
-from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
-from fsdp_fp8.load.plan import plan_load  # noqa: E402
-from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.interop.architectures import resolve_model_spec
+from fsdp_fp8.load import reader
+from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+from fsdp_fp8.load.meta_build import materialize, meta_init
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.reading import slice_reader
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 
 def main() -> int:

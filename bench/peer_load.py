@@ -1,7 +1,7 @@
 """fsdp_fp8 ``load_model`` against PyTorch's own Hugging Face reader, side by side, by phase.
 
-    python bench/peer_load.py [--checkpoints mot,llama] [--worlds 1,2,4] [--cache cold,warm] [--reps 5]
-    python bench/peer_load.py --checkpoints llama --worlds 2 --profile      # cProfile of rank 0, one cold trial
+    python -m bench.peer_load [--checkpoints mot,llama] [--worlds 1,2,4] [--cache cold,warm] [--reps 5]
+    python -m bench.peer_load --checkpoints llama --worlds 2 --profile      # cProfile of rank 0, one cold trial
 
 Methods (each trial: W fresh rank processes on gloo, page cache dropped before a cold trial,
 the order of the methods rotating every repetition; wall time of the slowest rank between
@@ -54,8 +54,7 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common
 
 METHODS = ("fsdp_fp8", "dcp-1", "dcp-2", "dcp-4", "bcast", "floor")
 REQUEST_BYTES = 8 << 20
@@ -785,7 +784,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", action="store_true", help="also print the results as Markdown tables")
     p.add_argument("--report", metavar="JSONL", help="run nothing: print the Markdown tables of a results file's runs")
@@ -804,7 +803,7 @@ def resolve_checkpoint(name: str, args) -> Path:
     if name == "mot":
         return Path(common.checkpoints(args.size, args.dir)[0])
     if name == "llama":
-        import peer_checkpoints
+        from bench import peer_checkpoints
 
         return peer_checkpoints.llama_checkpoint(args.llama_size, args.dir)
     return Path(name)

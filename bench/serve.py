@@ -6,7 +6,7 @@
   same request's ``fsdp_fp8.generate`` call in one process (the pipeline loaded once);
 - the time from POST to the job's first step.
 
-    python bench/serve.py [--requests 4] [--steps 2] [--repeats 3]
+    python -m bench.serve [--requests 4] [--steps 2] [--repeats 3]
 
 One process each (no torchrun), one intra-op thread, medians over ``--repeats``.
 """

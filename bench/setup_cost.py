@@ -1,7 +1,7 @@
 """FP8 set-up cost against BF16 at Super scale, by phase: rank 0 of 8, fake process group, meta device.
 
-    python bench/setup_cost.py [--preset super] [--world-size 8] [--reps 7]
-    python bench/setup_cost.py --profile [--top 12]      # cProfile of one FP8 set-up, per phase
+    python -m bench.setup_cost [--preset super] [--world-size 8] [--reps 7]
+    python -m bench.setup_cost --profile [--top 12]      # cProfile of one FP8 set-up, per phase
 
 Each repetition sets the same stack up twice, interleaved:
 
@@ -30,7 +30,7 @@ Python runs a full pass once the objects that survived since the last one exceed
 all tracked objects, so whether a run pays one (~0.3 s here) depends on the process's heap as
 much as on the set-up's own objects.
 
-Also run by ``python bench/load.py --setup``.
+Also run by ``python -m bench.load --setup``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from bench import common
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.interop.architectures import resolve_model_spec
 from fsdp_fp8.load.fsdp_wrap import shard_model
@@ -70,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--dir", help="where the sparse checkpoint is written (default: a temporary directory)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--profile", action="store_true", help="cProfile one FP8 set-up, phase by phase, and print the top")
     p.add_argument("--top", type=int, default=12, help="functions per phase in --profile (by own time)")
     return p.parse_args(argv)

@@ -1,8 +1,8 @@
 """Super-scale dry run: a ~63B-parameter MoT checkpoint as sparse files, opened, planned on
 the meta device and inspected for 8 ranks, in seconds and small memory.
 
-    python bench/super_dry_run.py [--dir DIR] [--preset super] [--world-size 8]
-    python bench/super_dry_run.py --load [--rank 0]       # + rank 0's load, open to ready, by phase
+    python -m bench.super_dry_run [--dir DIR] [--preset super] [--world-size 8]
+    python -m bench.super_dry_run --load [--rank 0]       # + rank 0's load, open to ready, by phase
 
 The checkpoint's data regions are holes (see fsdp_fp8/testing/sparse_checkpoint.py): apparent size
 ~65 GB, a few MB on disk. Without ``--load`` nothing is loaded; what is shown is that everything
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench import common
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
     p.add_argument("--preset", default="super", choices=sorted(PRESETS))
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--load", action="store_true", help="also run one rank's load, open to ready, by phase")
     p.add_argument("--rank", type=int, default=0, help="the rank --load runs as")
     args = p.parse_args(argv)

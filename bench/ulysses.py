@@ -18,7 +18,7 @@ load changes affects all three alike); a round times ``--passes`` passes after a
 every rank starting each pass together. Printed: the median per way and rank over all rounds,
 the ratios to one rank, whether every way's output has the same bytes, and the load average.
 
-    python bench/ulysses.py [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
+    python -m bench.ulysses [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import default_cache
 
+from bench.common import default_cache
 from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 CONFIG = dict(

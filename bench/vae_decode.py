@@ -9,7 +9,7 @@ share of the tiles decoded alone (no transfer, no blend). Medians of ``--repeats
 compared byte for byte. The load average is printed before and after: the figures are only as
 good as the machine was quiet.
 
-    python bench/vae_decode.py [--height 576 --width 576 --frames 5 --repeats 3]
+    python -m bench.vae_decode [--height 576 --width 576 --frames 5 --repeats 3]
 """
 
 from __future__ import annotations

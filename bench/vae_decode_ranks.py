@@ -3,7 +3,7 @@ one rank's tiled decode (rank 0 alone) against the split over every rank
 (``fsdp_fp8.interop.vae_decode``): seconds, each rank's peak (CUDA: ``max_memory_allocated``;
 CPU: RSS) and whether the frames are equal byte for byte. Rank 0 writes ``--report`` (JSON).
 
-    torchrun --nproc-per-node N bench/vae_decode_ranks.py --report R.json [--dry]
+    torchrun --nproc-per-node N -m bench.vae_decode_ranks --report R.json [--dry]
 """
 
 from __future__ import annotations

@@ -11,7 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 SOURCES = sorted(
-    [*ROOT.glob("fsdp_fp8/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py")]
+    [
+        *ROOT.glob("fsdp_fp8/**/*.py"),
+        *ROOT.glob("launch/*.py"),
+        *ROOT.glob("bench/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+    ]
 )
 # A format note kept outside the repository, and home or workspace directories of one machine.
 OUTSIDE = re.compile(r"FORMAT\.md|/work/|/root/|/home/\w|/Users/\w")

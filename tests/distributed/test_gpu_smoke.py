@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import gpu_smoke
+from bench.smoke_fake_cuda import basic_getitem, fake_cuda
 
-import gpu_smoke  # noqa: E402
-from smoke_fake_cuda import basic_getitem, fake_cuda  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CUDA = torch.device("cuda", 0)
 
@@ -166,8 +165,8 @@ def test_quick_fits_six_minutes_and_the_outer_timeout_outlasts_every_budget():
     full = gpu_smoke.budgets(gpu_smoke.parse_args(["--out", "x"]))
     assert sum(quick.values()) <= 360 and set(quick) == set(gpu_smoke.SECTIONS)
     for flags, chosen in (([], full), (["--quick"], quick)):
-        run = [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", "x", "--outer-timeout", *flags]
-        outer = int(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
+        run = [sys.executable, "-m", "bench.gpu_smoke", "--out", "x", "--outer-timeout", *flags]
+        outer = int(subprocess.run(run, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
         assert outer > sum(chosen.values())
     assert "--outer-timeout" in (ROOT / "bench" / "gpu_smoke.sh").read_text()
 
@@ -176,7 +175,7 @@ def test_quick_fits_six_minutes_and_the_outer_timeout_outlasts_every_budget():
 def test_a_section_out_of_time_keeps_what_finished_and_the_run_says_so(tmp_path):
     out = tmp_path / "not-yet" / "smoke.jsonl"  # its directory is created
     # relative to the caller's directory, though each section's child runs in the checkout's root
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--dry", "--out", "not-yet/smoke.jsonl"]
+    cmd = [sys.executable, "-m", "bench.gpu_smoke", "--dry", "--out", "not-yet/smoke.jsonl"]
     cmd += ["--only", "tests,gemm", "--budget", "gemm=2"]  # importing torch alone takes longer
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
