@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8 import Float8StaticLinear, load_model
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
@@ -77,16 +77,17 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def step_seconds(model, x, t, state, steps: int) -> list[float]:
-    out = []
-    for _ in range(steps):
-        _sync(x.device)
-        t0 = time.perf_counter()
+    """Seconds of ``steps`` guided steps (two forwards), each ended by the slowest rank."""
+
+    def step() -> None:
         model.denoise(x, t, state)
         model.denoise(x, t, None)
+
+    def done() -> None:
         _sync(x.device)
         dist.barrier()
-        out.append(time.perf_counter() - t0)
-    return out
+
+    return harness.sample_seconds(step, steps, before=lambda: _sync(x.device), after=done)
 
 
 def main(argv=None) -> int:
@@ -137,12 +138,10 @@ def main(argv=None) -> int:
     for name, (model, mode, s) in variants.items():  # warm-up
         set_mode(model, mode)
         step_seconds(model, x, t, states[s], 1)
-    for rep in range(args.reps):
-        names = list(variants)[rep % 3 :] + list(variants)[: rep % 3]
-        for name in names:
-            model, mode, s = variants[name]
-            set_mode(model, mode)
-            times[name] += step_seconds(model, x, t, states[s], args.steps)
+    for _, name in harness.interleaved(variants, args.reps):
+        model, mode, s = variants[name]
+        set_mode(model, mode)
+        times[name] += step_seconds(model, x, t, states[s], args.steps)
     set_mode(fp8, "native")
 
     if rank == 0:

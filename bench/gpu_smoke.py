@@ -77,7 +77,9 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import harness
+
+ROOT = harness.ROOT
 
 # Seconds per section: (--quick on one H200, full run). The quick ones sum to 360 s, at the
 # 6-minute goal with room for the driver; bench/gpu_smoke.sh's own timeout (--outer-timeout)
@@ -461,14 +463,7 @@ def _set_mode(module, spec) -> None:
 
 def _timed(ctx: Context, fn, reps: int) -> list[float]:
     fn()  # warm-up (and any compilation) outside the timing
-    samples = []
-    for _ in range(reps):
-        ctx.sync()
-        t0 = time.perf_counter()
-        fn()
-        ctx.sync()
-        samples.append(time.perf_counter() - t0)
-    return samples
+    return harness.sample_seconds(fn, reps, before=ctx.sync, after=ctx.sync)
 
 
 def section_gemm(ctx: Context) -> None:
@@ -845,14 +840,6 @@ def _allgather_module():
     return module
 
 
-def _torchrun(ranks: int, script: Path, *args: str, env: dict | None = None, timeout: float | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 def section_allgather(ctx: Context) -> None:
     import torch
 
@@ -877,7 +864,7 @@ def section_allgather(ctx: Context) -> None:
         report = Path(tmp) / "allgather.json"
         args = ["--report", str(report), "--reps", "2" if ctx.dry else "20"] + ([] if ctx.dry else ["--large"])
         env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
-        rc, text = _torchrun(world, ROOT / "tests" / "gpu" / "uneven_allgather.py", *args, env=env)
+        rc, text = harness.torchrun(world, "tests/gpu/uneven_allgather.py", *args, env=env)
         r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
         if rc != 0 or not report.exists():
             r.update(status="failed", tail=text[-3000:])
@@ -905,7 +892,7 @@ def section_alltoall(ctx: Context) -> None:
         report = Path(tmp) / "alltoall.json"
         args = ["--report", str(report), "--reps", "2" if ctx.dry else "10"] + ([] if ctx.dry else ["--large"])
         env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
-        rc, text = _torchrun(world, ROOT / "tests" / "gpu" / "ulysses_all_to_all.py", *args, env=env)
+        rc, text = harness.torchrun(world, "tests/gpu/ulysses_all_to_all.py", *args, env=env)
         r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
         if rc != 0 or not report.exists():
             r.update(status="failed", tail=text[-3000:])
@@ -937,7 +924,7 @@ def section_demo(ctx: Context) -> None:
             with ctx.variant(f"run {i} at {ranks} ranks") as r:
                 report = Path(tmp) / "reports" / f"demo-{i}.json"  # a directory the runner must create
                 t0 = time.perf_counter()
-                rc, text = _torchrun(ranks, ROOT / "launch" / "infer.py", *steps, "--report", str(report), env=env)
+                rc, text = harness.torchrun(ranks, "launch/infer.py", *steps, "--report", str(report), env=env)
                 bad = [line for line in text.splitlines() if BAD_LINES.search(line)]
                 r.update(exit=rc, seconds_wall=round(time.perf_counter() - t0, 2), bad_lines=bad[:10])
                 if report.exists():
@@ -955,8 +942,8 @@ def _cached_demo(ctx: Context, tmp: Path, ranks: int, steps: list[str], env: dic
     differs (it should, when a step was reused). A real checkpoint's passes and PSNR: bench/cache.py."""
     with ctx.variant(f"cached at {ranks} ranks") as r:
         report = tmp / "reports" / "demo-cached.json"
-        rc, text = _torchrun(ranks, ROOT / "launch" / "infer.py", *steps, "--cache", "seacache", "--report",
-                             str(report), env=env)  # fmt: skip
+        rc, text = harness.torchrun(ranks, "launch/infer.py", *steps, "--cache", "seacache", "--report",
+                                    str(report), env=env)  # fmt: skip
         if rc != 0 or not report.exists():
             r.update(status="failed", exit=rc, tail=text[-3000:])
             return
@@ -1033,7 +1020,7 @@ def section_decode(ctx: Context) -> None:
         report = Path(tmp) / "decode.json"
         args = ["--report", str(report), "--frames", frames] + (["--dry"] if ctx.dry else [])
         env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
-        rc, text = _torchrun(world, ROOT / "bench" / "vae_decode_ranks.py", *args, env=env)
+        rc, text = harness.torchrun(world, "-m", "bench.vae_decode_ranks", *args, env=env)
         r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
         if rc != 0 or not report.exists():
             r.update(status="failed", tail=text[-3000:])
@@ -1130,9 +1117,10 @@ def _run_child(name: str, args: argparse.Namespace, budget: float) -> tuple[str,
     cmd += [flag for flag, on in (("--dry", args.dry), ("--fake-cuda", args.fake_cuda), ("--quick", args.quick)) if on]
     if args.demo_ranks:
         cmd += ["--demo-ranks", str(args.demo_ranks)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=harness.repo_env(), cwd=ROOT, stdout=err, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=budget)
             status = "ok" if rc == 0 else "crashed"

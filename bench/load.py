@@ -34,12 +34,11 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
@@ -309,11 +308,11 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     return {"bytes_read": at, "held": buffer.numel(), "_keep": buffer}
 
 
-def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn, device="cpu") -> None:
+def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, device, conn) -> None:
     """One method on one rank, in a fresh process: imports first, then the measured block."""
     global DEVICE
     DEVICE = device
-    common.run_rank_child(rank, conn, lambda: _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device))
+    harness.run_rank_child(rank, conn, lambda: _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device))
 
 
 def _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device) -> dict:
@@ -356,21 +355,11 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
     box = [None, None]
     if rank == 0:
         cold = False if args.warm else common.drop_page_cache([fp8_dir, bf16_dir])
-        box = [(Path(tempfile.mkdtemp(prefix="fsdp_fp8-bench-")) / "store").as_uri(), cold]
+        box = [harness.file_store(), cold]
     dist.broadcast_object_list(box)
     store, cold = box
-    ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=_trial_child,
-        args=(method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, writer, args.device),
-    )
-    proc.start()
-    writer.close()
-    result = reader.recv() if reader.poll(args.timeout) else {"rank": rank, "error": "timed out"}
-    proc.join(timeout=30)
-    if proc.is_alive():
-        proc.kill()
+    child = (method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, args.device)
+    (result,) = harness.run_children(mp.get_context("spawn"), [(rank, _trial_child, child)], args.timeout)
     result["cold"] = cold
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
@@ -528,16 +517,15 @@ def main(argv=None) -> int:
         fp8_dir, bf16_dir = box[0]
         methods = [m for m in args.methods if m in METHODS]
         trials: dict[str, list] = {m: [] for m in methods}
-        for rep in range(args.reps):
-            for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate the order
-                trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
-                if rank == 0:
-                    r = trials[m][-1]
-                    print(
-                        f"rep {rep} {m}: "
-                        + ("error" if any("error" in x for x in r) else f"{max(x['seconds'] for x in r):.3f} s"),
-                        flush=True,
-                    )
+        for rep, m in harness.interleaved(methods, args.reps):
+            trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
+            if rank == 0:
+                r = trials[m][-1]
+                print(
+                    f"rep {rep} {m}: "
+                    + ("error" if any("error" in x for x in r) else f"{max(x['seconds'] for x in r):.3f} s"),
+                    flush=True,
+                )
         if rank == 0:
             forecast = _forecast(fp8_dir, world)
             rows = summarize(trials, args, world, forecast)

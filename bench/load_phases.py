@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.interop.architectures import resolve_model_spec
 from fsdp_fp8.load import reader
@@ -39,14 +39,11 @@ def main() -> int:
     box = [fp8_dir]
     dist.broadcast_object_list(box)
     fp8_dir = box[0]
-    phases: dict[str, float] = {}
+    phases = harness.Phases()
 
-    def phase(name, fn):
+    def phase(name, fn):  # every rank starts each phase together
         dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        phases[name] = time.perf_counter() - t
-        return out
+        return phases.run(name, fn)
 
     if rank == 0:
         common.drop_page_cache([fp8_dir])
@@ -74,12 +71,12 @@ def main() -> int:
     with torch.no_grad():
         phase("reads", lambda: reader.read_rows(model, plan))
     slice_reader.preadv_into = real
-    phases["  of which in preadv"] = pread[0]
+    seconds = {**phases.seconds, "  of which in preadv": pread[0]}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, phases)
+    dist.all_gather_object(gathered, seconds)
     if rank == 0:
         print(f"{'phase':<22}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(gathered))))
-        for name in phases:
+        for name in seconds:
             print(f"{name:<22}" + "".join(f"{g[name]:>10.3f}" for g in gathered))
     dist.barrier()
     return 0

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.reading import read_schedule, slice_reader
 from fsdp_fp8.shard_rows import chunk_rows
@@ -110,11 +110,9 @@ def main(argv=None) -> int:
     cold_ok = True
     for rep in range(args.reps):
         for cache in args.caches.split(","):
-            names = list(variants)
-            names = names[rep % len(names) :] + names[: rep % len(names)]
             if cache == "warm":
                 floor(ranges, view)  # every page in the cache
-            for name in names:
+            for name in harness.rotated(list(variants), rep):
                 if cache == "cold":
                     cold_ok = common.drop_page_cache([fp8_dir]) and cold_ok
                 t0 = time.perf_counter()

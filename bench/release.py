@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8 import load_model
 from fsdp_fp8.load import release
 from fsdp_fp8.runtime.shutdown import shutdown_distributed
@@ -88,7 +88,7 @@ def checkpoint(size: str, root: str | None) -> Path:
     """The bench's FP8 checkpoint, exported (the first time) in a child process: the export's
     own memory must not be in this process's heap when the measurement starts."""
     code = f"from bench import common; print(common.checkpoints({size!r}, {root!r})[0])"
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=harness.ROOT, check=True,
                          capture_output=True, text=True)  # fmt: skip
     return Path(out.stdout.strip().splitlines()[-1])
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -24,8 +23,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+from bench import harness
+
+ROOT = harness.ROOT
+ENV = harness.repo_env(OMP_NUM_THREADS="1")
 
 
 def _launcher_runs(requests: int, steps: int) -> float:

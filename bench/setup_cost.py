@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.interop.architectures import resolve_model_spec
 from fsdp_fp8.load.fsdp_wrap import shard_model
@@ -226,16 +226,14 @@ def run(args) -> dict:
             _bf16(config, mesh)
             modules = warm.fp8_modules
             runs: dict[str, list[_Clock]] = {"bf16": [], "fp8": [], "plain fp8": []}
-            kinds = list(runs)
-            for rep in range(args.reps):
-                for kind in kinds[rep % 3 :] + kinds[: rep % 3]:  # rotate who goes first
-                    gc.collect()
-                    if kind == "bf16":
-                        runs[kind].append(_bf16(config, mesh))
-                    elif kind == "fp8":
-                        runs[kind].append(_fp8(directory, mesh))
-                    else:
-                        runs[kind].append(_plain_fp8(config, modules, mesh))
+            for _, kind in harness.interleaved(runs, args.reps):
+                gc.collect()
+                if kind == "bf16":
+                    runs[kind].append(_bf16(config, mesh))
+                elif kind == "fp8":
+                    runs[kind].append(_fp8(directory, mesh))
+                else:
+                    runs[kind].append(_plain_fp8(config, modules, mesh))
             if args.profile:
                 gc.collect()
                 profiles = {"fp8": _fp8(directory, mesh, profile=True).profiles}
@@ -268,7 +266,7 @@ def run(args) -> dict:
         "median_cpu_without_gc_s": mutator,
         "ratios_cpu_without_gc": ratios(mutator["fp8"], mutator["bf16"]),
         "full_gc_passes_per_run": full_passes,
-        "load_average": " ".join(f"{x:.2f}" for x in __import__("os").getloadavg()),
+        "load_average": harness.load_average(),
     }
     return out, profiles
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
@@ -61,41 +61,35 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
     from fsdp_fp8.load.swap import swap_fp8_linears
     from fsdp_fp8.reading import slice_reader
 
-    out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes, "phases_s": {}, "phases_cpu_s": {}}
+    phases = harness.Phases()  # wall and process CPU (every thread, user + system) seconds
+    out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes}
+    out.update(phases_s=phases.seconds, phases_cpu_s=phases.cpu)
     available = _mem_available()
     out["mem_available_bytes"] = available
-    phases, cpu = out["phases_s"], out["phases_cpu_s"]
-
-    def phase(name, fn):  # wall and process CPU (every thread, user + system) seconds
-        t, c = time.perf_counter(), time.process_time()
-        result = fn()
-        phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
-        return result
-
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        ckpt = phase("open", lambda: open_checkpoint(directory))
+        ckpt = phases.run("open", lambda: open_checkpoint(directory))
 
         def build():
             with meta_init():
                 return resolve_model_spec(ckpt.config).model_fn(ckpt.config)
 
-        model = phase("meta build", build)
-        plan = phase("plan", lambda: plan_load(ckpt, model))
-        phase("swap", lambda: swap_fp8_linears(model, plan))
-        phase("fully_shard", lambda: shard_model(model, mesh))
+        model = phases.run("meta build", build)
+        plan = phases.run("plan", lambda: plan_load(ckpt, model))
+        phases.run("swap", lambda: swap_fp8_linears(model, plan))
+        phases.run("fully_shard", lambda: shard_model(model, mesh))
         if available < held_bytes + (1 << 30):
             out["stopped"] = (
                 f"to_empty onto the CPU needs this rank's {held_bytes / 2**30:.1f} GiB + 1 GiB; "
                 f"MemAvailable is {available / 2**30:.1f} GiB"
             )
             return out
-        phase("to_empty (cpu)", lambda: materialize(model, torch.device("cpu")))
+        phases.run("to_empty (cpu)", lambda: materialize(model, torch.device("cpu")))
         slice_reader.reset_bytes_read()
         try:
             with torch.no_grad():
-                rows = phase("reads", lambda: reader.read_rows(model, plan))
+                rows = phases.run("reads", lambda: reader.read_rows(model, plan))
             held, checked_s = rows.bytes_held, rows.code_check_seconds
         finally:  # reading a hole puts a zero page in the page cache: 8 GB of them at Super scale
             for path in directory.glob("*.safetensors"):

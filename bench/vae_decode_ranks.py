@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
+from bench import harness
 from fsdp_fp8.runtime.shutdown import shutdown_distributed
 from fsdp_fp8.testing.wan22_vae import WAN22_TI2V_5B, wan22_config
 
@@ -40,11 +40,8 @@ def _peak(device) -> int:
 
 def _timed(device, fn):
     _peak_reset(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return round(time.perf_counter() - t0, 3), _peak(device), out
+    seconds, out = harness.timed(fn, after=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
+    return round(seconds, 3), _peak(device), out
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import torch
 from ranks import run_ranks
 from safetensors.torch import load_file
 
-from bench import peer_checkpoints
+from bench import harness, peer_checkpoints
 from bench import peer_load as peer
 
 
@@ -36,7 +36,7 @@ def _load_and_compare(rank: int, world: int, directory: str, method: str) -> lis
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     directory = Path(directory)
-    phases = peer.Phases()
+    phases = harness.Phases()
     fn = {"dcp": peer.method_dcp, "bcast": peer.method_bcast}[method]
     model = fn(directory, phases, {"threads": 2})["_keep"]
     state = model.state_dict()
