@@ -4,8 +4,8 @@
 # bench/fetch_wheels.sh where the package index is reachable; it travels with the checkout):
 # the wheels this Python lacks at the carried versions are installed with
 # `pip install --no-index --no-deps` into a venv that sees the system site packages, so the
-# box's torch is the one used. Then bench/gpu_smoke.py runs every section under its own budget
-# and appends its JSON lines to OUT as each variant finishes (bench/gpu_smoke.py says more).
+# box's torch is the one used. Then `python -m bench.gpu_smoke` runs every section under its own
+# budget and appends its JSON lines to OUT as each variant finishes (bench/gpu_smoke/ says more).
 #
 #   bash bench/gpu_smoke.sh [OUT.jsonl]    # QUICK=1: the 6-minute budgets; DRY=1: CPU dry mode
 #                                          # PYTHON=... the interpreter; SMOKE_VENV=... the venv
