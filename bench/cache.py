@@ -8,23 +8,20 @@ a check of the mechanism, not a claim about quality.
 thread per rank; both runs load the same pipeline the same way, warm it with a one-step call, and
 differ only in ``cache``; the uncached run goes first.
 
-    python bench/cache.py [--steps 35 --frames 9 --height 64 --width 48 --threshold 0.25]
-    python bench/cache.py --layout cfg-ulysses
+    python -m bench.cache [--steps 35 --frames 9 --height 64 --width 48 --threshold 0.25]
+    python -m bench.cache --layout cfg-ulysses
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fsdp_fp8.runtime.shutdown import shutdown_distributed
+from bench import harness
 
 
 def _video(root: str, args, cache, layout: dict) -> dict:
@@ -39,12 +36,7 @@ def _video(root: str, args, cache, layout: dict) -> dict:
     start = len(state.cache.trace) if state.cache is not None else 0
     stacks = []
     pipe.transformer.layers[0].register_forward_pre_hook(lambda *_: stacks.append(1))
-    stamps = []
-
-    def on_step(_pipe, _i, _t, _kwargs):
-        stamps.append(time.perf_counter())
-        return {}
-
+    stamps = harness.StepStamps()
     if dist.is_initialized():
         dist.barrier()
     started = time.perf_counter()
@@ -54,10 +46,10 @@ def _video(root: str, args, cache, layout: dict) -> dict:
         num_inference_steps=args.steps,
         generator=torch.Generator().manual_seed(0),
         output_type="np",  # the pipeline's own decode, after the last step's stamp
-        callback_on_step_end=on_step,
+        callback_on_step_end=stamps,
     )
     return {
-        "seconds": stamps[-1] - started,  # the denoising loop alone
+        "seconds": stamps.since(started),  # the denoising loop alone
         "stacks": len(stacks),
         "frames": torch.from_numpy(out.video).float(),  # (B, T, H, W, C) in [0, 1]
         "decisions": state.cache.summary(start) if state.cache is not None else "off",
@@ -93,25 +85,8 @@ def measure(root: str, args, layout: dict) -> dict:
     }
 
 
-def _rank(rank: int, world: int, store: str, root: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    queue.put((rank, measure(root, args, {"cfg_parallel": True, "ulysses": 2})))
-    shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
-
-
-def _on_ranks(root: str, args, world: int = 4) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, root, args, queue)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=3600) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
-    return results[0]
+def _rank(rank: int, world: int, root: str, args) -> dict:
+    return measure(root, args, {"cfg_parallel": True, "ulysses": 2})
 
 
 def report(result: dict, args, layout: str) -> str:
@@ -145,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         result = measure(root, args, {})
     else:
-        result = _on_ranks(root, args)
+        result = harness.spawn_ranks(_rank, 4, root, args)[0]
     print(report(result, args, "1 rank" if args.layout == "one-rank" else "CFG 2 x Ulysses 2 on 4 gloo ranks"))
     return 0
 

@@ -6,7 +6,7 @@ rank computes per step: both guidance passes (sequential) or one (CFG-parallel, 
 which runs both and records the unconditional inputs). Steps 1.. are timed (median of the
 per-step times of rank 0), one thread per rank; latents are compared too.
 
-    python bench/cfg_parallel.py [--height 256 --width 384 --frames 17 --steps 6]
+    python -m bench.cfg_parallel [--height 256 --width 384 --frames 17 --steps 6]
 """
 
 from __future__ import annotations
@@ -15,31 +15,21 @@ import argparse
 import hashlib
 import os
 import statistics
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fsdp_fp8.runtime.shutdown import shutdown_distributed
+from bench import harness
 
 
-def _rank(rank: int, world: int, store: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, args) -> dict:
     from fsdp_fp8 import load_pipeline
 
     out = {}
     for cfg in (False, True):
         pipe = load_pipeline(args.root, device=torch.device("cpu"), cfg_parallel=cfg)
         pipe.set_progress_bar_config(disable=True)
-        stamps = []
-
-        def on_step(_pipe, _i, _t, _kwargs, stamps=stamps):
-            stamps.append(time.perf_counter())
-            return {}
-
+        stamps = harness.StepStamps()
         dist.barrier()
         result = pipe(
             "a red fox",
@@ -50,13 +40,11 @@ def _rank(rank: int, world: int, store: str, args, queue) -> None:
             guidance_scale=3.0,
             generator=torch.Generator().manual_seed(0),
             output_type="latent",
-            callback_on_step_end=on_step,
+            callback_on_step_end=stamps,
         )
-        steps = [b - a for a, b in zip(stamps, stamps[1:])]  # steps 1 .. n-1
         digest = hashlib.sha256(result.video.float().contiguous().numpy().tobytes()).hexdigest()
-        out["cfg" if cfg else "sequential"] = (statistics.median(steps), digest)
-    queue.put((rank, out))
-    shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
+        out["cfg" if cfg else "sequential"] = (statistics.median(stamps.steps()), digest)
+    return out
 
 
 def main() -> None:
@@ -69,16 +57,7 @@ def main() -> None:
     from fsdp_fp8.generation.demo import demo_checkpoint
 
     args.root = str(demo_checkpoint())
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, 2, store, args, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=3600) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
+    results = harness.spawn_ranks(_rank, 2, args)
     seq, cfg = results[0]["sequential"], results[0]["cfg"]
     print(f"{args.height}x{args.width}, {args.frames} frames, {args.steps} steps, 2 ranks, 1 thread each")
     print(f"sequential   {seq[0] * 1000:8.1f} ms/step")

@@ -1,4 +1,5 @@
-"""What the benchmarks share: model sizes, the cached FP8 + BF16 checkpoints, memory sampling."""
+"""What the benchmarks share: model sizes, the cached FP8 + BF16 checkpoints, memory sampling, the
+results file. How they start processes and time them: ``bench.harness``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_fp8.models import MoTConfig
@@ -40,6 +39,8 @@ SIZES: dict[str, MoTConfig] = {
 INPUT_SCALE = 5.0 / 448
 MAX_SHARD_SIZE = 256 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# Where every bench appends its JSON lines by default (git-ignored).
+RESULTS = Path(__file__).resolve().parent / "results.jsonl"
 
 
 def default_cache() -> Path:
@@ -165,21 +166,3 @@ def append_jsonl(path: str | os.PathLike, records) -> None:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
-
-
-def run_rank_child(rank: int, conn, trial: Callable[[], dict]) -> None:
-    """A trial's rank, in its own process: ``trial()`` (which joins the process group) and send its
-    result to the parent through ``conn``, or the traceback (``{"rank", "error"}``) if anything
-    raised; then leave the group together and exit without interpreter finalization
-    (docs/shutdown.md: gloo + FSDP2 can abort there)."""
-    try:
-        result = trial()
-        import torch.distributed as dist
-
-        conn.send(result)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        conn.send({"rank": rank, "error": traceback.format_exc()})
-    conn.close()
-    os._exit(0)

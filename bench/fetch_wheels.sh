@@ -16,7 +16,7 @@ dest="${1:-$root/bench/wheels}"
 python="${PYTHON:-python3}"
 pyver="${PYTHON_VERSION:-3.12}"
 limit_mib=60
-# One line per wheel; bench/gpu_smoke.py's preflight reads this same list (WHEELS below the
+# One line per wheel; bench/gpu_smoke/preflight.py reads this same list (WHEELS below the
 # marker) to name each missing file.
 # --- wheels ---
 wheels=(

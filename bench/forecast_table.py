@@ -2,9 +2,9 @@
 transformer shapes alone (``fsdp_fp8.runtime.forecast.config_tensors``: meta device, nothing
 downloaded). Prints a Markdown table: 1, 2, 4, 8 GPUs x 720p / 189 frames and a 1024^2 image.
 
-    python bench/forecast_table.py [--cfg-parallel]
-    python bench/forecast_table.py --step-time    # per layout: memory and seconds per step (runtime.step_time)
-    python bench/forecast_table.py --job          # the whole job: denoising and the VAE's phases (runtime.vae_forecast)
+    python -m bench.forecast_table [--cfg-parallel]
+    python -m bench.forecast_table --step-time    # per layout: memory and seconds per step (runtime.step_time)
+    python -m bench.forecast_table --job          # the whole job: denoising and the VAE's phases (runtime.vae_forecast)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """All-gather bytes per forward and time per denoising step: FP8 (W8A8, W8A16) against BF16.
 
-    torchrun --nproc-per-node N bench/forward.py [--size small|default] [--steps 5] [--reps 3]
+    torchrun --nproc-per-node N -m bench.forward [--size small|default] [--steps 5] [--reps 3]
 
 The same reference MoT is loaded twice with ``load_model``: from its FP8 checkpoint and from
 its BF16 one (exported by bench/common.py, cached). Bytes are counted at the collective
@@ -15,24 +15,20 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8 import Float8StaticLinear, load_model  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
-from fsdp_fp8.load.options import local_cuda_index  # noqa: E402
-from fsdp_fp8.runtime.allgather_meter import AllGatherMeter  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common, harness
+from fsdp_fp8 import Float8StaticLinear, load_model
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.fp8.shared_inputs import share_quantized_inputs
+from fsdp_fp8.interop.architectures import resolve_model_spec
+from fsdp_fp8.load.options import local_cuda_index
+from fsdp_fp8.runtime.allgather_meter import AllGatherMeter
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 
 def parse_args(argv=None):
@@ -49,7 +45,7 @@ def parse_args(argv=None):
         help="auto: CUDA (NCCL) when available, else CPU (gloo)",
     )
     p.add_argument("--dir", help="checkpoint cache (see bench/load.py)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     return p.parse_args(argv)
 
 
@@ -81,16 +77,17 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def step_seconds(model, x, t, state, steps: int) -> list[float]:
-    out = []
-    for _ in range(steps):
-        _sync(x.device)
-        t0 = time.perf_counter()
+    """Seconds of ``steps`` guided steps (two forwards), each ended by the slowest rank."""
+
+    def step() -> None:
         model.denoise(x, t, state)
         model.denoise(x, t, None)
+
+    def done() -> None:
         _sync(x.device)
         dist.barrier()
-        out.append(time.perf_counter() - t0)
-    return out
+
+    return harness.sample_seconds(step, steps, before=lambda: _sync(x.device), after=done)
 
 
 def main(argv=None) -> int:
@@ -141,12 +138,10 @@ def main(argv=None) -> int:
     for name, (model, mode, s) in variants.items():  # warm-up
         set_mode(model, mode)
         step_seconds(model, x, t, states[s], 1)
-    for rep in range(args.reps):
-        names = list(variants)[rep % 3 :] + list(variants)[: rep % 3]
-        for name in names:
-            model, mode, s = variants[name]
-            set_mode(model, mode)
-            times[name] += step_seconds(model, x, t, states[s], args.steps)
+    for _, name in harness.interleaved(variants, args.reps):
+        model, mode, s = variants[name]
+        set_mode(model, mode)
+        times[name] += step_seconds(model, x, t, states[s], args.steps)
     set_mode(fp8, "native")
 
     if rank == 0:

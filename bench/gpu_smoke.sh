@@ -4,8 +4,8 @@
 # bench/fetch_wheels.sh where the package index is reachable; it travels with the checkout):
 # the wheels this Python lacks at the carried versions are installed with
 # `pip install --no-index --no-deps` into a venv that sees the system site packages, so the
-# box's torch is the one used. Then bench/gpu_smoke.py runs every section under its own budget
-# and appends its JSON lines to OUT as each variant finishes (bench/gpu_smoke.py says more).
+# box's torch is the one used. Then `python -m bench.gpu_smoke` runs every section under its own
+# budget and appends its JSON lines to OUT as each variant finishes (bench/gpu_smoke/ says more).
 #
 #   bash bench/gpu_smoke.sh [OUT.jsonl]    # QUICK=1: the 6-minute budgets; DRY=1: CPU dry mode
 #                                          # PYTHON=... the interpreter; SMOKE_VENV=... the venv
@@ -26,7 +26,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 vpy="$venv/bin/python"
 if "$vpy" -m pip --version >/dev/null 2>&1; then pip=("$vpy" -m pip); else pip=("$python" -m pip --python "$vpy"); fi
-mapfile -t todo < <(PYTHONPATH="$root" "$vpy" "$root/bench/gpu_smoke.py" --out /dev/null --wheels "$wheels" --wheels-to-install)
+mapfile -t todo < <(PYTHONPATH="$root" "$vpy" -m bench.gpu_smoke --out /dev/null --wheels "$wheels" --wheels-to-install)
 if [ "${#todo[@]}" -gt 0 ]; then
     echo "installing ${#todo[@]} carried wheels into $venv"
     if ! "${pip[@]}" install --quiet --no-index --no-deps --find-links "$wheels" "${todo[@]}"; then
@@ -41,5 +41,5 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # The driver ends each section at its own budget; this outer limit is their sum plus a margin,
 # a backstop that never cuts a section short.
-limit=$("$vpy" "$root/bench/gpu_smoke.py" --out /dev/null --outer-timeout "${flags[@]}")
-exec timeout "$limit" "$vpy" "$root/bench/gpu_smoke.py" --out "$out" --wheels "$wheels" "${flags[@]}"
+limit=$("$vpy" -m bench.gpu_smoke --out /dev/null --outer-timeout "${flags[@]}")
+exec timeout "$limit" "$vpy" -m bench.gpu_smoke --out "$out" --wheels "$wheels" "${flags[@]}"

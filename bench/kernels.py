@@ -1,6 +1,6 @@
 """W8A8 / W8A16 kernel variants: error against an F32 reference, and time per call.
 
-    python bench/kernels.py [--device cpu|cuda] [--m 4352] [--k 5120] [--n 5120] [--reps 20]
+    python -m bench.kernels [--device cpu|cuda] [--m 4352] [--k 5120] [--n 5120] [--reps 20]
 
 The weight and activation are random, quantized to E4M3 with per-tensor scales. The
 reference is F32 arithmetic on the same dequantized operands, ``(x_q * s_x) @ (w * s_w).T``,
@@ -17,11 +17,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench import common
 from fsdp_fp8.fp8 import kernels
 from fsdp_fp8.fp8.tensor import E4M3, E4M3_MAX, make_static_fp8_weight
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=5120)
     p.add_argument("--n", type=int, default=5120)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     args = p.parse_args(argv)
     out = run(args.m, args.k, args.n, args.reps, args.device)
     print(json.dumps(out, indent=1))

@@ -1,8 +1,8 @@
 """Load time, memory and bytes read: fsdp_fp8 against the standard FSDP2 path, prior-art FP8
 loading, and the read-only floor, in one run, interleaved.
 
-    torchrun --nproc-per-node 4 bench/load.py [--size small|default] [--reps 3] [--dir DIR]
-    python bench/load.py --setup      # FP8-vs-BF16 set-up cost at Super scale (bench/setup_cost.py)
+    torchrun --nproc-per-node 4 -m bench.load [--size small|default] [--reps 3] [--dir DIR]
+    python -m bench.load --setup      # FP8-vs-BF16 set-up cost at Super scale (bench/setup_cost.py)
 
 Methods (each in a fresh process per rank, so peak RSS is this method's alone):
   a  fsdp_fp8 ``load_model`` from the FP8 checkpoint (each rank preads its own rows)
@@ -34,16 +34,13 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8.load.plan import plan_load  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common, harness
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 METHODS = ("a", "b", "c", "d", "p", "n", "h")
 CUDA_METHODS = "ancdh"
@@ -66,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=None, help="default: abcd (cpu), ancdh (cuda)")
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
     p.add_argument("--warm", action="store_true", help="do not evict the checkpoints from the page cache")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument(
         "--device",
@@ -311,11 +308,11 @@ def method_d(fp8_dir, bf16_dir, cfg) -> dict:
     return {"bytes_read": at, "held": buffer.numel(), "_keep": buffer}
 
 
-def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, conn, device="cpu") -> None:
+def _trial_child(method, rank, world, store, fp8_dir, bf16_dir, size, device, conn) -> None:
     """One method on one rank, in a fresh process: imports first, then the measured block."""
     global DEVICE
     DEVICE = device
-    common.run_rank_child(rank, conn, lambda: _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device))
+    harness.run_rank_child(rank, conn, lambda: _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device))
 
 
 def _trial(method, rank, world, store, fp8_dir, bf16_dir, size, device) -> dict:
@@ -358,21 +355,11 @@ def _run_trial(method, args, fp8_dir, bf16_dir) -> list[dict] | None:
     box = [None, None]
     if rank == 0:
         cold = False if args.warm else common.drop_page_cache([fp8_dir, bf16_dir])
-        box = [(Path(tempfile.mkdtemp(prefix="fsdp_fp8-bench-")) / "store").as_uri(), cold]
+        box = [harness.file_store(), cold]
     dist.broadcast_object_list(box)
     store, cold = box
-    ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=_trial_child,
-        args=(method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, writer, args.device),
-    )
-    proc.start()
-    writer.close()
-    result = reader.recv() if reader.poll(args.timeout) else {"rank": rank, "error": "timed out"}
-    proc.join(timeout=30)
-    if proc.is_alive():
-        proc.kill()
+    child = (method, rank, world, store, str(fp8_dir), str(bf16_dir), args.size, args.device)
+    (result,) = harness.run_children(mp.get_context("spawn"), [(rank, _trial_child, child)], args.timeout)
     result["cold"] = cold
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
@@ -513,7 +500,7 @@ def main(argv=None) -> int:
             print("bench/load.py --device cuda: skipped: no CUDA device (torch.cuda.is_available() is False)")
             return 0
     if args.setup:  # one process on a fake process group of 8: see bench/setup_cost.py
-        import setup_cost
+        from bench import setup_cost
 
         return setup_cost.main(["--results", args.results] + (["--dir", args.dir] if args.dir else []))
     import torch.distributed as dist
@@ -530,16 +517,15 @@ def main(argv=None) -> int:
         fp8_dir, bf16_dir = box[0]
         methods = [m for m in args.methods if m in METHODS]
         trials: dict[str, list] = {m: [] for m in methods}
-        for rep in range(args.reps):
-            for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate the order
-                trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
-                if rank == 0:
-                    r = trials[m][-1]
-                    print(
-                        f"rep {rep} {m}: "
-                        + ("error" if any("error" in x for x in r) else f"{max(x['seconds'] for x in r):.3f} s"),
-                        flush=True,
-                    )
+        for rep, m in harness.interleaved(methods, args.reps):
+            trials[m].append(_run_trial(m, args, fp8_dir, bf16_dir))
+            if rank == 0:
+                r = trials[m][-1]
+                print(
+                    f"rep {rep} {m}: "
+                    + ("error" if any("error" in x for x in r) else f"{max(x['seconds'] for x in r):.3f} s"),
+                    flush=True,
+                )
         if rank == 0:
             forecast = _forecast(fp8_dir, world)
             rows = summarize(trials, args, world, forecast)

@@ -1,6 +1,6 @@
 """The load beside the storage's own floor: raw reads, ``load_model`` and DCP's reader, one run.
 
-    python bench/load_floor.py [--dir DIR] [--reps 3] [--world 2] [--size llama-3.4g]
+    python -m bench.load_floor [--dir DIR] [--reps 3] [--world 2] [--size llama-3.4g]
                                [--load fsdp_fp8,fsdp_fp8+buffered] [--evict auto|drop_caches|fadvise]
                                [--host fresh-2,readinto-2] [--host-memory as-is|settled|kept]
 
@@ -55,11 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import host_memory  # noqa: E402
-import peer_checkpoints  # noqa: E402
-import peer_load  # noqa: E402
+from bench import common, harness, host_memory, peer_checkpoints, peer_load
 
 RAW = ("cat-1", "cat-2", "cat-4", "cat-8", "dd-direct-1", "dd-direct-4")
 # Beside the floor: what any load into host memory pays besides the read (``fresh-N``), and a
@@ -324,7 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", default="fsdp_fp8", help="load methods (peer_load names, what-ifs included)")
     p.add_argument("--dcp", default="dcp-1", help="DCP methods ('' for none)")
     p.add_argument("--evict", choices=("auto", "drop_caches", "fadvise"), default="auto")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -347,7 +343,7 @@ def main(argv=None) -> int:
     ctx.set_forkserver_preload(peer_load.PRELOAD)
     row_bytes = peer_load.rank_row_bytes(directory, args.world)
     imports = import_seconds()
-    before = _load_average()
+    before = harness.load_average()
     methods = raw + host + loads
     memory = (
         host_memory.kept(int(args.warm_gb * 1e9))
@@ -363,7 +359,7 @@ def main(argv=None) -> int:
     rows = summarize(trials, nbytes)
     head = (
         f"\n{directory}: {nbytes / 1e9:.2f} GB in {len(files)} files; W={args.world} gloo; {args.reps} interleaved "
-        f"reps, medians; {os.cpu_count()} CPUs; load average {before} -> {_load_average()}; eviction: "
+        f"reps, medians; {os.cpu_count()} CPUs; load average {before} -> {harness.load_average()}; eviction: "
         f"{', '.join(sorted(evictions))}; imports (fresh interpreter, not in any figure) {imports:.2f} s; "
         f"{memory_state}"
     )
@@ -378,7 +374,7 @@ def main(argv=None) -> int:
                 "method": m,
                 "checkpoint_bytes": nbytes,
                 "world_size": args.world,
-                "load_average": f"{before} -> {_load_average()}",
+                "load_average": f"{before} -> {harness.load_average()}",
                 **r,
             }
             for m, r in rows.items()
@@ -392,33 +388,28 @@ def _trials(args, methods, files, ctx, directory, row_bytes) -> tuple[dict[str, 
     before each trial; a trial also records the MiB the guest handed back to its host from the
     eviction to its end (``host_memory``: memory its next first touch pays the host for)."""
     trials, evictions = {m: [] for m in methods}, set()
-    for rep in range(args.reps):
-        for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
-            handed = host_memory.reported_mib()
-            evictions.add(evict(files, args.evict))
-            if args.host_memory == "settled":
-                host_memory.settle()
-                handed = host_memory.reported_mib()  # what the trial's own first touches free and hand back
-            if m in RAW:
-                r = raw_trial(m, files)
-            elif _HOST_METHOD.fullmatch(m):
-                r = _python_trial(m, files)
-            else:
-                r = load_trial(ctx, m, args.world, directory, row_bytes, args.timeout)
-            if handed is not None:
-                r["handed_back_mib"] = host_memory.reported_mib() - handed
-            trials[m].append(r)
-            print(
-                f"rep {rep} {m}: {r['seconds']:.2f} s, CPU {r['cpu_user_s']:.2f} user + {r['cpu_sys_s']:.2f} sys"
-                + (f", {r['handed_back_mib']:.0f} MiB handed back to the host" if handed is not None else "")
-                + (f" error: {r['error'].strip().splitlines()[-1]}" if "error" in r else ""),
-                flush=True,
-            )
+    for rep, m in harness.interleaved(methods, args.reps):
+        handed = host_memory.reported_mib()
+        evictions.add(evict(files, args.evict))
+        if args.host_memory == "settled":
+            host_memory.settle()
+            handed = host_memory.reported_mib()  # what the trial's own first touches free and hand back
+        if m in RAW:
+            r = raw_trial(m, files)
+        elif _HOST_METHOD.fullmatch(m):
+            r = _python_trial(m, files)
+        else:
+            r = load_trial(ctx, m, args.world, directory, row_bytes, args.timeout)
+        if handed is not None:
+            r["handed_back_mib"] = host_memory.reported_mib() - handed
+        trials[m].append(r)
+        print(
+            f"rep {rep} {m}: {r['seconds']:.2f} s, CPU {r['cpu_user_s']:.2f} user + {r['cpu_sys_s']:.2f} sys"
+            + (f", {r['handed_back_mib']:.0f} MiB handed back to the host" if handed is not None else "")
+            + (f" error: {r['error'].strip().splitlines()[-1]}" if "error" in r else ""),
+            flush=True,
+        )
     return trials, evictions
-
-
-def _load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where fsdp_fp8's load time goes, phase by phase, per rank (what bench/load.py's a/d hides).
 
-    torchrun --nproc-per-node 4 bench/load_phases.py [--size default]
+    torchrun --nproc-per-node 4 -m bench.load_phases [--size default]
 
 Phases between barriers: open_checkpoint, meta build, plan, FP8 swap, fully_shard, to_empty
 (materialize), and the rank-slice reads (``reader.read_rows``: every pread of this rank,
@@ -10,26 +10,22 @@ without the final agreement; the preadv time is summed over the reader's threads
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8.format import slice_reader  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
-from fsdp_fp8.load import reader  # noqa: E402
-from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model  # noqa: E402
-from fsdp_fp8.load.meta_build import materialize, meta_init  # noqa: E402
-from fsdp_fp8.load.plan import plan_load  # noqa: E402
-from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common, harness
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.interop.architectures import resolve_model_spec
+from fsdp_fp8.load import reader
+from fsdp_fp8.load.fsdp_wrap import default_mesh, shard_model
+from fsdp_fp8.load.meta_build import materialize, meta_init
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.reading import slice_reader
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 
 def main() -> int:
@@ -43,14 +39,11 @@ def main() -> int:
     box = [fp8_dir]
     dist.broadcast_object_list(box)
     fp8_dir = box[0]
-    phases: dict[str, float] = {}
+    phases = harness.Phases()
 
-    def phase(name, fn):
+    def phase(name, fn):  # every rank starts each phase together
         dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        phases[name] = time.perf_counter() - t
-        return out
+        return phases.run(name, fn)
 
     if rank == 0:
         common.drop_page_cache([fp8_dir])
@@ -78,12 +71,12 @@ def main() -> int:
     with torch.no_grad():
         phase("reads", lambda: reader.read_rows(model, plan))
     slice_reader.preadv_into = real
-    phases["  of which in preadv"] = pread[0]
+    seconds = {**phases.seconds, "  of which in preadv": pread[0]}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, phases)
+    dist.all_gather_object(gathered, seconds)
     if rank == 0:
         print(f"{'phase':<22}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(gathered))))
-        for name in phases:
+        for name in seconds:
             print(f"{name:<22}" + "".join(f"{g[name]:>10.3f}" for g in gathered))
     dist.barrier()
     return 0

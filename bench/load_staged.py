@@ -3,7 +3,7 @@ read through the staging ring (``fsdp_fp8.load.reader``) into a model left on th
 stand-in accelerator (copying into meta checks shapes and moves nothing), so what is timed is
 the reads into the ring's slots and the Python around them: the host CPU a GPU load pays per byte.
 
-    python bench/load_staged.py [--dir DIR] [--size llama-3.4g] [--reps 3] [--direct auto|on|off]
+    python -m bench.load_staged [--dir DIR] [--size llama-3.4g] [--reps 3] [--direct auto|on|off]
                                 [--raw dd-direct-1,cat-2]
 
 One process (world 1: it reads every byte of the checkpoint), the page cache evicted before each
@@ -22,22 +22,18 @@ import argparse
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import load_floor  # noqa: E402
-import peer_checkpoints  # noqa: E402
-
-from fsdp_fp8.format import read_choice  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.interop.architectures import resolve_model_spec  # noqa: E402
-from fsdp_fp8.load import reader  # noqa: E402
-from fsdp_fp8.load.meta_build import meta_init  # noqa: E402
-from fsdp_fp8.load.plan import plan_load  # noqa: E402
-from fsdp_fp8.load.swap import swap_fp8_linears  # noqa: E402
-from fsdp_fp8.reading.read_options import ReadOptions  # noqa: E402
+from bench import load_floor, peer_checkpoints
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.interop.architectures import resolve_model_spec
+from fsdp_fp8.load import reader
+from fsdp_fp8.load.meta_build import meta_init
+from fsdp_fp8.load.plan import plan_load
+from fsdp_fp8.load.swap import swap_fp8_linears
+from fsdp_fp8.reading import read_choice
+from fsdp_fp8.reading.read_options import ReadOptions
 
 
 def trial(directory: Path, direct: bool | None, evict: str) -> dict:

@@ -3,7 +3,7 @@ fsdp_fp8's writer (``safetensors.torch.save_file``, the layout ``export_hf_check
 ModelOpt 0.47 produces for ``LlamaForCausalLM``: the committed fixture
 ``tests/fixtures/modelopt-0.47-llama-sharded`` is the same layout at toy size).
 
-    python bench/peer_checkpoints.py [--size llama-0.7g] [--dir DIR]
+    python -m bench.peer_checkpoints [--size llama-0.7g] [--dir DIR]
 
 Every quantized linear has an ``float8_e4m3fn`` weight and 0-d float32 ``weight_scale`` and
 ``input_scale``; embeddings, norms and the head stay BF16 (``ignore``: ``lm_head``,
@@ -21,8 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common
 
 MODELOPT_VERSION = "0.47.0"
 IGNORE = ["lm_head", "model.embed_tokens"]

@@ -1,7 +1,7 @@
 """fsdp_fp8 ``load_model`` against PyTorch's own Hugging Face reader, side by side, by phase.
 
-    python bench/peer_load.py [--checkpoints mot,llama] [--worlds 1,2,4] [--cache cold,warm] [--reps 5]
-    python bench/peer_load.py --checkpoints llama --worlds 2 --profile      # cProfile of rank 0, one cold trial
+    python -m bench.peer_load [--checkpoints mot,llama] [--worlds 1,2,4] [--cache cold,warm] [--reps 5]
+    python -m bench.peer_load --checkpoints llama --worlds 2 --profile      # cProfile of rank 0, one cold trial
 
 Methods (each trial: W fresh rank processes on gloo, page cache dropped before a cold trial,
 the order of the methods rotating every repetition; wall time of the slowest rank between
@@ -41,7 +41,6 @@ go to ``--results`` (default bench/results.jsonl).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -50,12 +49,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common, harness
 
 METHODS = ("fsdp_fp8", "dcp-1", "dcp-2", "dcp-4", "bcast", "floor")
 REQUEST_BYTES = 8 << 20
@@ -79,34 +76,7 @@ PRELOAD = [
 ]
 
 
-# --- phases: how long each rank spends in each step -------------------------------------
-
-
-class Phases:
-    """Wall seconds per named phase on this rank (a phase entered twice adds up), and the
-    process's CPU seconds in it (every thread: the reader's workers and the prefetch too)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.cpu: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t, c = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - t
-            self.cpu[name] += time.process_time() - c
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            with self(name):
-                return fn(*args, **kwargs)
-
-        timed.__wrapped__ = fn
-        return timed
-
+# --- phases: how long each rank spends in each step (harness.Phases) ---------------------
 
 # load_model's steps, by the function that runs each (module, name) -> phase. A name a newer
 # tree no longer has is reported as not timed (``phases_missing``), never an error.
@@ -131,7 +101,7 @@ FSDP_FP8_STEPS = [  # (phase, candidates (module, name): the first one found is 
 ]
 
 
-def instrument_fsdp_fp8(phases: Phases) -> list[str]:
+def instrument_fsdp_fp8(phases: harness.Phases) -> list[str]:
     """Time load_model's steps: every global of a loaded ``fsdp_fp8`` module bound to one of
     the step functions is rebound to a timed wrapper (the process is this trial's alone).
     The model built on meta is timed through the architecture's ``model_fn``. Returns the
@@ -161,7 +131,7 @@ def instrument_fsdp_fp8(phases: Phases) -> list[str]:
     return missing
 
 
-def _timed_architecture(phases: Phases, resolve):
+def _timed_architecture(phases: harness.Phases, resolve):
     import dataclasses
 
     def timed(*args, **kwargs):
@@ -280,7 +250,7 @@ def plain_fully_shard(model) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def _sharded_peer_model(directory: Path, phases: Phases, fp8_as_uint8: bool = False):
+def _sharded_peer_model(directory: Path, phases: harness.Phases, fp8_as_uint8: bool = False):
     with phases("meta build"):
         model = plain_fp8_model(directory, fp8_as_uint8)
     with phases("fully_shard"):
@@ -293,7 +263,7 @@ def _sharded_peer_model(directory: Path, phases: Phases, fp8_as_uint8: bool = Fa
 # --- the methods: each runs inside the measured block of one rank process -----------------
 
 
-def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
+def method_fsdp_fp8(directory: Path, phases: harness.Phases, opts: dict) -> dict:
     import torch
 
     from fsdp_fp8.compose.model import load_model
@@ -314,7 +284,7 @@ def method_fsdp_fp8(directory: Path, phases: Phases, opts: dict) -> dict:
     }
 
 
-def method_dcp(directory: Path, phases: Phases, opts: dict) -> dict:
+def method_dcp(directory: Path, phases: harness.Phases, opts: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -352,7 +322,7 @@ def method_dcp(directory: Path, phases: Phases, opts: dict) -> dict:
     return {"bytes_asked": asked[0], "_keep": model}
 
 
-def method_bcast(directory: Path, phases: Phases, opts: dict) -> dict:
+def method_bcast(directory: Path, phases: harness.Phases, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -401,7 +371,7 @@ def _read_span(pieces, view, at: int) -> int:
     return at
 
 
-def method_floor(directory: Path, phases: Phases, opts: dict) -> dict:
+def method_floor(directory: Path, phases: harness.Phases, opts: dict) -> dict:
     """The strict floor; ``floor-T`` (not a default method) splits the span into T contiguous
     parts read by T threads, to see whether one synchronous stream is the disk's limit."""
     buffer, pieces, threads = opts["_buffer"], opts["_pieces"], opts.get("threads", 1)
@@ -460,7 +430,7 @@ def _io_read_bytes() -> int:
 
 
 def _rank_child(method: str, rank: int, world: int, store: str, directory: str, opts: dict, conn) -> None:
-    common.run_rank_child(rank, conn, lambda: _rank_trial(method, rank, world, store, directory, opts))
+    harness.run_rank_child(rank, conn, lambda: _rank_trial(method, rank, world, store, directory, opts))
 
 
 def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, opts: dict) -> dict:
@@ -472,7 +442,7 @@ def _rank_trial(method: str, rank: int, world: int, store: str, directory: str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
     directory = Path(directory)
-    phases = Phases()
+    phases = harness.Phases()
     fn = {"fsdp_fp8": method_fsdp_fp8, "bcast": method_bcast}.get(method.split("+")[0], method_dcp)
     if method.startswith("floor"):
         fn = method_floor
@@ -543,24 +513,9 @@ def run_trial(ctx, method: str, world: int, directory: Path, cache: str, opts: d
         cold = warm_page_cache(directory)
     else:  # "evicted": the caller evicted the files' pages just before (bench/load_floor.py)
         cold = True
-    store = (Path(tempfile.mkdtemp(prefix="fsdp_fp8-peer-")) / "store").as_uri()
-    pipes, procs = [], []
-    for rank in range(world):
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_child, args=(method, rank, world, store, str(directory), opts, writer))
-        proc.start()
-        writer.close()
-        pipes.append(reader)
-        procs.append(proc)
-    deadline = time.monotonic() + timeout
-    results = []
-    for rank, reader in enumerate(pipes):
-        left = max(0.1, deadline - time.monotonic())
-        results.append(reader.recv() if reader.poll(left) else {"rank": rank, "error": "timed out"})
-    for proc in procs:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+    store = harness.file_store("fsdp_fp8-peer-")
+    children = [(rank, _rank_child, (method, rank, world, store, str(directory), opts)) for rank in range(world)]
+    results = harness.run_children(ctx, children, timeout)
     for r in results:
         r["cold"] = bool(cold) if cache != "warm" else False
     return results
@@ -785,7 +740,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dir", help="checkpoint cache (default $FSDP_FP8_BENCH_DIR or $TMPDIR/fsdp_fp8_bench)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", action="store_true", help="also print the results as Markdown tables")
     p.add_argument("--report", metavar="JSONL", help="run nothing: print the Markdown tables of a results file's runs")
@@ -804,14 +759,10 @@ def resolve_checkpoint(name: str, args) -> Path:
     if name == "mot":
         return Path(common.checkpoints(args.size, args.dir)[0])
     if name == "llama":
-        import peer_checkpoints
+        from bench import peer_checkpoints
 
         return peer_checkpoints.llama_checkpoint(args.llama_size, args.dir)
     return Path(name)
-
-
-def _load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def report(path: str) -> str:
@@ -850,20 +801,19 @@ def main(argv=None) -> int:
         for world in worlds:
             row_bytes = rank_row_bytes(directory, world)
             for cache in caches:
-                load_before = _load_average()
+                load_before = harness.load_average()
                 trials: dict[str, list] = {m: [] for m in methods}
-                for rep in range(args.reps):
-                    for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate
-                        trial_opts = {**opts, "row_bytes": row_bytes, "label": Path(name).name}
-                        r = run_trial(ctx, m, world, directory, cache, trial_opts, args.timeout)
-                        trials[m].append(r)
-                        status = next((x["error"].strip().splitlines()[-1] for x in r if "error" in x), None)
-                        print(
-                            f"{name} w{world} {cache} rep {rep} {m}: "
-                            + (f"error: {status}" if status else f"{max(x['seconds'] for x in r):.3f} s"),
-                            flush=True,
-                        )
-                load = f"{load_before} -> {_load_average()}"
+                for rep, m in harness.interleaved(methods, args.reps):
+                    trial_opts = {**opts, "row_bytes": row_bytes, "label": Path(name).name}
+                    r = run_trial(ctx, m, world, directory, cache, trial_opts, args.timeout)
+                    trials[m].append(r)
+                    status = next((x["error"].strip().splitlines()[-1] for x in r if "error" in x), None)
+                    print(
+                        f"{name} w{world} {cache} rep {rep} {m}: "
+                        + (f"error: {status}" if status else f"{max(x['seconds'] for x in r):.3f} s"),
+                        flush=True,
+                    )
+                load = f"{load_before} -> {harness.load_average()}"
                 group = len(rows)
                 for m in methods:
                     rows.append(

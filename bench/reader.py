@@ -1,7 +1,7 @@
 """The reader alone: fsdp_fp8's read schedule against the single-thread pread floor of the same
 bytes, warm and cold page cache, beside this machine's memory-copy limit.
 
-    python bench/reader.py [--size default] [--world 2 --rank 0] [--reps 5] [--threads 1,2,4]
+    python -m bench.reader [--size default] [--world 2 --rank 0] [--reps 5] [--threads 1,2,4]
 
 Variants (interleaved: the order rotates each repetition; medians reported):
   floor        one thread, one ``preadv`` per tensor range, sorted by file and offset
@@ -27,13 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8.format import slice_reader  # noqa: E402
-from fsdp_fp8.format.checkpoint import open_checkpoint  # noqa: E402
-from fsdp_fp8.reading import read_schedule
-from fsdp_fp8.shard_rows import chunk_rows  # noqa: E402
+from bench import common, harness
+from fsdp_fp8.format.checkpoint import open_checkpoint
+from fsdp_fp8.reading import read_schedule, slice_reader
+from fsdp_fp8.shard_rows import chunk_rows
 
 
 def rank_ranges(ckpt, world: int, rank: int):
@@ -96,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", default="1,2,4")
     p.add_argument("--caches", default="warm,cold")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     args = p.parse_args(argv)
     fp8_dir = Path(args.checkpoint) if args.checkpoint else common.checkpoints(args.size, args.dir)[0]
     ckpt = open_checkpoint(fp8_dir)
@@ -113,11 +110,9 @@ def main(argv=None) -> int:
     cold_ok = True
     for rep in range(args.reps):
         for cache in args.caches.split(","):
-            names = list(variants)
-            names = names[rep % len(names) :] + names[: rep % len(names)]
             if cache == "warm":
                 floor(ranges, view)  # every page in the cache
-            for name in names:
+            for name in harness.rotated(list(variants), rep):
                 if cache == "cold":
                     cold_ok = common.drop_page_cache([fp8_dir]) and cold_ok
                 t0 = time.perf_counter()

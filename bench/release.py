@@ -1,7 +1,7 @@
 """Letting loaded models go: RSS over repeated loads in one process, per rank.
 
-    python bench/release.py --mode close [--forward] [--size default] [--cycles 5]       # one rank
-    torchrun --nproc-per-node 2 bench/release.py --mode close [--forward] ...           # gloo ranks
+    python -m bench.release --mode close [--forward] [--size default] [--cycles 5]       # one rank
+    torchrun --nproc-per-node 2 -m bench.release --mode close [--forward] ...           # gloo ranks
 
 Each cycle loads the bench's FP8 checkpoint (``common.checkpoints``), runs one denoising
 forward with ``--forward``, then lets the model go by ``--mode``:
@@ -35,12 +35,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from fsdp_fp8 import load_model  # noqa: E402
-from fsdp_fp8.load import release  # noqa: E402
-from fsdp_fp8.runtime.shutdown import shutdown_distributed  # noqa: E402
+from bench import common, harness
+from fsdp_fp8 import load_model
+from fsdp_fp8.load import release
+from fsdp_fp8.runtime.shutdown import shutdown_distributed
 
 MODES = ("drop", "close", "close-no-trim")
 
@@ -89,8 +87,8 @@ def cycle(path: Path, mode: str, forward: bool) -> dict:
 def checkpoint(size: str, root: str | None) -> Path:
     """The bench's FP8 checkpoint, exported (the first time) in a child process: the export's
     own memory must not be in this process's heap when the measurement starts."""
-    code = f"import common; print(common.checkpoints({size!r}, {root!r})[0])"
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent, check=True,
+    code = f"from bench import common; print(common.checkpoints({size!r}, {root!r})[0])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=harness.ROOT, check=True,
                          capture_output=True, text=True)  # fmt: skip
     return Path(out.stdout.strip().splitlines()[-1])
 
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=sorted(common.SIZES), default="default")
     p.add_argument("--cycles", type=int, default=5)
     p.add_argument("--dir")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--out", default=str(common.RESULTS))
     args = p.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:

@@ -6,7 +6,7 @@
   same request's ``fsdp_fp8.generate`` call in one process (the pipeline loaded once);
 - the time from POST to the job's first step.
 
-    python bench/serve.py [--requests 4] [--steps 2] [--repeats 3]
+    python -m bench.serve [--requests 4] [--steps 2] [--repeats 3]
 
 One process each (no torchrun), one intra-op thread, medians over ``--repeats``.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -24,8 +23,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+from bench import harness
+
+ROOT = harness.ROOT
+ENV = harness.repo_env(OMP_NUM_THREADS="1")
 
 
 def _launcher_runs(requests: int, steps: int) -> float:

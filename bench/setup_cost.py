@@ -1,7 +1,7 @@
 """FP8 set-up cost against BF16 at Super scale, by phase: rank 0 of 8, fake process group, meta device.
 
-    python bench/setup_cost.py [--preset super] [--world-size 8] [--reps 7]
-    python bench/setup_cost.py --profile [--top 12]      # cProfile of one FP8 set-up, per phase
+    python -m bench.setup_cost [--preset super] [--world-size 8] [--reps 7]
+    python -m bench.setup_cost --profile [--top 12]      # cProfile of one FP8 set-up, per phase
 
 Each repetition sets the same stack up twice, interleaved:
 
@@ -30,7 +30,7 @@ Python runs a full pass once the objects that survived since the last one exceed
 all tracked objects, so whether a run pays one (~0.3 s here) depends on the process's heap as
 much as on the set-up's own objects.
 
-Also run by ``python bench/load.py --setup``.
+Also run by ``python -m bench.load --setup``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.interop.architectures import resolve_model_spec
 from fsdp_fp8.load.fsdp_wrap import shard_model
@@ -70,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--dir", help="where the sparse checkpoint is written (default: a temporary directory)")
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--profile", action="store_true", help="cProfile one FP8 set-up, phase by phase, and print the top")
     p.add_argument("--top", type=int, default=12, help="functions per phase in --profile (by own time)")
     return p.parse_args(argv)
@@ -225,16 +226,14 @@ def run(args) -> dict:
             _bf16(config, mesh)
             modules = warm.fp8_modules
             runs: dict[str, list[_Clock]] = {"bf16": [], "fp8": [], "plain fp8": []}
-            kinds = list(runs)
-            for rep in range(args.reps):
-                for kind in kinds[rep % 3 :] + kinds[: rep % 3]:  # rotate who goes first
-                    gc.collect()
-                    if kind == "bf16":
-                        runs[kind].append(_bf16(config, mesh))
-                    elif kind == "fp8":
-                        runs[kind].append(_fp8(directory, mesh))
-                    else:
-                        runs[kind].append(_plain_fp8(config, modules, mesh))
+            for _, kind in harness.interleaved(runs, args.reps):
+                gc.collect()
+                if kind == "bf16":
+                    runs[kind].append(_bf16(config, mesh))
+                elif kind == "fp8":
+                    runs[kind].append(_fp8(directory, mesh))
+                else:
+                    runs[kind].append(_plain_fp8(config, modules, mesh))
             if args.profile:
                 gc.collect()
                 profiles = {"fp8": _fp8(directory, mesh, profile=True).profiles}
@@ -267,7 +266,7 @@ def run(args) -> dict:
         "median_cpu_without_gc_s": mutator,
         "ratios_cpu_without_gc": ratios(mutator["fp8"], mutator["bf16"]),
         "full_gc_passes_per_run": full_passes,
-        "load_average": " ".join(f"{x:.2f}" for x in __import__("os").getloadavg()),
+        "load_average": harness.load_average(),
     }
     return out, profiles
 

@@ -1,8 +1,8 @@
 """Super-scale dry run: a ~63B-parameter MoT checkpoint as sparse files, opened, planned on
 the meta device and inspected for 8 ranks, in seconds and small memory.
 
-    python bench/super_dry_run.py [--dir DIR] [--preset super] [--world-size 8]
-    python bench/super_dry_run.py --load [--rank 0]       # + rank 0's load, open to ready, by phase
+    python -m bench.super_dry_run [--dir DIR] [--preset super] [--world-size 8]
+    python -m bench.super_dry_run --load [--rank 0]       # + rank 0's load, open to ready, by phase
 
 The checkpoint's data regions are holes (see fsdp_fp8/testing/sparse_checkpoint.py): apparent size
 ~65 GB, a few MB on disk. Without ``--load`` nothing is loaded; what is shown is that everything
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench import common, harness
 from fsdp_fp8.format.checkpoint import open_checkpoint
 from fsdp_fp8.load.plan import plan_load
 from fsdp_fp8.models import PRESETS, MoTConfig, build_model
@@ -60,41 +61,35 @@ def rank_load(directory: Path, world: int, rank: int, held_bytes: int) -> dict:
     from fsdp_fp8.load.swap import swap_fp8_linears
     from fsdp_fp8.reading import slice_reader
 
-    out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes, "phases_s": {}, "phases_cpu_s": {}}
+    phases = harness.Phases()  # wall and process CPU (every thread, user + system) seconds
+    out: dict = {"rank": rank, "world_size": world, "held_bytes": held_bytes}
+    out.update(phases_s=phases.seconds, phases_cpu_s=phases.cpu)
     available = _mem_available()
     out["mem_available_bytes"] = available
-    phases, cpu = out["phases_s"], out["phases_cpu_s"]
-
-    def phase(name, fn):  # wall and process CPU (every thread, user + system) seconds
-        t, c = time.perf_counter(), time.process_time()
-        result = fn()
-        phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
-        return result
-
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        ckpt = phase("open", lambda: open_checkpoint(directory))
+        ckpt = phases.run("open", lambda: open_checkpoint(directory))
 
         def build():
             with meta_init():
                 return resolve_model_spec(ckpt.config).model_fn(ckpt.config)
 
-        model = phase("meta build", build)
-        plan = phase("plan", lambda: plan_load(ckpt, model))
-        phase("swap", lambda: swap_fp8_linears(model, plan))
-        phase("fully_shard", lambda: shard_model(model, mesh))
+        model = phases.run("meta build", build)
+        plan = phases.run("plan", lambda: plan_load(ckpt, model))
+        phases.run("swap", lambda: swap_fp8_linears(model, plan))
+        phases.run("fully_shard", lambda: shard_model(model, mesh))
         if available < held_bytes + (1 << 30):
             out["stopped"] = (
                 f"to_empty onto the CPU needs this rank's {held_bytes / 2**30:.1f} GiB + 1 GiB; "
                 f"MemAvailable is {available / 2**30:.1f} GiB"
             )
             return out
-        phase("to_empty (cpu)", lambda: materialize(model, torch.device("cpu")))
+        phases.run("to_empty (cpu)", lambda: materialize(model, torch.device("cpu")))
         slice_reader.reset_bytes_read()
         try:
             with torch.no_grad():
-                rows = phase("reads", lambda: reader.read_rows(model, plan))
+                rows = phases.run("reads", lambda: reader.read_rows(model, plan))
             held, checked_s = rows.bytes_held, rows.code_check_seconds
         finally:  # reading a hole puts a zero page in the page cache: 8 GB of them at Super scale
             for path in directory.glob("*.safetensors"):
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
     p.add_argument("--preset", default="super", choices=sorted(PRESETS))
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--results", default=str(common.RESULTS))
     p.add_argument("--load", action="store_true", help="also run one rank's load, open to ready, by phase")
     p.add_argument("--rank", type=int, default=0, help="the rank --load runs as")
     args = p.parse_args(argv)

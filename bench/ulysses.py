@@ -18,7 +18,7 @@ load changes affects all three alike); a round times ``--passes`` passes after a
 every rank starting each pass together. Printed: the median per way and rank over all rounds,
 the ratios to one rank, whether every way's output has the same bytes, and the load average.
 
-    python bench/ulysses.py [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
+    python -m bench.ulysses [--frames 4 --height 64 --width 64 --rounds 5 --passes 3 --mode native]
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import default_cache
 
-from fsdp_fp8.runtime.shutdown import shutdown_distributed
+from bench import harness
+from bench.common import default_cache
 
 CONFIG = dict(
     head_dim=64,
@@ -81,10 +79,7 @@ def _inputs(config, args) -> dict:
 
 
 @torch.no_grad()
-def _rank(rank: int, world: int, sp_degree: int, store: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, sp_degree: int, args) -> tuple[list[float], str]:
     from fsdp_fp8 import Float8StaticLinear, install_step_policy, load_model, share_quantized_inputs
     from fsdp_fp8.interop.forward_state import PipelineState, attach_pipeline_state
     from fsdp_fp8.interop.ulysses import Ulysses, install_ulysses
@@ -103,34 +98,10 @@ def _rank(rank: int, world: int, sp_degree: int, store: str, args, queue) -> Non
     attach_pipeline_state(model, PipelineState(install_step_policy(model, None), ulysses=ulysses))
     inputs = _inputs(model.config, args)
     out = model(**inputs)[0][0]  # warm-up
-    seconds = []
-    for _ in range(args.passes):
-        if world > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        model(**inputs)
-        seconds.append(time.perf_counter() - t0)
+    # every rank starts each pass together
+    seconds = harness.sample_seconds(lambda: model(**inputs), args.passes, before=dist.barrier if world > 1 else None)
     digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-    queue.put((rank, seconds, digest))
-    if world > 1:
-        shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
-
-
-def run_way(world: int, sp_degree: int, args) -> dict[int, tuple[list[float], str]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, sp_degree, store, args, queue)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = {}
-        for _ in procs:
-            rank, seconds, digest = queue.get(timeout=3600)
-            results[rank] = (seconds, digest)
-        for proc in procs:
-            proc.join(timeout=60)
-    return results
+    return seconds, digest
 
 
 def main() -> None:
@@ -147,7 +118,7 @@ def main() -> None:
     digests: set[str] = set()
     for _ in range(args.rounds):
         for way, (world, sp_degree) in WAYS.items():
-            for rank, (seconds, digest) in run_way(world, sp_degree, args).items():
+            for rank, (seconds, digest) in harness.spawn_ranks(_rank, world, sp_degree, args).items():
                 times.setdefault((way, rank), []).extend(seconds)
                 digests.add(digest)
     tokens = args.frames * (args.height // 2) * (args.width // 2)

@@ -9,7 +9,7 @@ share of the tiles decoded alone (no transfer, no blend). Medians of ``--repeats
 compared byte for byte. The load average is printed before and after: the figures are only as
 good as the machine was quiet.
 
-    python bench/vae_decode.py [--height 576 --width 576 --frames 5 --repeats 3]
+    python -m bench.vae_decode [--height 576 --width 576 --frames 5 --repeats 3]
 """
 
 from __future__ import annotations
@@ -17,28 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fsdp_fp8.runtime.shutdown import shutdown_distributed
+from bench import harness
 from fsdp_fp8.testing.wan22_vae import wan22_config
 
 WAN22 = wan22_config(16, 32, 1)  # the Wan 2.2 shape, narrow enough for a CPU bench
 
 
-def _timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def _rank(rank: int, world: int, store: str, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, args) -> dict:
     from diffusers import AutoencoderKLWan
 
     from fsdp_fp8.interop.vae_decode import RequestDecode, assign_tiles, decode_tile, tile_plan
@@ -56,15 +45,14 @@ def _rank(rank: int, world: int, store: str, args, queue) -> None:
         for _ in range(args.repeats):
             dist.barrier()
             if rank == 0:
-                seconds, reference = _timed(lambda: vae.decode(z).sample)
+                seconds, reference = harness.timed(lambda: vae.decode(z).sample)
                 one.append(seconds)
-                floor.append(_timed(lambda: [decode_tile(vae, z, plan, plan.tiles[i]) for i in owned[0]])[0])
+                floor.append(harness.timed(lambda: [decode_tile(vae, z, plan, plan.tiles[i]) for i in owned[0]])[0])
             dist.barrier()
-            seconds, out = _timed(lambda: request.decode(vae, z))
+            seconds, out = harness.timed(lambda: request.decode(vae, z))
             split.append(seconds)
             same = same and (out is None or torch.equal(out, reference))
-    queue.put((rank, dict(one=one, split=split, floor=floor, same=same, tiles=len(plan.tiles), owned=owned)))
-    shutdown_distributed(0)  # not a finalizing exit: docs/shutdown.md
+    return dict(one=one, split=split, floor=floor, same=same, tiles=len(plan.tiles), owned=owned)
 
 
 def main() -> None:
@@ -75,15 +63,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     load_before = os.getloadavg()
-    store = tempfile.mktemp(prefix="fsdp_fp8-bench-")
-    queue = mp.get_context("spawn").SimpleQueue()
-    procs = [mp.get_context("spawn").Process(target=_rank, args=(r, 2, store, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
-    r0 = results[0]
+    r0 = harness.spawn_ranks(_rank, 2, args)[0]
     one, split, floor = (statistics.median(r0[k]) for k in ("one", "split", "floor"))
     print(
         f"VAE decode, {args.height}x{args.width}, {args.frames} frames: {r0['tiles']} tiles, rank shares {r0['owned']}"

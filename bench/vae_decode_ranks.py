@@ -3,7 +3,7 @@ one rank's tiled decode (rank 0 alone) against the split over every rank
 (``fsdp_fp8.interop.vae_decode``): seconds, each rank's peak (CUDA: ``max_memory_allocated``;
 CPU: RSS) and whether the frames are equal byte for byte. Rank 0 writes ``--report`` (JSON).
 
-    torchrun --nproc-per-node N bench/vae_decode_ranks.py --report R.json [--dry]
+    torchrun --nproc-per-node N -m bench.vae_decode_ranks --report R.json [--dry]
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
+from bench import harness
 from fsdp_fp8.runtime.shutdown import shutdown_distributed
 from fsdp_fp8.testing.wan22_vae import WAN22_TI2V_5B, wan22_config
 
@@ -40,11 +40,8 @@ def _peak(device) -> int:
 
 def _timed(device, fn):
     _peak_reset(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return round(time.perf_counter() - t0, 3), _peak(device), out
+    seconds, out = harness.timed(fn, after=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
+    return round(seconds, 3), _peak(device), out
 
 
 def main() -> None:

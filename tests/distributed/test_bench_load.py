@@ -1,43 +1,33 @@
-"""bench/load.py's CUDA variant without a GPU: it says why it skips, and its one-reader
+"""bench.load's CUDA variant without a GPU: it says why it skips, and its one-reader
 broadcast method (n), which runs on gloo too, loads the files' bytes into every rank's shard."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from ranks import run_ranks
 from safetensors.torch import load_file
 
+from bench import load, peer_load, reader, setup_cost, super_dry_run
 from fsdp_fp8.models import MoTConfig
 from fsdp_fp8.testing.sparse_checkpoint import write_sparse_checkpoint
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 CONFIG = MoTConfig(
     hidden_size=96, num_layers=2, num_heads=4, head_dim=24, intermediate_size=136, vocab_size=301, latent_channels=6
 )
 
 
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    import load
-
-    return load
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
 def test_the_cuda_variant_skips_with_its_reason(capsys):
-    assert _bench().main(["--device", "cuda"]) == 0
+    assert load.main(["--device", "cuda"]) == 0
     assert "skipped: no CUDA device" in capsys.readouterr().out
 
 
 def _broadcast_load(rank: int, world: int, path: str) -> dict:
     from fsdp_fp8 import gather_state_dict
 
-    load = _bench()
     out = load.method_n(path, None, CONFIG)
     state = gather_state_dict(out["_keep"])  # collective: every rank
     return {"read": out["bytes_read"], "state": state if rank == 0 else None}
@@ -58,9 +48,6 @@ def test_the_one_reader_broadcast_loads_the_files_on_every_rank(tmp_path):
 
 
 def test_the_reader_bench_runs_every_variant_on_the_same_bytes(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    import reader
-
     path = write_sparse_checkpoint(CONFIG, tmp_path / "ckpt", fill="random")
     results = tmp_path / "r.jsonl"
     argv = ["--checkpoint", str(path), "--reps", "2", "--threads", "1,2", "--world", "2", "--rank", "1"]
@@ -79,9 +66,6 @@ def test_the_reader_bench_runs_every_variant_on_the_same_bytes(tmp_path):
 
 
 def test_the_setup_bench_times_every_phase_of_both_set_ups(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    import setup_cost
-
     results = tmp_path / "r.jsonl"
     argv = ["--preset", "tiny", "--world-size", "3", "--reps", "1", "--profile", "--dir", str(tmp_path)]
     assert setup_cost.main([*argv, "--results", str(results)]) == 0
@@ -98,19 +82,14 @@ def test_the_setup_bench_times_every_phase_of_both_set_ups(tmp_path):
 
 
 def test_the_super_dry_run_loads_one_rank_from_open_to_ready(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH))
-    import super_dry_run
-
     results = tmp_path / "r.jsonl"
     argv = ["--preset", "tiny", "--world-size", "3", "--rank", "1", "--load", "--dir", str(tmp_path)]
     assert super_dry_run.main([*argv, "--results", str(results)]) == 0
     out = json.loads(results.read_text())
-    import peer_load
-
-    load = out["load"]
-    assert "stopped" not in load
+    rank_load = out["load"]
+    assert "stopped" not in rank_load
     # its rows of every tensor with a shape, once (the 0-d scales come from memory)
-    assert load["bytes_read"] == peer_load.rank_row_bytes(tmp_path / "tiny-sparse", 3)[1]
+    assert rank_load["bytes_read"] == peer_load.rank_row_bytes(tmp_path / "tiny-sparse", 3)[1]
     phases = {"open", "meta build", "plan", "swap", "fully_shard", "to_empty (cpu)", "reads"}
-    assert set(load["phases_s"]) == phases and all(load["phases_s"][p] > 0 for p in phases)
+    assert set(rank_load["phases_s"]) == phases and all(rank_load["phases_s"][p] > 0 for p in phases)
     assert "rank 1 of 3: open to ready" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""bench/peer_load.py kept working: the peer methods (DCP's HuggingFaceStorageReader, rank-0
+"""bench.peer_load kept working: the peer methods (DCP's HuggingFaceStorageReader, rank-0
 load + broadcast) really load the files' bytes into every rank's shards, the strict floor
 reads each byte once across the ranks, and the whole bench runs on a tiny Llama-shaped
 ModelOpt checkpoint in seconds with every method's bytes as forecast."""
@@ -6,7 +6,6 @@ ModelOpt checkpoint in seconds with every method's bytes as forecast."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,12 @@ import torch
 from ranks import run_ranks
 from safetensors.torch import load_file
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _bench(name: str):
-    sys.path.insert(0, str(BENCH))
-    return __import__(name)
+from bench import harness, peer_checkpoints
+from bench import peer_load as peer
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    peer_checkpoints = _bench("peer_checkpoints")
     directory = tmp_path_factory.mktemp("llama") / "fp8"
     return peer_checkpoints.write_llama_checkpoint(peer_checkpoints.SHAPES["llama-tiny"], directory)
 
@@ -41,9 +35,8 @@ def _load_and_compare(rank: int, world: int, directory: str, method: str) -> lis
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    peer = _bench("peer_load")
     directory = Path(directory)
-    phases = peer.Phases()
+    phases = harness.Phases()
     fn = {"dcp": peer.method_dcp, "bcast": peer.method_bcast}[method]
     model = fn(directory, phases, {"threads": 2})["_keep"]
     state = model.state_dict()
@@ -74,7 +67,6 @@ def test_the_peer_methods_load_the_files_bytes_into_every_rank(tiny_llama, metho
 
 
 def test_the_strict_floor_reads_every_byte_once_across_the_ranks():
-    peer = _bench("peer_load")
     files = [("a", 10), ("b", 3), ("c", 7)]
     shares = [6, 6, 8]
     seen = []
@@ -86,7 +78,6 @@ def test_the_strict_floor_reads_every_byte_once_across_the_ranks():
 
 
 def test_the_bench_runs_every_method_with_the_forecast_bytes(tiny_llama, tmp_path):
-    peer = _bench("peer_load")
     results = tmp_path / "r.jsonl"
     whatif = "fsdp_fp8+noprefetch+nocheck"
     methods = [*peer.METHODS, whatif, "floor-2"]

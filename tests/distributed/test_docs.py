@@ -11,7 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 SOURCES = sorted(
-    [*ROOT.glob("fsdp_fp8/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py")]
+    [
+        *ROOT.glob("fsdp_fp8/**/*.py"),
+        *ROOT.glob("launch/*.py"),
+        *ROOT.glob("bench/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+    ]
 )
 # A format note kept outside the repository, and home or workspace directories of one machine.
 OUTSIDE = re.compile(r"FORMAT\.md|/work/|/root/|/home/\w|/Users/\w")
@@ -43,6 +48,24 @@ def test_relative_links_resolve(path):
         elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
             broken.append(target)
     assert broken == []
+
+
+def test_every_bench_command_runs_a_module_of_bench():
+    """Benches run from the repository root as modules (``python -m bench.NAME``, ``torchrun ...
+    -m bench.NAME``): a doc or a bench's usage line that runs ``bench/NAME.py`` as a script, or
+    names a module ``bench`` lacks, fails here."""
+    import importlib.util
+
+    texts = {path: path.read_text() for path in [*DOCS, *ROOT.glob("bench/**/*.py"), *ROOT.glob("bench/*.sh")]}
+    scripts = [
+        f"{path.relative_to(ROOT)}: {hit}"
+        for path, text in texts.items()
+        for hit in re.findall(r"(?:python|torchrun|distributed\.run)[^\n`]*?\sbench/\w+\.py", text)
+    ]
+    named = {name for text in texts.values() for name in re.findall(r"-m (bench(?:\.\w+)+)", text)}
+    named = {name for name in named if not name.rpartition(".")[2].isupper()}  # bench.NAME: a placeholder
+    assert scripts == [] and {"bench.load", "bench.gpu_smoke"} <= named
+    assert sorted(name for name in named if importlib.util.find_spec(name) is None) == []
 
 
 def _anchors(path: Path) -> set[str]:

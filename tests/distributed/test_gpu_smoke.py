@@ -1,4 +1,4 @@
-"""bench/gpu_smoke.py without a GPU: its CUDA sections run on fake CUDA tensors (CUDA's layout,
+"""bench.gpu_smoke without a GPU: its CUDA sections run on fake CUDA tensors (CUDA's layout,
 alignment and one-device rules enforced by the meta kernels, torch's fake process group for the
 all-gather), its driver keeps what finished when a section runs out of time, and its preflight
 names what a box lacks. So the smoke check cannot rot between GPU runs."""
@@ -12,18 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.gpu_smoke import attention, driver, gemm, preflight
+from bench.gpu_smoke import load as load_section
+from bench.gpu_smoke.context import Context, load_results
+from bench.gpu_smoke.fake_cuda import basic_getitem, fake_cuda
+from bench.gpu_smoke.sections import SECTIONS, run_section
 
-import gpu_smoke  # noqa: E402
-from smoke_fake_cuda import basic_getitem, fake_cuda  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CUDA = torch.device("cuda", 0)
 
 
 def _fake_run(name: str) -> list[dict]:
-    ctx = gpu_smoke.Context(name, CUDA, dry=False, fake=True, quick=True, emit=lambda r: None)
-    gpu_smoke.run_section(name, ctx)
+    ctx = Context(name, CUDA, dry=False, fake=True, quick=True, emit=lambda r: None)
+    run_section(name, ctx)
     return ctx.records
 
 
@@ -36,8 +38,8 @@ def test_the_gemm_section_runs_every_mode_and_layout_on_fake_cuda():
     failed = _by_status(records, "failed")
     assert failed == {}, {k: v["error"] for k, v in failed.items()}
     ok = _by_status(records, "ok")
-    k, n = gpu_smoke.FAKE_GEMM_IN, gpu_smoke.FAKE_GEMM_OUT
-    for rows in gpu_smoke.FAKE_GEMM_ROWS:
+    k, n = gemm.FAKE_GEMM_IN, gemm.FAKE_GEMM_OUT
+    for rows in gemm.FAKE_GEMM_ROWS:
         for shape in ((rows, k), (1, rows, k), (2, 1, rows, k)):
             for mode in ("BF16", "W8A8", "W8A8 fast accum", "W8A16"):
                 rec = ok[f"{mode} x{shape}->{n}"]
@@ -51,7 +53,7 @@ def test_the_attention_section_runs_each_usable_backend_at_the_processors_shapes
     records = _fake_run("attention")
     assert _by_status(records, "failed") == {}
     ok = _by_status(records, "ok")
-    rows, heads, _, dim = gpu_smoke.SMALL_ATTENTION_SHAPE
+    rows, heads, _, dim = attention.SMALL_ATTENTION_SHAPE
     assert "native" in ok and ok["native"]["out_shape"] == [1, rows, heads, dim]
     assert all(r["out_device"] == "cuda:0" and r["out_dtype"] == "torch.bfloat16" for r in ok.values())
     skipped = _by_status(records, "skipped")
@@ -62,8 +64,8 @@ def test_the_attention_section_runs_each_usable_backend_at_the_processors_shapes
 
 
 def test_a_shape_cuda_refuses_fails_its_variants_and_the_section_goes_on(monkeypatch):
-    monkeypatch.setattr(gpu_smoke, "FAKE_GEMM_IN", 24)  # not a multiple of 16: _scaled_mm refuses it on CUDA
-    monkeypatch.setattr(gpu_smoke, "FAKE_GEMM_ROWS", (7,))
+    monkeypatch.setattr(gemm, "FAKE_GEMM_IN", 24)  # not a multiple of 16: _scaled_mm refuses it on CUDA
+    monkeypatch.setattr(gemm, "FAKE_GEMM_ROWS", (7,))
     records = _fake_run("gemm")
     failed, ok = _by_status(records, "failed"), _by_status(records, "ok")
     assert sorted(failed) == sorted(
@@ -97,8 +99,8 @@ def test_the_allgather_section_runs_the_hooks_through_a_fake_world_of_8():
 
 def test_the_alltoall_section_gives_every_gloo_rank_its_rows_and_heads_back():
     """--dry: 3 gloo ranks under torchrun, rows that do not divide by 3 and fewer than 16 per rank."""
-    ctx = gpu_smoke.Context("alltoall", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
-    gpu_smoke.run_section("alltoall", ctx)
+    ctx = Context("alltoall", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    run_section("alltoall", ctx)
     (record,) = _by_status(ctx.records, "ok").values()
     assert record["backend"] == "gloo" and record["world"] == 3 and record["rows_equal_everywhere"] is True
     assert [(c["rows"], c["chunk"]) for c in record["cases"]] == [(24, 16), (5, 5)]  # 5 rows: whole on rank 0
@@ -109,8 +111,8 @@ def test_the_decode_section_packs_the_gather_on_fake_cuda_and_splits_over_gloo_r
     records = _fake_run("decode")
     assert _by_status(records, "ok")["gather packing"]["shapes_back"] is True
     assert "real ranks" in _by_status(records, "skipped")["torchrun"]["reason"]
-    ctx = gpu_smoke.Context("decode", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
-    gpu_smoke.run_section("decode", ctx)
+    ctx = Context("decode", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    run_section("decode", ctx)
     (record,) = _by_status(ctx.records, "ok").values()
     assert record["backend"] == "gloo" and record["world"] == 2 and record["frames_equal"] is True
     assert record["ranks"][0]["sent_bytes"] == 0 and record["ranks"][1]["sent_bytes"] > 0  # rank 0 writes
@@ -140,34 +142,42 @@ def test_fake_cuda_indexing_and_copy_keep_cudas_one_device_rule():
 
 
 def test_preflight_names_each_missing_wheel_by_file_and_the_compiler(tmp_path, monkeypatch):
-    pins = gpu_smoke.carried_wheels()
-    assert gpu_smoke.missing_wheels(tmp_path) == pins
+    pins = preflight.carried_wheels()
+    assert preflight.missing_wheels(tmp_path) == pins
     name, version = pins[0].split("==")
     (tmp_path / f"{name}-{version}-cp310-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"")
-    assert gpu_smoke.missing_wheels(tmp_path) == pins[1:]
+    assert preflight.missing_wheels(tmp_path) == pins[1:]
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(gpu_smoke.sysconfig, "get_config_var", lambda key: None)
-    monkeypatch.setattr(gpu_smoke.sysconfig, "get_paths", lambda: {"include": str(tmp_path / "include")})
-    problems = gpu_smoke.compiler_problems()
+    monkeypatch.setattr(preflight.sysconfig, "get_config_var", lambda key: None)
+    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path / "include")})
+    problems = preflight.compiler_problems()
     assert (
         len(problems) == 2 and "no C compiler" in problems[0] and str(tmp_path / "include" / "Python.h") in problems[1]
     )
 
 
 def test_every_module_a_section_imports_is_carried_as_a_wheel():
-    carried = {gpu_smoke._wheel_key(p.split("==")[0]) for p in gpu_smoke.carried_wheels()}
-    needed = {gpu_smoke._wheel_key(m) for mods in gpu_smoke.NEEDS.values() for m in mods} - {"torch"}
+    carried = {preflight.wheel_key(p.split("==")[0]) for p in preflight.carried_wheels()}
+    needed = {preflight.wheel_key(m) for mods in preflight.NEEDS.values() for m in mods} - {"torch"}
     assert sorted(needed - carried) == []
 
 
+def test_the_driver_and_every_section_module_import_without_torch():
+    """The driver's process imports every section's module but never torch: on a box whose torch
+    is missing or broken, preflight still runs and says so."""
+    code = "import sys, bench.gpu_smoke.driver; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_quick_fits_six_minutes_and_the_outer_timeout_outlasts_every_budget():
-    quick = gpu_smoke.budgets(gpu_smoke.parse_args(["--out", "x", "--quick"]))
-    full = gpu_smoke.budgets(gpu_smoke.parse_args(["--out", "x"]))
-    assert sum(quick.values()) <= 360 and set(quick) == set(gpu_smoke.SECTIONS)
+    quick = driver.budgets(driver.parse_args(["--out", "x", "--quick"]))
+    full = driver.budgets(driver.parse_args(["--out", "x"]))
+    assert sum(quick.values()) <= 360 and set(quick) == set(SECTIONS)
     for flags, chosen in (([], full), (["--quick"], quick)):
-        run = [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", "x", "--outer-timeout", *flags]
-        outer = int(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
+        run = [sys.executable, "-m", "bench.gpu_smoke", "--out", "x", "--outer-timeout", *flags]
+        outer = int(subprocess.run(run, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
         assert outer > sum(chosen.values())
     assert "--outer-timeout" in (ROOT / "bench" / "gpu_smoke.sh").read_text()
 
@@ -176,12 +186,12 @@ def test_quick_fits_six_minutes_and_the_outer_timeout_outlasts_every_budget():
 def test_a_section_out_of_time_keeps_what_finished_and_the_run_says_so(tmp_path):
     out = tmp_path / "not-yet" / "smoke.jsonl"  # its directory is created
     # relative to the caller's directory, though each section's child runs in the checkout's root
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--dry", "--out", "not-yet/smoke.jsonl"]
+    cmd = [sys.executable, "-m", "bench.gpu_smoke", "--dry", "--out", "not-yet/smoke.jsonl"]
     cmd += ["--only", "tests,gemm", "--budget", "gemm=2"]  # importing torch alone takes longer
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = gpu_smoke.load_results(out)
+    results = load_results(out)
     sections = results["sections"]
     preflight = sections["preflight"]  # runs first, whatever --only says
     assert preflight["status"] == "ok" and preflight["variants"]["modules"]["missing"] == []
@@ -196,26 +206,24 @@ def test_a_section_out_of_time_keeps_what_finished_and_the_run_says_so(tmp_path)
 
 
 def test_what_preflight_finds_missing_skips_the_sections_that_need_it(tmp_path):
-    ctx = gpu_smoke.Context("preflight", None, dry=False, fake=False, quick=True, emit=lambda r: None)
-    ctx.args = gpu_smoke.parse_args(["--out", "x", "--wheels", str(tmp_path)])
-    gpu_smoke.section_preflight(ctx)
+    ctx = Context("preflight", None, dry=False, fake=False, quick=True, emit=lambda r: None)
+    ctx.args = driver.parse_args(["--out", "x", "--wheels", str(tmp_path)])
+    preflight.section_preflight(ctx)
     pre = {"variants": {r["variant"]: r for r in ctx.records}}
-    assert pre["variants"]["wheels"]["missing"] == gpu_smoke.carried_wheels()
+    assert pre["variants"]["wheels"]["missing"] == preflight.carried_wheels()
     # this machine has every module, so the missing wheels do not matter; a lacking one does
     assert pre["variants"]["modules"]["missing"] == [] and pre["variants"]["wheels"]["status"] == "ok"
     pre["variants"]["modules"]["blocks"]["demo"] = ["diffusers"]
-    assert gpu_smoke._blocked("demo", pre, cuda=False) == "preflight: missing modules diffusers"
-    assert gpu_smoke._blocked("gemm", pre, cuda=False) is None
+    assert driver._blocked("demo", pre, cuda=False) == "preflight: missing modules diffusers"
+    assert driver._blocked("gemm", pre, cuda=False) is None
     pre["variants"]["device"] = {"status": "failed", "problems": ["GPU 0: capability 8.0 < 8.9 (no FP8)"]}
-    assert "8.0 < 8.9" in gpu_smoke._blocked("gemm", pre, cuda=True)
-    assert (
-        gpu_smoke._blocked("gemm", pre, cuda=False) is None and gpu_smoke._blocked("versions", pre, cuda=True) is None
-    )
+    assert "8.0 < 8.9" in driver._blocked("gemm", pre, cuda=True)
+    assert driver._blocked("gemm", pre, cuda=False) is None and driver._blocked("versions", pre, cuda=True) is None
 
 
 def test_the_load_section_measures_load_model_against_the_read_floor_on_cpu():
-    ctx = gpu_smoke.Context("load", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
-    gpu_smoke.run_section("load", ctx)
+    ctx = Context("load", torch.device("cpu"), dry=True, fake=False, quick=True, emit=lambda r: None)
+    run_section("load", ctx)
     by = {r["variant"]: r for r in ctx.records}
     assert {v: r["status"] for v, r in by.items()} == {
         "raw read": "ok",
@@ -229,5 +237,5 @@ def test_the_load_section_measures_load_model_against_the_read_floor_on_cpu():
     assert cycles["within_5pct_of_one_load"], cycles
     load = by["load_model"]
     # load_model read exactly the codes of every linear, 1 byte per element
-    assert load["bytes_read"] == load["fp8_linears"] * gpu_smoke.LOAD_ROWS * gpu_smoke.LOAD_COLS > 0
+    assert load["bytes_read"] == load["fp8_linears"] * load_section.LOAD_ROWS * load_section.LOAD_COLS > 0
     assert by["vs floor"]["floor"] == "raw read" and by["vs floor"]["load_vs_floor"] > 0

@@ -233,13 +233,9 @@ def test_the_launcher_reports_each_requests_cached_steps_and_its_one_rank_latent
 
 
 def test_the_cache_bench_reports_passes_wall_and_difference_in_one_run(capsys):
-    import importlib.util
+    from bench import cache
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "cache.py"
-    spec = importlib.util.spec_from_file_location("bench_cache", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--steps", "10", "--frames", "1", "--height", "32", "--width", "32"]) == 0
+    assert cache.main(["--steps", "10", "--frames", "1", "--height", "32", "--width", "32"]) == 0
     out = capsys.readouterr().out
     assert "decisions        seacache 0.25: computed" in out
     stacks = out.split("decoder stacks   ")[1].split()

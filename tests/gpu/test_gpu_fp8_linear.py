@@ -3,7 +3,7 @@ model hands it, ``aten::_scaled_mm`` and a GEMM kernel in the profiler under W8A
 W8A16), and the uint8 all-gather hooks rebuilding the codes for meshes with a zero-row rank.
 Skipped without CUDA or below compute capability 8.9 (no FP8 tensor cores). The same code
 paths run on fake CUDA in the CPU suite (tests/distributed/test_gpu_smoke.py); this is where the values
-are compared. bench/gpu_smoke.py runs this file in its ``tests`` section."""
+are compared. bench.gpu_smoke runs this file in its ``tests`` section."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the round trip gives its rows back and that its heads hold every rank's rows in 
     torchrun --nproc-per-node N tests/gpu/ulysses_all_to_all.py --report r.json [--reps 20] [--large]
 
 NCCL with one GPU per rank where CUDA is there, else gloo on CPU. ``test_gpu_nccl.py`` asserts
-the bytes; ``bench/gpu_smoke.py`` (section ``alltoall``) records the timing.
+the bytes; ``bench.gpu_smoke`` (section ``alltoall``) records the timing.
 """
 
 from __future__ import annotations

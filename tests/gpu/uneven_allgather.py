@@ -11,7 +11,7 @@ with ``--reps``, times the round trip.
     torchrun --nproc-per-node N tests/gpu/uneven_allgather.py --report r.json [--reps 20] [--large]
 
 NCCL with one GPU per rank where CUDA is there, else gloo on CPU. ``test_gpu_nccl.py`` asserts
-the bytes; ``bench/gpu_smoke.py`` (section ``allgather``) records the timing and, under fake
+the bytes; ``bench.gpu_smoke`` (section ``allgather``) records the timing and, under fake
 CUDA with torch's fake process group, runs ``gather_case`` for its code path only.
 """
 
