@@ -4,6 +4,11 @@ transformer a ModelOpt FP8 export without a step policy) run by the launcher, te
 image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
 per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
 before the load, one line, exit 2; through the Python API one error on every rank.
+
+The same spawn runs a root of the real ModelOpt 0.47 distilled fixture (tests/fixtures/
+``modelopt-0.47-cosmos3-distilled-transformer``, calibrated through diffusers' own distilled
+pipeline; no step policy, as ModelOpt wrote it) beside the distilled demo's other components:
+text-to-image and image-to-video at 2 ranks and Ulysses 2, the one-rank latents of that root.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import pytest
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import DISTILLED_FIXTURE  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
+FIXTURE_LAYOUTS = ("fsdp", "ulysses")  # the fixture root's, in the same spawn
 MODE = "distilled, 4 steps"
 
 
@@ -77,20 +84,34 @@ def _api_refusals(rank: int) -> list[str]:
     return seen
 
 
-def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+def _observe(rank: int, world: int, root: str, fixture: str, inputs: str, reports: str) -> dict:
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
             obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
+        for name in FIXTURE_LAYOUTS:
+            obs |= _jobs(fixture, inputs, Path(reports), f"fixture {name}", LAYOUTS[name], rank)
         obs["api"] = _api_refusals(rank)
     return obs
 
 
 @pytest.fixture(scope="module")
-def observed(distilled_root, inputs, tmp_path_factory):
+def fixture_root(distilled_root, tmp_path_factory) -> str:
+    """The ModelOpt distilled fixture beside the distilled demo's VAE, scheduler and index."""
+    from pipelines import pipeline_beside_the_demo
+
+    root = tmp_path_factory.mktemp("distilled-fixture") / "root"
+    return pipeline_beside_the_demo(Path(distilled_root), root, DISTILLED_FIXTURE, policy=False)
+
+
+@pytest.fixture(scope="module")
+def observed(distilled_root, fixture_root, inputs, tmp_path_factory):
+    """One rank's reports (``one``: the demo's ``one image`` / ``one videos``, the fixture root's
+    ``fixture one image`` / ``fixture one videos``) and every rank's of the 2-rank spawn."""
     reports = tmp_path_factory.mktemp("distilled-reports")
     one = _jobs(distilled_root, str(inputs), reports, "one", ())
-    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), timeout=900)
+    one |= _jobs(fixture_root, str(inputs), reports, "fixture one", ())
+    ranks = run_ranks(_observe, 2, distilled_root, fixture_root, str(inputs), str(reports), timeout=900)
     return one, ranks
 
 
@@ -118,6 +139,42 @@ def test_distilled_latents_equal_one_rank(observed, layout):
     one, ranks = observed
     for job in ("image", "videos"):
         assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
+
+
+def test_the_fixture_root_runs_the_schedule_on_its_own_weights(observed):
+    one, _ = observed
+    for job in ("image", "videos"):
+        report = one[f"fixture one {job}"]
+        assert report["pipeline"] == "Cosmos3DistilledModularPipeline" and report["step_policy"] == "none"
+        assert report["precision_trace"] == "W8A8 x4"
+        fixture, demo = _latents(report), _latents(one[f"one {job}"])
+        assert [m for m, *_ in fixture] == [m for m, *_ in demo]  # the same requests ...
+        assert all(f[1] != d[1] for f, d in zip(fixture, demo))  # ... on another transformer
+
+
+@pytest.mark.parametrize("layout", FIXTURE_LAYOUTS)
+def test_the_fixture_roots_latents_equal_one_rank(observed, layout):
+    one, ranks = observed
+    for job in ("image", "videos"):
+        got, want = _latents(ranks[0][f"fixture {layout} {job}"]), _latents(one[f"fixture one {job}"])
+        assert got == want, (layout, job)
+
+
+def test_the_distilled_fixture_is_modelopts_own_export():
+    """What ModelOpt 0.47 wrote (tests/fixtures/make_hf_fixtures.py): its producer and recipe, no
+    step policy (so every step W8A8), both towers FP8 with input scales."""
+    import torch
+
+    from fsdp_fp8 import load_model
+
+    config = json.loads((DISTILLED_FIXTURE / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["producer"] == {"name": "modelopt", "version": "0.47.0"} and quant["quant_method"] == "modelopt"
+    assert quant["quant_algo"] == "FP8" and "runtime" not in quant
+    loaded = load_model(None, DISTILLED_FIXTURE, device=torch.device("cpu"))
+    assert loaded.checkpoint.quant.step_policy is None
+    towers = [loaded.towers[name] for name in loaded.fp8_linears]
+    assert len(towers) == 31 and towers.count("reasoner") == towers.count("generation") == 14
 
 
 def test_distilled_api_refusals_on_every_rank(observed):
