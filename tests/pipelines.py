@@ -14,7 +14,10 @@ import torch
 
 from fsdp_fp8.testing.wan22_vae import wan22_config
 
-COSMOS3_FIXTURE = Path(__file__).parent / "fixtures" / "modelopt-0.47-cosmos3-transformer"
+FIXTURES = Path(__file__).parent / "fixtures"
+COSMOS3_FIXTURE = FIXTURES / "modelopt-0.47-cosmos3-transformer"
+ACTION_FIXTURE = FIXTURES / "modelopt-0.47-cosmos3-action-transformer"
+DISTILLED_FIXTURE = FIXTURES / "modelopt-0.47-cosmos3-distilled-transformer"
 # (tile min height, width, stride height, width) in pixels: 4-latent tiles, 3-latent strides, of
 # the demo's VAE and of a small Wan 2.2 VAE (WAN22_CONFIG: its 48 latent channels, patch 2)
 DEMO_TILES, WAN22_TILES = (16, 16, 12, 12), (64, 64, 48, 48)
@@ -55,10 +58,14 @@ def small_tokenizer():
     )
 
 
-def pipeline_beside_the_demo(demo_root, root: Path, transformer: Path = COSMOS3_FIXTURE) -> str:
-    """A pipeline at ``root``: ``transformer`` (a real ModelOpt export, given the step policy)
-    beside the demo's VAE and sound tokenizer, with the small text tokenizer above."""
+def pipeline_beside_the_demo(demo_root, root: Path, transformer: Path = COSMOS3_FIXTURE, policy: bool = True) -> str:
+    """A pipeline at ``root``: ``transformer`` (a real ModelOpt export, given the step policy
+    unless ``policy`` is False, as a distilled root has none) beside the demo root's other
+    components (the action or distilled demo's as well), with the small text tokenizer above."""
     shutil.copytree(demo_root, root, ignore=shutil.ignore_patterns("transformer", "text_tokenizer"))
-    with_policy(transformer, root / "transformer")
+    if policy:
+        with_policy(transformer, root / "transformer")
+    else:
+        shutil.copytree(transformer, root / "transformer")
     small_tokenizer().save_pretrained(root / "text_tokenizer")
     return str(root)

@@ -7,6 +7,11 @@ video; the report names the mode; careless input refused before the load. The sa
 over HTTP (``serve`` at CFG 2 on 2 ranks, the official ``openai`` client) give the launcher's
 one-rank digests and serve the predicted actions; careless input there is one 400 naming every
 problem.
+
+The same spawns run a root of the real ModelOpt 0.47 action fixture (tests/fixtures/
+``modelopt-0.47-cosmos3-action-transformer``, calibrated through diffusers' own pipeline on each
+action mode, given the published step policy) beside the action demo's other components: every
+mode, every layout, the one-rank digests of that root.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import pytest
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import ACTION_FIXTURE  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 LAYOUTS = {"fsdp": (), "cfg": ("--cfg-parallel",), "ulysses": ("--ulysses", "2")}
+ROOTS = ("demo", "fixture")  # the action demo; the ModelOpt fixture beside its other components
 ACTIONS = [[0.1, -0.2], [0.3, 0.0], [0.5, 0.5], [-1.0, 2.0]]
 
 
@@ -67,42 +74,68 @@ def _launch(root: str, inputs: str, out: Path, mode: str, *extra: str, rank: int
     return json.loads(Path(f"{out}.json").read_text()) if rank == 0 else None
 
 
-def _observe(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+@pytest.fixture(scope="module")
+def roots(action_root, tmp_path_factory) -> dict[str, str]:
+    """The action demo, and a root of the ModelOpt action fixture beside its other components."""
+    from pipelines import pipeline_beside_the_demo
+
+    fixture = pipeline_beside_the_demo(
+        Path(action_root), tmp_path_factory.mktemp("action-fixture") / "root", ACTION_FIXTURE
+    )
+    return {"demo": action_root, "fixture": fixture}
+
+
+def _observe(rank: int, world: int, roots: dict, inputs: str, reports: str) -> dict:
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
         return {
-            (layout, mode): _launch(root, inputs, Path(reports, f"{layout}-{mode}"), mode, *extra, rank=rank)
+            (name, layout, mode): _launch(
+                root, inputs, Path(reports, f"{name}-{layout}-{mode}"), mode, *extra, rank=rank
+            )
+            for name, root in roots.items()
             for layout, extra in LAYOUTS.items()
             for mode in MODES
         }
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("action-reports")
+def one_rank(roots, inputs, tmp_path_factory):
+    """One rank's reports (``one[root][mode]``) and the reports' folder."""
+    reports = tmp_path_factory.mktemp("action-reports")
+    one = {
+        name: {mode: _launch(root, str(inputs), reports / f"one-{name}-{mode}", mode) for mode in MODES}
+        for name, root in roots.items()
+    }
+    return one, reports
 
 
 @pytest.fixture(scope="module")
-def one(action_root, inputs, reports) -> dict:
-    """Each mode's report from the launcher on one rank."""
-    return {mode: _launch(action_root, str(inputs), reports / f"one-{mode}", mode) for mode in MODES}
+def one(one_rank) -> dict:
+    """Each mode's report from the launcher on one rank, on the action demo."""
+    return one_rank[0]["demo"]
 
 
 @pytest.fixture(scope="module")
-def observed(action_root, inputs, one, reports):
-    return one, run_ranks(_observe, 2, action_root, str(inputs), str(reports), timeout=900)[0], reports
+def observed(one_rank, roots, inputs):
+    """One rank's reports, 2 ranks' (``ranks[root, layout, mode]``), the reports' folder."""
+    one, reports = one_rank
+    return one, run_ranks(_observe, 2, roots, str(inputs), str(reports), timeout=900)[0], reports
 
 
-def _observe_four(rank: int, world: int, root: str, inputs: str, reports: str) -> dict:
+def _observe_four(rank: int, world: int, roots: dict, inputs: str, reports: str) -> dict:
     """4 ranks: CFG 2 x Ulysses 2, one request on all four."""
     both = ("--cfg-parallel", "--ulysses", "2")
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
-        return {mode: _launch(root, inputs, Path(reports, f"four-{mode}"), mode, *both, rank=rank) for mode in MODES}
+        return {
+            (name, mode): _launch(root, inputs, Path(reports, f"four-{name}-{mode}"), mode, *both, rank=rank)
+            for name, root in roots.items()
+            for mode in MODES
+        }
 
 
 @pytest.fixture(scope="module")
-def observed_four(action_root, inputs, tmp_path_factory):
+def observed_four(roots, inputs, tmp_path_factory):
     reports = tmp_path_factory.mktemp("action-reports-four")
-    return run_ranks(_observe_four, 4, action_root, str(inputs), str(reports), timeout=900)[0]
+    return run_ranks(_observe_four, 4, roots, str(inputs), str(reports), timeout=900)[0]
 
 
 def _digests(report: dict) -> tuple:
@@ -110,8 +143,9 @@ def _digests(report: dict) -> tuple:
     return row["mode"], tuple(row["latent_shape"]), row["latent_sha256"], row.get("actions_sha256")
 
 
-def test_each_mode_is_named_and_rolls_the_chunk(observed):
-    one, _, _ = observed
+@pytest.mark.parametrize("root", ROOTS)
+def test_each_mode_is_named_and_rolls_the_chunk(one_rank, root):
+    one = one_rank[0][root]
     for mode in MODES:
         name, shape, _, actions = _digests(one[mode])
         assert name == f"{mode.replace('_', ' ')}, pusht, chunk of 4 actions"
@@ -120,32 +154,85 @@ def test_each_mode_is_named_and_rolls_the_chunk(observed):
         assert (actions is None) == (mode == "forward_dynamics")  # only policy / inverse predict actions
 
 
-def test_the_predicted_actions_are_written_beside_the_video(observed):
+def test_the_fixture_root_runs_the_fixture(one_rank):
+    """The fixture root loads ModelOpt's 31 FP8 linears (its recipe quantizes ``proj_in`` and
+    ``time_embedder``, the demo's export does not), and what each mode generates is not the demo's.
+    (Inverse dynamics keeps the clip's latent, the conditioning, and predicts only the actions.)"""
+    one = one_rank[0]
+    assert {one["fixture"][m]["fp8_linears"] for m in MODES} == {31}
+    assert {one["demo"][m]["fp8_linears"] for m in MODES} == {28}
+    changed = {}
+    for mode in MODES:
+        demo, fixture = _digests(one["demo"][mode]), _digests(one["fixture"][mode])
+        changed[mode] = (demo[2] != fixture[2], demo[3] != fixture[3])  # (latent, actions)
+    assert changed == {"forward_dynamics": (True, False), "policy": (True, True), "inverse_dynamics": (False, True)}
+
+
+def test_the_predicted_actions_are_written_beside_the_video(one_rank):
     import hashlib
 
     import numpy as np
 
-    one, _, reports = observed
+    one, reports = one_rank
     for mode in ("policy", "inverse_dynamics"):
-        (row,) = one[mode]["outputs"]
-        written = np.load(reports / f"one-{mode}.actions.npy")
+        (row,) = one["demo"][mode]["outputs"]
+        written = np.load(reports / f"one-demo-{mode}.actions.npy")
         assert written.shape == (4, 2) and row["actions_shape"] == [4, 2]
         assert hashlib.sha256(written.astype(np.float32).tobytes()).hexdigest() == row["actions_sha256"]
-        assert json.loads((reports / f"one-{mode}.actions.json").read_text()) == written.tolist()
-    assert not (reports / "one-forward_dynamics.actions.npy").exists()
+        assert json.loads((reports / f"one-demo-{mode}.actions.json").read_text()) == written.tolist()
+    assert not (reports / "one-demo-forward_dynamics.actions.npy").exists()
 
 
+@pytest.mark.parametrize("root", ROOTS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_equals_one_rank(observed, layout, mode):
+def test_each_mode_equals_one_rank(observed, root, layout, mode):
     one, ranks, _ = observed
-    assert _digests(ranks[(layout, mode)]) == _digests(one[mode]), (layout, mode)
+    assert _digests(ranks[(root, layout, mode)]) == _digests(one[root][mode]), (root, layout, mode)
 
 
+@pytest.mark.parametrize("root", ROOTS)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_at_cfg2_x_ulysses2_equals_one_rank(observed, observed_four, mode):
+def test_each_mode_at_cfg2_x_ulysses2_equals_one_rank(observed, observed_four, root, mode):
     one, _, _ = observed
-    assert _digests(observed_four[mode]) == _digests(one[mode]), mode
+    assert _digests(observed_four[(root, mode)]) == _digests(one[root][mode]), (root, mode)
+
+
+def test_the_action_fixture_is_modelopts_own_export():
+    """What ModelOpt 0.47 wrote (tests/fixtures/make_hf_fixtures.py): its producer and recipe;
+    the generation tower FP8 with input scales; the domain-aware action projections (an
+    ``nn.Embedding`` of per-domain weights, no ``nn.Linear``) left BF16 under ModelOpt's own
+    ``action_proj_in*`` / ``action_proj_out*`` ignore patterns, and loaded as stored."""
+    import torch
+    from safetensors import safe_open
+
+    from fsdp_fp8 import gather_state_dict, load_model
+
+    config = json.loads((ACTION_FIXTURE / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["producer"] == {"name": "modelopt", "version": "0.47.0"} and quant["quant_method"] == "modelopt"
+    assert quant["quant_algo"] == "FP8" and "runtime" not in quant  # ModelOpt writes no step policy
+    assert config["action_gen"] is True and config["action_dim"] == 10
+    assert {"action_proj_in*", "action_proj_out*"} <= set(quant["ignore"])
+    with safe_open(ACTION_FIXTURE / "diffusion_pytorch_model.safetensors", "pt") as files:
+        dtypes = {k: files.get_slice(k).get_dtype() for k in files.keys()}  # noqa: SIM118
+        stored = {k: files.get_tensor(k) for k in dtypes if k.startswith("action_")}
+    assert {k: v for k, v in dtypes.items() if k.startswith("action_")} == {
+        "action_modality_embed": "BF16",
+        "action_proj_in.bias.weight": "BF16",
+        "action_proj_in.fc.weight": "BF16",
+        "action_proj_out.bias.weight": "BF16",
+        "action_proj_out.fc.weight": "BF16",
+    }
+    generation = [k.removesuffix(".weight") for k in dtypes if ".mlp_moe_gen." in k and k.endswith(".weight")]
+    assert generation and all(
+        dtypes[f"{n}.weight"] == "F8_E4M3" and dtypes[f"{n}.weight_scale"] == dtypes[f"{n}.input_scale"] == "F32"
+        for n in generation
+    )
+    loaded = load_model(None, ACTION_FIXTURE, device=torch.device("cpu"))
+    assert len(loaded.fp8_linears) == 31 and not any(n.startswith("action_") for n in loaded.fp8_linears)
+    gathered = gather_state_dict(loaded.model)
+    assert all(gathered[k].dtype == torch.bfloat16 and torch.equal(gathered[k], v) for k, v in stored.items())
 
 
 @pytest.mark.parametrize(

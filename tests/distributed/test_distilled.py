@@ -9,6 +9,11 @@ and gives the launcher's one-rank digests; one off the schedule, or an action jo
 why. The non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
 through the same modular path, guidance, a negative prompt and sound included: the digests of
 ``Cosmos3OmniPipeline`` on one rank, and at CFG 2 and Ulysses 2 (in the same run of 2 ranks).
+
+The same spawn runs a root of the real ModelOpt 0.47 distilled fixture (tests/fixtures/
+``modelopt-0.47-cosmos3-distilled-transformer``, calibrated through diffusers' own distilled
+pipeline; no step policy, as ModelOpt wrote it) beside the distilled demo's other components:
+text-to-image and image-to-video at 2 ranks and Ulysses 2, the one-rank latents of that root.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import pytest
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
+from pipelines import DISTILLED_FIXTURE  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
+FIXTURE_LAYOUTS = ("fsdp", "ulysses")  # the fixture root's, in the same spawn
 MODE = "distilled, 4 steps"
 # the non-distilled modular pipeline's job: guidance with a negative prompt, sound, W8A16 and W8A8 steps
 OMNI_JOB = ("--frames", "5", "--sound", "--negative-prompt", "blur", "--steps", "7")
@@ -85,11 +92,13 @@ def _api_refusals(rank: int) -> list[str]:
     return seen
 
 
-def _observe(rank: int, world: int, root: str, inputs: str, reports: str, omni: str) -> dict:
+def _observe(rank: int, world: int, root: str, fixture: str, inputs: str, reports: str, omni: str) -> dict:
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
             obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
+        for name in FIXTURE_LAYOUTS:
+            obs |= _jobs(fixture, inputs, Path(reports), f"fixture {name}", LAYOUTS[name], rank)
         obs["api"] = _api_refusals(rank)
         for name, extra in OMNI_LAYOUTS.items():
             obs[f"omni {name}"] = _launch(omni, Path(reports, f"omni-{name}.json"), *OMNI_JOB, *extra, rank=rank)
@@ -124,14 +133,34 @@ def omni_one(omni_root, demo_root, reports) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one(distilled_root, inputs, reports) -> dict:
-    """The launcher's reports on one rank."""
-    return _jobs(distilled_root, str(inputs), reports, "one", ())
+def fixture_root(distilled_root, tmp_path_factory) -> str:
+    """The ModelOpt distilled fixture beside the distilled demo's VAE, scheduler and index."""
+    from pipelines import pipeline_beside_the_demo
+
+    root = tmp_path_factory.mktemp("distilled-fixture") / "root"
+    return pipeline_beside_the_demo(Path(distilled_root), root, DISTILLED_FIXTURE, policy=False)
 
 
 @pytest.fixture(scope="module")
-def observed(distilled_root, inputs, one, reports, omni_root):
-    ranks = run_ranks(_observe, 2, distilled_root, str(inputs), str(reports), omni_root, timeout=900)
+def one_rank(distilled_root, fixture_root, inputs, reports):
+    """One rank's reports: the demo's ``one image`` / ``one videos``, the fixture root's ``fixture
+    one image`` / ``fixture one videos``; and the reports' folder."""
+    one = _jobs(distilled_root, str(inputs), reports, "one", ())
+    return one | _jobs(fixture_root, str(inputs), reports, "fixture one", ()), reports
+
+
+@pytest.fixture(scope="module")
+def one(one_rank) -> dict:
+    """The launcher's reports on one rank."""
+    return one_rank[0]
+
+
+@pytest.fixture(scope="module")
+def observed(one_rank, distilled_root, fixture_root, inputs, omni_root):
+    """One rank's reports and every rank's of the 2-rank spawn."""
+    one, reports = one_rank
+    args = (distilled_root, fixture_root, str(inputs), str(reports), omni_root)
+    ranks = run_ranks(_observe, 2, *args, timeout=900)
     return one, ranks
 
 
@@ -139,8 +168,8 @@ def _latents(report: dict) -> list[tuple[str, str, str | None]]:
     return [(r["mode"], r["latent_sha256"], r.get("frames_sha256")) for r in report["outputs"]]
 
 
-def test_distilled_modes_name_the_schedule(observed):
-    one, _ = observed
+def test_distilled_modes_name_the_schedule(one_rank):
+    one, _ = one_rank
     assert one["one image"]["pipeline"] == "Cosmos3DistilledModularPipeline"
     assert one["one image"]["steps"] == 4 and one["one image"]["precision_trace"] == "W8A8 x4"
     assert one["one image"]["step_policy"] == "none"
@@ -159,6 +188,45 @@ def test_distilled_latents_equal_one_rank(observed, layout):
     one, ranks = observed
     for job in ("image", "videos"):
         assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
+
+
+def test_the_fixture_root_runs_the_fixture_on_the_schedule(one_rank):
+    """ModelOpt's 31 FP8 linears (its recipe quantizes ``proj_in`` and ``time_embedder``, the
+    demo's export does not), every step W8A8, other latents than the demo's."""
+    one, _ = one_rank
+    for job in ("image", "videos"):
+        report = one[f"fixture one {job}"]
+        assert report["pipeline"] == "Cosmos3DistilledModularPipeline" and report["step_policy"] == "none"
+        assert report["precision_trace"] == "W8A8 x4" and report["fp8_linears"] == 31
+        assert one[f"one {job}"]["fp8_linears"] == 28
+        fixture, demo = _latents(report), _latents(one[f"one {job}"])
+        assert [m for m, *_ in fixture] == [m for m, *_ in demo]  # the same requests ...
+        assert all(f[1] != d[1] for f, d in zip(fixture, demo))  # ... on another transformer
+
+
+@pytest.mark.parametrize("layout", FIXTURE_LAYOUTS)
+def test_the_fixture_roots_latents_equal_one_rank(observed, layout):
+    one, ranks = observed
+    for job in ("image", "videos"):
+        got, want = _latents(ranks[0][f"fixture {layout} {job}"]), _latents(one[f"fixture one {job}"])
+        assert got == want, (layout, job)
+
+
+def test_the_distilled_fixture_is_modelopts_own_export():
+    """What ModelOpt 0.47 wrote (tests/fixtures/make_hf_fixtures.py): its producer and recipe, no
+    step policy (so every step W8A8), both towers FP8 with input scales."""
+    import torch
+
+    from fsdp_fp8 import load_model
+
+    config = json.loads((DISTILLED_FIXTURE / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["producer"] == {"name": "modelopt", "version": "0.47.0"} and quant["quant_method"] == "modelopt"
+    assert quant["quant_algo"] == "FP8" and "runtime" not in quant
+    loaded = load_model(None, DISTILLED_FIXTURE, device=torch.device("cpu"))
+    assert loaded.checkpoint.quant.step_policy is None
+    towers = [loaded.towers[name] for name in loaded.fp8_linears]
+    assert len(towers) == 31 and towers.count("reasoner") == towers.count("generation") == 14
 
 
 def test_distilled_api_refusals_on_every_rank(observed):
@@ -205,7 +273,7 @@ def test_distilled_refusals_before_the_load(distilled_root, extra, reason, capsy
     assert reason.format(root=distilled_root) in err
 
 
-def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distilled_root, observed, tmp_path):
+def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distilled_root, one_rank, tmp_path):
     """A distilled root with a plain ``model_index.json`` (entries without a loading spec) instead
     of ``modular_model_index.json``: the same pipeline, the same latent."""
     import shutil
@@ -218,7 +286,7 @@ def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distil
     (root / "model_index.json").write_text(json.dumps(index))
     report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
     assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
-    assert _latents(report)[0][:2] == _latents(observed[0]["one image"])[0][:2]
+    assert _latents(report)[0][:2] == _latents(one_rank[0]["one image"])[0][:2]
 
 
 def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(distilled_root):
