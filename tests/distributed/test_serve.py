@@ -225,15 +225,22 @@ def test_the_page_submits_shows_progress_plays_the_result_and_cancels_a_queued_j
         first = page.locator("tr[data-status]").first
         page.wait_for_selector("tr[data-status=completed] .result", timeout=bound(90) * 1000)
         assert page.locator("tr[data-status=completed] progress").first.evaluate("e => e.value") == 100
-        # a queued job: two long ones fill both groups, the third waits and is cancelled from the page
-        for seed in (1, 2, 3):
-            page.fill("#num_inference_steps", "40")
+        # a queued job: long ones fill both groups for rounds to come, the last waits behind them and
+        # is cancelled from the page: its own row's button, found by its id (a "first queued row"
+        # found again at the click may be another job's; a job one round from the front may have
+        # started by the click on a busy machine)
+        for seed in (1, 2, 3, 4, 5, 6):
+            page.fill("#num_inference_steps", "400")
             page.fill("#seed", str(seed))
             page.click("#submit")
-        page.wait_for_selector("tr[data-status=queued]", timeout=bound(30) * 1000)
-        queued = page.locator("tr[data-status=queued]").first
-        job = queued.get_attribute("data-job")
-        queued.locator(".cancel").click()
+        # every job listed (a click on #submit returns before its POST is answered); the newest row
+        # is on top: the last job, queued behind the others
+        wait = "n => document.querySelectorAll('tr[data-status]').length >= n"
+        page.wait_for_function(wait, arg=7, timeout=bound(30) * 1000)
+        newest = page.locator("tr[data-status]").first
+        job = newest.get_attribute("data-job")
+        assert newest.get_attribute("data-status") == "queued", page.content()
+        page.locator(f'tr[data-job="{job}"] .cancel').click()
         page.wait_for_selector(f'tr[data-job="{job}"]', state="detached", timeout=bound(30) * 1000)
         page.screenshot(path=os.environ.get("FSDP_FP8_PAGE_SCREENSHOT", str(tmp_path / "page.png")))
         browser.close()
