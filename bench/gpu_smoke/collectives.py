@@ -23,6 +23,21 @@ def _allgather_module():
     return module
 
 
+def _run_script(ctx: Context, r: dict, world: int, script: str, reps: int) -> dict | None:
+    """``script`` under torchrun on ``world`` ranks (``--dry``: 2 repetitions, small sizes, one
+    thread a rank); its exit and warning lines into ``r``; its JSON report, or None (``r`` failed)."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp:
+        report = Path(tmp) / "report.json"
+        args = ["--report", str(report), "--reps", "2" if ctx.dry else str(reps)] + ([] if ctx.dry else ["--large"])
+        env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
+        rc, text = harness.torchrun(world, script, *args, env=env)
+        r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
+        if rc != 0 or not report.exists():
+            r.update(status="failed", tail=text[-3000:])
+            return None
+        return json.loads(report.read_text())
+
+
 def section_allgather(ctx: Context) -> None:
     import torch
 
@@ -43,16 +58,10 @@ def section_allgather(ctx: Context) -> None:
         ctx.skip("torchrun", "the collective's bytes and time need real ranks (--dry: gloo, CUDA: NCCL)")
         return
     world = torch.cuda.device_count() if ctx.device.type == "cuda" else 3
-    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp, ctx.variant(f"world {world}") as r:
-        report = Path(tmp) / "allgather.json"
-        args = ["--report", str(report), "--reps", "2" if ctx.dry else "20"] + ([] if ctx.dry else ["--large"])
-        env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
-        rc, text = harness.torchrun(world, "tests/gpu/uneven_allgather.py", *args, env=env)
-        r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
-        if rc != 0 or not report.exists():
-            r.update(status="failed", tail=text[-3000:])
+    with ctx.variant(f"world {world}") as r:
+        got = _run_script(ctx, r, world, "tests/gpu/uneven_allgather.py", reps=20)
+        if got is None:
             return
-        got = json.loads(report.read_text())
         rank0 = [x for x in got["records"] if x["rank"] == 0]
         r.update(backend=got["backend"], world=got["world"])
         r["cases"] = [{k: x.get(k) for k in ("rows", "cols", "padded_rows", "ms", "gbps")} for x in rank0]
@@ -71,16 +80,10 @@ def section_alltoall(ctx: Context) -> None:
     if world < 2:
         ctx.skip("torchrun", f"{world} GPU: a Ulysses group needs two (NCCL refuses two ranks on one GPU)")
         return
-    with tempfile.TemporaryDirectory(prefix="fsdp_fp8-smoke-") as tmp, ctx.variant(f"world {world}") as r:
-        report = Path(tmp) / "alltoall.json"
-        args = ["--report", str(report), "--reps", "2" if ctx.dry else "10"] + ([] if ctx.dry else ["--large"])
-        env = dict(os.environ, OMP_NUM_THREADS="1") if ctx.dry else None
-        rc, text = harness.torchrun(world, "tests/gpu/ulysses_all_to_all.py", *args, env=env)
-        r.update(exit=rc, bad_lines=[x for x in text.splitlines() if BAD_LINES.search(x)][:10])
-        if rc != 0 or not report.exists():
-            r.update(status="failed", tail=text[-3000:])
+    with ctx.variant(f"world {world}") as r:
+        got = _run_script(ctx, r, world, "tests/gpu/ulysses_all_to_all.py", reps=10)
+        if got is None:
             return
-        got = json.loads(report.read_text())
         r.update(backend=got["backend"], world=got["world"])
         rank0 = [x for x in got["records"] if x["rank"] == 0]
         r["cases"] = [{k: x.get(k) for k in ("rows", "heads", "chunk", "ms", "gbps")} for x in rank0]
