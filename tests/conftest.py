@@ -13,10 +13,6 @@ import os
 import calibration
 import pytest
 
-# The VAE forecast's store between processes (fsdp_fp8.runtime.vae_forecast) stays out of the
-# user's cache: every test computes its forecasts (tests/unit/test_vae_forecast.py turns it on).
-os.environ.setdefault("FSDP_FP8_VAE_FORECAST_STORE", "off")
-
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_set_timer(item, settings):
@@ -37,8 +33,6 @@ def demo_root(tmp_path_factory):
     """The demo pipeline's root, built once for the whole run in one ``FSDP_FP8_CACHE`` shared by
     the xdist workers (their base directories have one parent; ``build_once`` locks the build, as
     for concurrent launchers). Read it, never change it: a test that edits a pipeline copies it."""
-    import os
-
     pytest.importorskip("diffusers")
     from fsdp_fp8.generation.demo import demo_checkpoint
 

@@ -2,7 +2,7 @@
 encode, the figures :mod:`fsdp_fp8.runtime.vae_trace` counts on fake tensors, without diffusers.
 
 Each function below mirrors one of diffusers 0.42.1's ``AutoencoderKLWan`` methods on shapes
-(:class:`_T`), statement by statement. An op that makes a tensor adds its bytes to the running
+(:class:`ShapeTensor`), statement by statement. An op that makes a tensor adds its bytes to the running
 total; a tensor leaves it when its last name goes, so CPython frees it where the module's own
 tensor would be freed. The peak is the largest total after an op. The input counts once an op
 returns a view of it, as the trace counts it.
@@ -19,28 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_fp8.runtime.shape_bytes import ITEMSIZE, Run, ShapeTensor, cat, conv, like, pad
+
 CACHE_T = 2  # diffusers' CACHE_T: frames a causal conv keeps
 WARM = 3  # calls before the caches repeat
-ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-# The config keys this mirror reads; a key outside them falls back to the trace.
-MODELLED_KEYS = {
-    "base_dim",
-    "decoder_base_dim",
-    "z_dim",
-    "dim_mult",
-    "num_res_blocks",
-    "attn_scales",
-    "temperal_downsample",
-    "dropout",
-    "latents_mean",
-    "latents_std",
-    "is_residual",
-    "in_channels",
-    "out_channels",
-    "patch_size",
-    "scale_factor_temporal",
-    "scale_factor_spatial",
-}
 
 
 @dataclass(frozen=True)
@@ -54,10 +36,15 @@ class WanShape:
     num_res_blocks: int = 2
     temperal_downsample: tuple[bool, ...] = (False, True, True)
     is_residual: bool = False
-    in_channels: int = 3
     out_channels: int = 3
     patch_size: int | None = None
     scale_factor_spatial: int = 8
+
+
+# Keys that change no peak (the weights' shapes, the latents' statistics), and two modelled at
+# one value only (``unmodelled`` names them); any other key falls back to the trace.
+IGNORED_KEYS = {"in_channels", "latents_mean", "latents_std", "scale_factor_temporal"}
+MODELLED_KEYS = set(WanShape.__dataclass_fields__) | IGNORED_KEYS | {"attn_scales", "dropout"}
 
 
 def unmodelled(config: dict, dtype) -> list[str]:
@@ -84,7 +71,7 @@ def _shape(config: dict) -> WanShape:
         if key in values:
             values[key] = tuple(values[key])
     shape = WanShape(**values)
-    ints = [shape.base_dim, shape.z_dim, shape.num_res_blocks, shape.in_channels, shape.out_channels]
+    ints = [shape.base_dim, shape.z_dim, shape.num_res_blocks, shape.out_channels]
     ints += [shape.scale_factor_spatial, *shape.dim_mult, shape.decoder_base_dim or 1, shape.patch_size or 1]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ints):
         raise ValueError(f"a size that is no positive integer in {values}")
@@ -102,8 +89,8 @@ def _dtype(dtype) -> str:
 def decode_bytes(config: dict, latent: tuple[int, ...], dtype="float32", tiles=None) -> int:
     """Peak live bytes of ``vae.decode`` of a ``latent`` (batch, channels, frames, height, width);
     ``tiles``: ``enable_tiling``'s four sizes (None: untiled)."""
-    run, a = _Run(), _shape(config)
-    z = _T(tuple(latent), _dtype(dtype), _Storage(run, _numel(latent) * ITEMSIZE[_dtype(dtype)], counted=False))
+    run, a = Run(), _shape(config)
+    z = run.input(tuple(latent), _dtype(dtype))
     latent_tile_h, latent_tile_w = (
         (tiles[0] // a.scale_factor_spatial, tiles[1] // a.scale_factor_spatial) if tiles else (0, 0)
     )
@@ -116,235 +103,39 @@ def decode_bytes(config: dict, latent: tuple[int, ...], dtype="float32", tiles=N
 
 def encode_bytes(config: dict, video: tuple[int, ...], dtype="float32") -> int:
     """Peak live bytes of ``vae.encode`` of a ``video`` (batch, channels, frames, height, width)."""
-    run, a = _Run(), _shape(config)
-    x = _T(tuple(video), _dtype(dtype), _Storage(run, _numel(video) * ITEMSIZE[_dtype(dtype)], counted=False))
+    run, a = Run(), _shape(config)
+    x = run.input(tuple(video), _dtype(dtype))
     _encode(run, a, x)
     return run.peak
-
-
-# --- the running total and shapes ------------------------------------------------------------
-
-
-class _Run:
-    """The running total of live bytes, its peak, and the calls run so far (:func:`_call`)."""
-
-    def __init__(self):
-        self.total = self.peak = 0
-        self.paused = False  # a replay's allocations: their peak was already counted
-        self.calls: dict[tuple, tuple] = {}
-
-    def add(self, nbytes: int) -> None:
-        self.total += nbytes
-        if not self.paused:
-            self.peak = max(self.peak, self.total)
-
-
-class _Storage:
-    __slots__ = ("run", "nbytes", "counted")
-
-    def __init__(self, run: _Run, nbytes: int, counted: bool = True):
-        self.run, self.nbytes, self.counted = run, nbytes, counted
-        if counted:
-            run.add(nbytes)
-
-    def __del__(self):
-        if self.counted:
-            self.run.total -= self.nbytes
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _strides(shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))
-
-
-def _view_strides(shape, stride, new) -> tuple[int, ...] | None:
-    """The strides ``new`` has as a view of (``shape``, ``stride``), or None when it needs a copy
-    (ATen's ``computeStride``)."""
-    if not shape:
-        return tuple(1 for _ in new)
-    out, view_d = [0] * len(new), len(new) - 1
-    chunk_stride, tensor_numel, view_numel = stride[-1], 1, 1
-    for d in range(len(shape) - 1, -1, -1):
-        tensor_numel *= shape[d]
-        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_stride):
-            while view_d >= 0 and (view_numel < tensor_numel or new[view_d] == 1):
-                out[view_d] = view_numel * chunk_stride
-                view_numel *= new[view_d]
-                view_d -= 1
-            if view_numel != tensor_numel:
-                return None
-            if d > 0:
-                chunk_stride, tensor_numel, view_numel = stride[d - 1], 1, 1
-    return tuple(out) if view_d == -1 else None
-
-
-class _T:
-    """A tensor's shape, strides and dtype, and the storage it holds (shared by its views)."""
-
-    __slots__ = ("shape", "stride", "dtype", "storage")
-
-    def __init__(self, shape, dtype: str, storage: _Storage, stride=None):
-        self.shape, self.dtype, self.storage = tuple(shape), dtype, storage
-        self.stride = _strides(self.shape) if stride is None else tuple(stride)
-
-    def new(self, shape, dtype: str | None = None) -> _T:
-        """A new tensor (an op's output) on this one's run."""
-        dtype = dtype or self.dtype
-        return _T(shape, dtype, _Storage(self.storage.run, _numel(shape) * ITEMSIZE[dtype]))
-
-    def _view(self, shape, stride) -> _T:
-        if not self.storage.counted:
-            self.storage.counted = True
-            self.storage.run.add(self.storage.nbytes)
-        return _T(shape, self.dtype, self.storage, stride)
-
-    def __getitem__(self, index) -> _T:
-        index = index if isinstance(index, tuple) else (index,)
-        shape, stride = [], []
-        for d, (size, st) in enumerate(zip(self.shape, self.stride)):
-            i = index[d] if d < len(index) else slice(None)
-            if isinstance(i, slice):
-                shape.append(len(range(*i.indices(size))))
-                stride.append(st)
-        return self._view(shape, stride)
-
-    def view(self, *shape) -> _T:
-        shape = self._resolved(shape)
-        stride = _view_strides(self.shape, self.stride, shape)
-        if stride is None or _numel(shape) != _numel(self.shape):
-            raise ValueError(f"a view of shape {shape} of a tensor of shape {self.shape}")
-        return self._view(shape, stride)
-
-    def reshape(self, *shape) -> _T:
-        shape = self._resolved(shape)
-        stride = _view_strides(self.shape, self.stride, shape)
-        return self._view(shape, stride) if stride is not None else self.new(shape)
-
-    def _resolved(self, shape) -> tuple[int, ...]:
-        if -1 in shape:
-            rest = _numel(d for d in shape if d != -1)
-            shape = tuple(_numel(self.shape) // rest if d == -1 else d for d in shape)
-        return tuple(shape)
-
-    def permute(self, *dims) -> _T:
-        return self._view([self.shape[d] for d in dims], [self.stride[d] for d in dims])
-
-    def unsqueeze(self, dim: int) -> _T:
-        return self._view(self.shape[:dim] + (1,) + self.shape[dim:], self.stride[:dim] + (1,) + self.stride[dim:])
-
-    def squeeze(self, dim: int) -> _T:
-        if self.shape[dim] != 1:
-            return self._view(self.shape, self.stride)
-        return self._view(self.shape[:dim] + self.shape[dim + 1 :], self.stride[:dim] + self.stride[dim + 1 :])
-
-    def chunk(self, n: int, dim: int) -> list[_T]:
-        dim %= len(self.shape)
-        step = -(-self.shape[dim] // n)
-        return [self[(slice(None),) * dim + (slice(s, s + step),)] for s in range(0, self.shape[dim], step)]
-
-    def expand_as(self, other: _T) -> _T:
-        return self._view(other.shape, [s if n != 1 else 0 for n, s in zip(self.shape, self.stride)])
-
-    def is_contiguous(self) -> bool:
-        if 0 in self.shape:
-            return True
-        expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1:
-                if st != expected:
-                    return False
-                expected *= size
-        return True
-
-    def contiguous(self) -> _T:
-        return self if self.is_contiguous() else self.new(self.shape)
-
-    def clone(self) -> _T:
-        return self.new(self.shape)
-
-    def to(self, dtype: str) -> _T:
-        return self if dtype == self.dtype else self.new(self.shape, dtype)
-
-    def float(self) -> _T:
-        return self.to("float32")
-
-    def _op(self, other) -> _T:
-        """An elementwise op's output: the broadcast shape, this tensor's dtype."""
-        if not isinstance(other, _T):
-            return self.new(self.shape)
-        a, b = self.shape, other.shape
-        n = max(len(a), len(b))
-        a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
-        return self.new(tuple(max(x, y) for x, y in zip(a, b)))
-
-    __add__ = __radd__ = __mul__ = __rmul__ = __truediv__ = _op
-
-
-def _like(x: _T) -> _T:
-    """An op that makes a tensor like ``x``: silu, clamp, exp, zeros_like."""
-    return x.new(x.shape)
-
-
-def _cat(tensors: list[_T], dim: int) -> _T:
-    dim %= len(tensors[0].shape)
-    shape = list(tensors[0].shape)
-    shape[dim] = sum(t.shape[dim] for t in tensors)
-    return tensors[0].new(shape)
-
-
-def _pad(x: _T, pad) -> _T:
-    """``F.pad``: a new tensor even when every pad is 0 (``constant_pad_nd`` copies)."""
-    shape = list(x.shape)
-    for i in range(len(pad) // 2):
-        shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
-    return x.new(shape)
-
-
-def _conv(x: _T, out: int, kernel, stride=1, padding=0) -> _T:
-    """A 2-d or 3-d convolution of ``x`` (batch, channels, *space) to ``out`` channels."""
-    n = len(x.shape) - 2
-    k, s, p = (v if isinstance(v, tuple) else (v,) * n for v in (kernel, stride, padding))
-    space = [(size + 2 * p[i] - k[i]) // s[i] + 1 for i, size in enumerate(x.shape[2:])]
-    return x.new((x.shape[0], out, *space))
 
 
 # --- diffusers' modules, mirrored ----------------------------------------------------------------
 
 
-def _causal_conv(x: _T, cache, out: int, kernel: int | tuple, stride=1, padding=0) -> _T:
+def _causal_conv(x: ShapeTensor, cache, out: int, kernel: int | tuple, stride=1, padding=0) -> ShapeTensor:
     """``WanCausalConv3d.forward``."""
     k, s, p = (v if isinstance(v, tuple) else (v,) * 3 for v in (kernel, stride, padding))
     pads = [p[2], p[2], p[1], p[1], 2 * p[0], 0]
     if cache is not None and pads[4] > 0:
-        x = _cat([cache, x], 2)
+        x = cat([cache, x], 2)
         pads[4] -= cache.shape[2]
-    x = _pad(x, pads)
-    return _conv(x, out, k, s)
+    x = pad(x, pads)
+    return conv(x, out, k, s)
 
 
-def _cached_conv(x: _T, feat: list, idx: list, out: int) -> _T:
+def _cached_conv(x: ShapeTensor, feat: list, idx: list, out: int) -> ShapeTensor:
     """The 3x3x3 causal conv at ``feat[idx]`` with its cache: the last frames kept, then the conv."""
     i = idx[0]
     cache_x = x[:, :, -CACHE_T:].clone()
     if cache_x.shape[2] < 2 and feat[i] is not None:
-        cache_x = _cat([feat[i][:, :, -1].unsqueeze(2), cache_x], 2)
+        cache_x = cat([feat[i][:, :, -1].unsqueeze(2), cache_x], 2)
     x = _causal_conv(x, feat[i], out, 3, 1, 1)
     feat[i] = cache_x
     idx[0] += 1
     return x
 
 
-def _rms_norm(x: _T) -> _T:
+def _rms_norm(x: ShapeTensor) -> ShapeTensor:
     """``WanRMS_norm.forward``: F.normalize (a norm, its clamp, the division), in float32 for
     16-bit inputs; then the scale, gamma and bias, each a product of ``x``'s shape."""
     upcast = x.dtype in ("float16", "bfloat16")
@@ -352,58 +143,58 @@ def _rms_norm(x: _T) -> _T:
     return normalized * 1.0 * 1.0 + 0.0
 
 
-def _normalize(x: _T) -> _T:
+def _normalize(x: ShapeTensor) -> ShapeTensor:
     """``F.normalize(x, dim=1)``."""
-    denom = _like(x.new((x.shape[0], 1, *x.shape[2:]))).expand_as(x)
+    denom = like(x.new((x.shape[0], 1, *x.shape[2:]))).expand_as(x)
     return x / denom
 
 
-def _residual(x: _T, in_dim: int, out_dim: int, feat: list, idx: list) -> _T:
+def _residual(x: ShapeTensor, in_dim: int, out_dim: int, feat: list, idx: list) -> ShapeTensor:
     """``WanResidualBlock.forward`` (dropout 0.0 makes no tensor)."""
     h = _causal_conv(x, None, out_dim, 1) if in_dim != out_dim else x
     x = _rms_norm(x)
-    x = _like(x)
+    x = like(x)
     x = _cached_conv(x, feat, idx, out_dim)
     x = _rms_norm(x)
-    x = _like(x)
+    x = like(x)
     x = _cached_conv(x, feat, idx, out_dim)
     return x + h
 
 
-def _attention(x: _T) -> _T:
+def _attention(x: ShapeTensor) -> ShapeTensor:
     """``WanAttentionBlock.forward`` (the CPU's flash attention: an output and its float32
     log-sum-exp)."""
     identity = x
     b, c, t, h, w = x.shape
     x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
     x = _rms_norm(x)
-    qkv = _conv(x, c * 3, 1)
+    qkv = conv(x, c * 3, 1)
     qkv = qkv.reshape(b * t, 1, c * 3, -1)
     qkv = qkv.permute(0, 1, 3, 2).contiguous()
     q, _k, _v = qkv.chunk(3, dim=-1)
     x = _sdpa(q)
     x = x.squeeze(1).permute(0, 2, 1).reshape(b * t, c, h, w)
-    x = _conv(x, c, 1)
+    x = conv(x, c, 1)
     x = x.view(b, t, c, h, w)
     x = x.permute(0, 2, 1, 3, 4)
     return x + identity
 
 
-def _sdpa(q: _T) -> _T:
+def _sdpa(q: ShapeTensor) -> ShapeTensor:
     bt, heads, length, dim = q.shape
     out = q.new((bt, length, heads, dim)).permute(0, 2, 1, 3)
     _lse = q.new((bt, heads, length), "float32")
     return out
 
 
-def _mid(x: _T, dim: int, feat: list, idx: list) -> _T:
+def _mid(x: ShapeTensor, dim: int, feat: list, idx: list) -> ShapeTensor:
     """``WanMidBlock.forward``: residual, attention, residual."""
     x = _residual(x, dim, dim, feat, idx)
     x = _attention(x)
     return _residual(x, dim, dim, feat, idx)
 
 
-def _resample(x: _T, mode: str, dim: int, up_out: int, feat: list, idx: list) -> _T:
+def _resample(x: ShapeTensor, mode: str, dim: int, up_out: int, feat: list, idx: list) -> ShapeTensor:
     """``WanResample.forward``."""
     b, c, t, h, w = x.shape
     if mode == "upsample3d":
@@ -414,9 +205,9 @@ def _resample(x: _T, mode: str, dim: int, up_out: int, feat: list, idx: list) ->
         else:
             cache_x = x[:, :, -CACHE_T:].clone()
             if cache_x.shape[2] < 2 and feat[i] != "Rep":
-                cache_x = _cat([feat[i][:, :, -1].unsqueeze(2), cache_x], 2)
+                cache_x = cat([feat[i][:, :, -1].unsqueeze(2), cache_x], 2)
             if cache_x.shape[2] < 2 and feat[i] == "Rep":
-                cache_x = _cat([_like(cache_x), cache_x], 2)
+                cache_x = cat([like(cache_x), cache_x], 2)
             x = _causal_conv(x, None if feat[i] == "Rep" else feat[i], dim * 2, (3, 1, 1), 1, (1, 0, 0))
             feat[i] = cache_x
             idx[0] += 1
@@ -425,7 +216,7 @@ def _resample(x: _T, mode: str, dim: int, up_out: int, feat: list, idx: list) ->
             x = x.reshape(b, c, t * 2, h, w)
     t = x.shape[2]
     x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
-    x = _upsample(x, up_out) if mode.startswith("upsample") else _conv(_pad(x, (0, 1, 0, 1)), dim, 3, 2)
+    x = _upsample(x, up_out) if mode.startswith("upsample") else conv(pad(x, (0, 1, 0, 1)), dim, 3, 2)
     x = x.view(b, t, x.shape[1], x.shape[2], x.shape[3]).permute(0, 2, 1, 3, 4)
     if mode == "downsample3d":
         i = idx[0]
@@ -434,31 +225,31 @@ def _resample(x: _T, mode: str, dim: int, up_out: int, feat: list, idx: list) ->
             idx[0] += 1
         else:
             cache_x = x[:, :, -1:].clone()
-            x = _causal_conv(_cat([feat[i][:, :, -1:], x], 2), None, dim, (3, 1, 1), (2, 1, 1))
+            x = _causal_conv(cat([feat[i][:, :, -1:], x], 2), None, dim, (3, 1, 1), (2, 1, 1))
             feat[i] = cache_x
             idx[0] += 1
     return x
 
 
-def _stack_frames(a: _T, b: _T) -> _T:
+def _stack_frames(a: ShapeTensor, b: ShapeTensor) -> ShapeTensor:
     """``torch.stack((a, b), 3)``."""
     return a.new(a.shape[:3] + (2,) + a.shape[3:])
 
 
-def _upsample(x: _T, out: int) -> _T:
+def _upsample(x: ShapeTensor, out: int) -> ShapeTensor:
     """``WanUpsample`` (nearest-exact 2x, in float32) then the 3x3 ``Conv2d``."""
     y = _nearest_2x(x.float()).to(x.dtype)
-    return _conv(y, out, 3, 1, 1)
+    return conv(y, out, 3, 1, 1)
 
 
-def _nearest_2x(x: _T) -> _T:
+def _nearest_2x(x: ShapeTensor) -> ShapeTensor:
     return x.new((*x.shape[:2], x.shape[2] * 2, x.shape[3] * 2))
 
 
-def _avg_down(x: _T, in_dim: int, out_dim: int, ft: int, fs: int) -> _T:
+def _avg_down(x: ShapeTensor, in_dim: int, out_dim: int, ft: int, fs: int) -> ShapeTensor:
     """``AvgDown3D.forward``."""
     pad_t = (ft - x.shape[2] % ft) % ft
-    x = _pad(x, (0, 0, 0, 0, pad_t, 0))
+    x = pad(x, (0, 0, 0, 0, pad_t, 0))
     b, c, t, h, w = x.shape
     x = x.view(b, c, t // ft, ft, h // fs, fs, w // fs, fs)
     x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).contiguous()
@@ -467,7 +258,7 @@ def _avg_down(x: _T, in_dim: int, out_dim: int, ft: int, fs: int) -> _T:
     return x.new(x.shape[:2] + x.shape[3:])  # the mean over the group
 
 
-def _dup_up(x: _T, in_dim: int, out_dim: int, ft: int, fs: int, first_chunk: bool) -> _T:
+def _dup_up(x: ShapeTensor, in_dim: int, out_dim: int, ft: int, fs: int, first_chunk: bool) -> ShapeTensor:
     """``DupUp3D.forward``."""
     repeats = out_dim * ft * fs * fs // in_dim
     b, _, t, h, w = x.shape
@@ -480,7 +271,7 @@ def _dup_up(x: _T, in_dim: int, out_dim: int, ft: int, fs: int, first_chunk: boo
     return x
 
 
-def _encoder(a: WanShape, x: _T, feat: list, idx: list, _first_chunk=False) -> _T:
+def _encoder(a: WanShape, x: ShapeTensor, feat: list, idx: list, _first_chunk=False) -> ShapeTensor:
     """``WanEncoder3d.forward`` with its cache."""
     dims = [a.base_dim * u for u in (1, *a.dim_mult)]
     x = _cached_conv(x, feat, idx, dims[0])
@@ -498,11 +289,11 @@ def _encoder(a: WanShape, x: _T, feat: list, idx: list, _first_chunk=False) -> _
             x = _resample(x, mode, out_dim, out_dim, feat, idx)
     x = _mid(x, dims[-1], feat, idx)
     x = _rms_norm(x)
-    x = _like(x)
+    x = like(x)
     return _cached_conv(x, feat, idx, a.z_dim * 2)
 
 
-def _residual_down(a: WanShape, x: _T, in_dim, out_dim, temporal: bool, down: bool, feat, idx) -> _T:
+def _residual_down(a: WanShape, x: ShapeTensor, in_dim, out_dim, temporal: bool, down: bool, feat, idx) -> ShapeTensor:
     """``WanResidualDownBlock.forward`` (its input stays alive: the encoder holds it)."""
     x_copy = x.clone()
     block_in = in_dim
@@ -514,7 +305,7 @@ def _residual_down(a: WanShape, x: _T, in_dim, out_dim, temporal: bool, down: bo
     return x + _avg_down(x_copy, in_dim, out_dim, 2 if temporal else 1, 2 if down else 1)
 
 
-def _decoder(a: WanShape, x: _T, feat: list, idx: list, first_chunk: bool) -> _T:
+def _decoder(a: WanShape, x: ShapeTensor, feat: list, idx: list, first_chunk: bool) -> ShapeTensor:
     """``WanDecoder3d.forward`` with its cache."""
     dims = [(a.decoder_base_dim or a.base_dim) * u for u in (a.dim_mult[-1], *a.dim_mult[::-1])]
     x = _cached_conv(x, feat, idx, dims[0])
@@ -526,11 +317,13 @@ def _decoder(a: WanShape, x: _T, feat: list, idx: list, first_chunk: bool) -> _T
         mode = ("upsample3d" if upsample[i] else "upsample2d") if up else None
         x = _up_block(a, x, in_dim, out_dim, mode, feat, idx, first_chunk)
     x = _rms_norm(x)
-    x = _like(x)
+    x = like(x)
     return _cached_conv(x, feat, idx, a.out_channels)
 
 
-def _up_block(a: WanShape, x: _T, in_dim, out_dim, mode: str | None, feat, idx, first_chunk: bool) -> _T:
+def _up_block(
+    a: WanShape, x: ShapeTensor, in_dim, out_dim, mode: str | None, feat, idx, first_chunk: bool
+) -> ShapeTensor:
     """``WanResidualUpBlock.forward`` where ``is_residual``, else ``WanUpBlock.forward`` (its input
     stays alive: the decoder holds it)."""
     x_copy = x.clone() if a.is_residual else None
@@ -546,16 +339,16 @@ def _up_block(a: WanShape, x: _T, in_dim, out_dim, mode: str | None, feat, idx, 
     return x
 
 
-def _call(run: _Run, coder, a: WanShape, x: _T, feat: list, first_chunk: bool = False) -> _T:
+def _call(run: Run, coder, a: WanShape, x: ShapeTensor, feat: list, first_chunk: bool = False) -> ShapeTensor:
     """``coder(a, x, feat, [0], first_chunk)``, or the replay of its first run with the same input
     shape and cache: the peak it rose to above the total it started from, a new output, the cache
     it left (``_Calls`` in the trace does the same)."""
-    key = (coder, x.shape, x.dtype, first_chunk, tuple(e.shape if isinstance(e, _T) else e for e in feat))
+    key = (coder, x.shape, x.dtype, first_chunk, tuple(e.shape if isinstance(e, ShapeTensor) else e for e in feat))
     if key not in run.calls:
         start, peak = run.total, run.peak
         run.peak = start
         out = coder(a, x, feat, [0], first_chunk)
-        run.calls[key] = (run.peak - start, out.shape, [e.shape if isinstance(e, _T) else e for e in feat])
+        run.calls[key] = (run.peak - start, out.shape, [e.shape if isinstance(e, ShapeTensor) else e for e in feat])
         run.peak = max(peak, run.peak)
         return out
     rise, shape, cache = run.calls[key]
@@ -578,7 +371,7 @@ def _steps(n: int):
         yield n - 1, n - 1 - WARM
 
 
-def _skipped(run: _Run, like: _T, frames: int) -> _T:
+def _skipped(run: Run, like: ShapeTensor, frames: int) -> ShapeTensor:
     """A tensor like ``like`` of ``frames`` frames, made without a peak: what the calls
     :func:`_steps` skipped would have added (each of them peaks lower than the last call, which
     starts higher by their outputs)."""
@@ -595,14 +388,14 @@ def _slots(a: WanShape) -> int:
     return 6 + len(a.dim_mult) * (2 * a.num_res_blocks + 3)
 
 
-def _unpatchify(x: _T, p: int) -> _T:
+def _unpatchify(x: ShapeTensor, p: int) -> ShapeTensor:
     b, cp, f, h, w = x.shape
     x = x.view(b, cp // (p * p), p, p, f, h, w)
     x = x.permute(0, 1, 4, 5, 3, 6, 2).contiguous()
     return x.view(b, cp // (p * p), f, h * p, w * p)
 
 
-def _patchify(x: _T, p: int) -> _T:
+def _patchify(x: ShapeTensor, p: int) -> ShapeTensor:
     b, c, f, h, w = x.shape
     if h % p != 0 or w % p != 0:
         raise ValueError(f"Height ({h}) and width ({w}) must be divisible by patch_size ({p})")
@@ -611,7 +404,7 @@ def _patchify(x: _T, p: int) -> _T:
     return x.view(b, c * p * p, f, h // p, w // p)
 
 
-def _decode(run: _Run, a: WanShape, z: _T) -> _T:
+def _decode(run: Run, a: WanShape, z: ShapeTensor) -> ShapeTensor:
     """``AutoencoderKLWan._decode``, untiled."""
     num_frame = z.shape[2]
     feat = [None] * _slots(a)
@@ -623,15 +416,15 @@ def _decode(run: _Run, a: WanShape, z: _T) -> _T:
             out = _call(run, _decoder, a, x[:, :, i : i + 1], feat, True)
         else:
             out_ = _call(run, _decoder, a, x[:, :, i : i + 1], feat)
-            out = _cat([out, out_], 2)
+            out = cat([out, out_], 2)
     if a.patch_size is not None:
         out = _unpatchify(out, a.patch_size)
-    out = _like(out)  # clamp
+    out = like(out)  # clamp
     del feat  # clear_cache
     return out
 
 
-def _tiled_decode(run: _Run, a: WanShape, z: _T, tiles) -> _T:
+def _tiled_decode(run: Run, a: WanShape, z: ShapeTensor, tiles) -> ShapeTensor:
     """``AutoencoderKLWan.tiled_decode``: every tile decoded, then the blends and the joins."""
     _, _, num_frames, height, width = z.shape
     ratio, p = a.scale_factor_spatial, a.patch_size
@@ -658,7 +451,7 @@ def _tiled_decode(run: _Run, a: WanShape, z: _T, tiles) -> _T:
                 tile = _causal_conv(tile, None, a.z_dim, 1)  # post_quant_conv
                 decoded = _call(run, _decoder, a, tile, feat, k == 0)
                 time.append(decoded)
-            row.append(_cat(time, 2))
+            row.append(cat(time, 2))
         rows.append(row)
     feat = None  # clear_cache
     result_rows = []
@@ -670,14 +463,14 @@ def _tiled_decode(run: _Run, a: WanShape, z: _T, tiles) -> _T:
             if j > 0:
                 tile = _blend(row[j - 1], tile, blend_w, 4)
             result_row.append(tile[:, :, :, :stride_h, :stride_w])
-        result_rows.append(_cat(result_row, -1))
-    dec = _cat(result_rows, 3)[:, :, :, :sample_h, :sample_w]
+        result_rows.append(cat(result_row, -1))
+    dec = cat(result_rows, 3)[:, :, :, :sample_h, :sample_w]
     if p is not None:
         dec = _unpatchify(dec, p)
-    return _like(dec)  # clamp
+    return like(dec)  # clamp
 
 
-def _blend(a: _T, b: _T, extent: int, dim: int) -> _T:
+def _blend(a: ShapeTensor, b: ShapeTensor, extent: int, dim: int) -> ShapeTensor:
     """``blend_v`` (dim 3) / ``blend_h`` (dim 4): ``b`` blended in place, a row (column) at a
     time; every row makes and frees the same temporaries, so one stands for all."""
     extent = min(a.shape[dim], b.shape[dim], extent)
@@ -687,17 +480,17 @@ def _blend(a: _T, b: _T, extent: int, dim: int) -> _T:
     return b
 
 
-def _encode(run: _Run, a: WanShape, x: _T):
+def _encode(run: Run, a: WanShape, x: ShapeTensor):
     """``AutoencoderKLWan.encode``, untiled: ``_encode``, then the posterior's tensors."""
     h = _encode_chunks(run, a, x)
     _mean, logvar = h.chunk(2, 1)
-    logvar = _like(logvar)  # clamp
-    std = _like(0.5 * logvar)  # exp
-    var = _like(logvar)  # exp
+    logvar = like(logvar)  # clamp
+    std = like(0.5 * logvar)  # exp
+    var = like(logvar)  # exp
     return h, std, var
 
 
-def _encode_chunks(run: _Run, a: WanShape, x: _T) -> _T:
+def _encode_chunks(run: Run, a: WanShape, x: ShapeTensor) -> ShapeTensor:
     """``AutoencoderKLWan._encode``: the first frame, then 4-frame chunks."""
     num_frame = x.shape[2]
     feat = [None] * _slots(a)
@@ -710,7 +503,7 @@ def _encode_chunks(run: _Run, a: WanShape, x: _T) -> _T:
             out = _call(run, _encoder, a, x[:, :, :1], feat)
         else:
             out_ = _call(run, _encoder, a, x[:, :, 1 + 4 * (i - 1) : 1 + 4 * i], feat)
-            out = _cat([out, out_], 2)
+            out = cat([out, out_], 2)
     enc = _causal_conv(out, None, a.z_dim * 2, 1)  # quant_conv
     del feat  # clear_cache
     return enc

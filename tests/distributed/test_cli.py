@@ -159,22 +159,25 @@ def test_the_hsdp_forecast_is_one_line_per_shard_with_its_ranks(checkpoints, cap
     assert len(_figures(hsdp)) == 2 and _figures(hsdp) == _figures(flat)
 
 
-def _without_torch(argv: list[str]) -> tuple[int, str, str, list[str]]:
-    """``fsdp-fp8 ARGV`` in a fresh interpreter: (exit code, stdout, stderr, torch modules imported)."""
+def _without_torch(argv: list[str], watched=("torch", "torchao", "numpy")) -> tuple[int, str, str, list[str]]:
+    """``fsdp-fp8 ARGV`` in a fresh interpreter: (exit code, stdout, stderr, the first 3 modules
+    imported of the packages ``watched``)."""
     import json
     import subprocess
     import sys
 
     code = (
         "import io, json, sys\n"
+        "watched = tuple(json.loads(sys.argv.pop(1)))\n"
         "from contextlib import redirect_stdout\n"
         "from fsdp_fp8.cli.commands import main\n"
         "out = io.StringIO()\n"
         "try:\n    with redirect_stdout(out):\n        code = main(sys.argv[1:])\n"
         "except SystemExit as e:\n    code = e.code\n"
-        "torch = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchao', 'numpy'))\n"
-        "print(json.dumps([code, out.getvalue(), torch[:3]]))\n"
+        "found = sorted(m for m in sys.modules if m in watched or m.startswith(tuple(w + '.' for w in watched)))\n"
+        "print(json.dumps([code, out.getvalue(), found[:3]]))\n"
     )
+    argv = [json.dumps(list(watched)), *argv]
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     exit_code, out, modules = json.loads(proc.stdout.strip().splitlines()[-1])
     return exit_code, out, proc.stderr, modules
@@ -201,6 +204,17 @@ def test_help_and_usage_errors_do_not_import_torch(argv, exit_code):
     assert modules == [], modules
     text = out + err
     assert text.strip() and "docs/usage.md" not in text and "``" not in text, text  # self-contained plain text
+
+
+@pytest.mark.parametrize("frames", ["189", "1000000000"])
+def test_inspect_on_a_pipeline_root_imports_neither_diffusers_nor_dynamo(demo_root, frames):
+    """The VAE's phases come from its config's arithmetic: ``inspect`` imports no diffusers and no
+    torch._dynamo (seconds each, against its budget of 2 s: docs/usage.md), at any frame count."""
+    size = ["--height", "720", "--width", "1280", "--frames", frames]
+    code, out, err, modules = _without_torch(["inspect", str(demo_root), *size], ("diffusers", "torch._dynamo"))
+    assert code == 0, (out, err)
+    assert "VAE decode, tiled" in out and "VAE figures: the config's arithmetic" in out, out
+    assert modules == [], modules
 
 
 def test_verify_warns_on_a_checkpoint_without_fp8_and_fails_behind_a_flag(tmp_path, capsys):
