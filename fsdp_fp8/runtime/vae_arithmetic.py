@@ -90,11 +90,8 @@ def decode_bytes(config: dict, latent: tuple[int, ...], dtype="float32", tiles=N
     """Peak live bytes of ``vae.decode`` of a ``latent`` (batch, channels, frames, height, width);
     ``tiles``: ``enable_tiling``'s four sizes (None: untiled)."""
     run, a = Run(), _shape(config)
-    z = run.input(tuple(latent), _dtype(dtype))
-    latent_tile_h, latent_tile_w = (
-        (tiles[0] // a.scale_factor_spatial, tiles[1] // a.scale_factor_spatial) if tiles else (0, 0)
-    )
-    if tiles and (latent[4] > latent_tile_w or latent[3] > latent_tile_h):
+    z, ratio = run.input(tuple(latent), _dtype(dtype)), a.scale_factor_spatial
+    if tiles and (latent[4] > tiles[1] // ratio or latent[3] > tiles[0] // ratio):  # as _decode decides
         _tiled_decode(run, a, z, tiles)
     else:
         _decode(run, a, z)
@@ -372,9 +369,9 @@ def _steps(n: int):
 
 
 def _skipped(run: Run, like: ShapeTensor, frames: int) -> ShapeTensor:
-    """A tensor like ``like`` of ``frames`` frames, made without a peak: what the calls
-    :func:`_steps` skipped would have added (each of them peaks lower than the last call, which
-    starts higher by their outputs)."""
+    """A tensor like ``like`` of ``frames`` frames, made without a peak: the outputs of the calls
+    :func:`_steps` skips. Each of them repeats the call before with more output held, so the last
+    call's peak is above all of theirs."""
     run.paused = True
     try:
         return like.new(like.shape[:2] + (frames,) + like.shape[3:])
@@ -409,9 +406,10 @@ def _decode(run: Run, a: WanShape, z: ShapeTensor) -> ShapeTensor:
     num_frame = z.shape[2]
     feat = [None] * _slots(a)
     x = _causal_conv(z, None, a.z_dim, 1)  # post_quant_conv
+    out = out_ = None  # holds nothing: bound for _skipped
     for i, skipped in _steps(num_frame):
         if skipped:
-            out = _skipped(run, out, out.shape[2] + skipped * out_.shape[2])  # noqa: F821 (set by the calls before)
+            out = _skipped(run, out, out.shape[2] + skipped * out_.shape[2])
         if i == 0:
             out = _call(run, _decoder, a, x[:, :, i : i + 1], feat, True)
         else:
@@ -438,7 +436,7 @@ def _tiled_decode(run: Run, a: WanShape, z: ShapeTensor, tiles) -> ShapeTensor:
         tile_h, tile_w = tile_h // p, tile_w // p
     blend_h, blend_w = tile_h - stride_h, tile_w - stride_w
     rows = []
-    feat = None
+    feat = decoded = None
     for i in range(0, height, latent_stride_h):
         row = []
         for j in range(0, width, latent_stride_w):
@@ -446,7 +444,7 @@ def _tiled_decode(run: Run, a: WanShape, z: ShapeTensor, tiles) -> ShapeTensor:
             time = []
             for k, skipped in _steps(num_frames):
                 if skipped:
-                    time.append(_skipped(run, decoded, skipped * decoded.shape[2]))  # noqa: F821
+                    time.append(_skipped(run, decoded, skipped * decoded.shape[2]))
                 tile = z[:, :, k : k + 1, i : i + latent_h, j : j + latent_w]
                 tile = _causal_conv(tile, None, a.z_dim, 1)  # post_quant_conv
                 decoded = _call(run, _decoder, a, tile, feat, k == 0)
@@ -496,9 +494,10 @@ def _encode_chunks(run: Run, a: WanShape, x: ShapeTensor) -> ShapeTensor:
     feat = [None] * _slots(a)
     if a.patch_size is not None:
         x = _patchify(x, a.patch_size)
+    out = out_ = None
     for i, skipped in _steps(1 + (num_frame - 1) // 4):
         if skipped:
-            out = _skipped(run, out, out.shape[2] + skipped * out_.shape[2])  # noqa: F821
+            out = _skipped(run, out, out.shape[2] + skipped * out_.shape[2])
         if i == 0:
             out = _call(run, _encoder, a, x[:, :, :1], feat)
         else:

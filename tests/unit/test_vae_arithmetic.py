@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
 
-from pipelines import DEMO_TILES, WAN22_CONFIG, WAN22_TILES  # noqa: E402
+from pipelines import DEMO_TILES, WAN22_CONFIG, WAN22_TILES
 
-from fsdp_fp8.runtime import vae_arithmetic, vae_forecast, vae_trace  # noqa: E402
+from fsdp_fp8.runtime import vae_arithmetic, vae_forecast, vae_trace
 
 BF16 = torch.bfloat16
 # (phase, shape, dtype) per VAE; a decode's shape is its latent (frames, height, width), an
@@ -66,12 +66,12 @@ def _figures(config, tiles, phase, size, dtype, replay):
     dtype = dtype or torch.float32
     if phase == "encode":
         shape = (1, 3, *size)
-        run = lambda vae, x: vae.encode(x)  # noqa: E731
+        run = lambda vae, x: vae.encode(x)
         arithmetic = vae_arithmetic.encode_bytes(config, shape, dtype)
         tiles = None
     else:
         shape = (1, config["z_dim"], *size)
-        run = lambda vae, z: vae.decode(z)  # noqa: E731
+        run = lambda vae, z: vae.decode(z)
         tiles = tiles if phase == "tiled" else None
         arithmetic = vae_arithmetic.decode_bytes(config, shape, dtype, tiles)
     return arithmetic, vae_trace._simulate(config, dtype, tiles, run, shape, replay=replay)
