@@ -20,8 +20,9 @@ counts as a success (its exit code is kept in ``results.exitcodes``). See docs/s
 for why such late deaths happen with FSDP2 + gloo on CPU.
 
 Ranks start from a fork server (``multiprocessing``'s "forkserver", one per test process) that
-imported torch, torchao and fsdp_fp8 once (``PRELOAD``), not each as a fresh interpreter that
-imports them again (4.1 CPU-s per rank, measured on a 2-core machine). A rank is still a new process:
+imported torch, torchao, fsdp_fp8 and diffusers' Cosmos 3 pipelines once (``PRELOAD``), not each
+as a fresh interpreter that imports them again (4.1 CPU-s per rank for torch alone, measured on a
+2-core machine). A rank is still a new process:
 it gets the test's environment and its stdout / stderr (sent along and set first: a fork server
 keeps the ones it started with), imports the test module by name, makes its own process group,
 and runs its ``atexit`` handlers when it ends. A forked process leaves through ``os._exit``, so
@@ -74,9 +75,21 @@ FAIL_GRACE_S = 3.0
 LAG_GRACE_S = 10.0
 
 
-# What the fork server imports before it forks ranks: what nearly every rank function imports.
-# Not transformers or diffusers (tests check that fsdp_fp8 alone imports neither).
+# What the fork server imports before it forks ranks: what nearly every rank function imports,
+# then what a pipeline rank imports on its first load (diffusers' Cosmos 3 pipelines and VAE,
+# transformers' tokenizers, the launcher): 1.7 CPU-s a rank, measured on a 2-core machine. The
+# tests that fsdp_fp8 alone imports neither transformers nor diffusers run fresh interpreters.
+# A name that does not import (diffusers absent) is skipped by the fork server.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchao", "fsdp_fp8", "fsdp_fp8.compose.model"]
+PRELOAD += [
+    "diffusers.pipelines.cosmos.pipeline_cosmos3_omni",
+    "diffusers.modular_pipelines.cosmos",
+    "diffusers.models.autoencoders.autoencoder_kl_wan",
+    "transformers",
+    "fsdp_fp8.cli.runner",
+    "fsdp_fp8.compose.pipeline",
+    "fsdp_fp8.generation.engine",
+]
 SPAWN_ENV = "FSDP_FP8_TEST_SPAWN"
 
 
