@@ -62,6 +62,19 @@ def distilled_root(demo_cache) -> str:
     return str(distilled_checkpoint(demo_cache))
 
 
+@pytest.fixture(scope="session")
+def mot_root(tmp_path_factory) -> str:
+    """The reference MoT's static-FP8 checkpoint (``write_mot_checkpoint``: 6 s of export and
+    calibration), built once for the whole run beside the shared demo cache, under its lock. Read
+    it, never change it."""
+    from fsdp_fp8.export.cache import build_once
+    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared-demo-cache"
+    return str(build_once(shared / "mot-checkpoint", write_mot_checkpoint, lambda target: target.is_dir()))
+
+
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory, demo_root):
     """The demo's root and a pipeline of the real ModelOpt Cosmos 3 fixture beside the demo's VAE

@@ -244,15 +244,13 @@ def _files_as_bytes(directory: Path) -> dict:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in _as_bytes(load_file(f)).items()}
 
 
-def test_the_step_by_step_snippets_run_as_written(tmp_path):
+def test_the_step_by_step_snippets_run_as_written(mot_root, tmp_path):
     """The pieces ``load_model`` composes, the step policy and the save, as usage.md prints them,
     on 2 gloo ranks: both saves hold the source's tensors, byte for byte."""
     import torch
     from ranks import run_ranks
 
-    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
-
-    ckpt = write_mot_checkpoint(tmp_path / "ckpt")
+    ckpt = mot_root
     results = run_ranks(_step_by_step_snippets, 2, str(ckpt), str(tmp_path), timeout=240)
     (bytes_read, gathered), saved = results[0]
     source = _files_as_bytes(Path(ckpt))
@@ -398,7 +396,7 @@ def _fill(block_id: str, code: str, ckpt: str, pipeline: str, out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def snippets_under_torchrun(tmp_path_factory, demo_cache):
+def snippets_under_torchrun(tmp_path_factory, demo_cache, mot_root):
     import json
     import os
     import subprocess
@@ -407,10 +405,9 @@ def snippets_under_torchrun(tmp_path_factory, demo_cache):
     from calibration import bound
 
     from fsdp_fp8.generation.demo import demo_checkpoint
-    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
 
     tmp = tmp_path_factory.mktemp("snippets")
-    ckpt = str(write_mot_checkpoint(tmp / "ckpt"))
+    ckpt = mot_root
     pipeline = str(demo_checkpoint(demo_cache))  # the run's shared demo, built once
     blocks = [{"id": i, **_fill(i, code, ckpt, pipeline, str(tmp))} for i, code in _doc_blocks()]
     (tmp / "blocks.json").write_text(json.dumps(blocks))

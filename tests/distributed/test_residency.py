@@ -12,7 +12,6 @@ import hashlib
 
 import pytest
 import torch
-from calibration import bound
 from ranks import run_ranks
 
 from fsdp_fp8.export.modelopt import export_fp8
@@ -154,47 +153,31 @@ def test_forward_prefetch_issues_the_next_blocks_all_gather_first(results):
         assert rank["none_no_prefetch"]["digests"] == rank["none"]["digests"]
 
 
-def _launch(tmp_path, *args):
+def _launch(rank: int, world: int, mot: str, reports: str) -> dict | None:
+    """The launcher on this rank (as under torchrun), at ``--resident none`` then ``all``: rank 0's
+    reports."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
+    from unittest import mock
 
-    root = Path(__file__).resolve().parents[2]
-    report = tmp_path / "not" / "yet" / f"report{'-'.join(args)}.json"  # the runner makes the directory
-    env = {**os.environ, "FSDP_FP8_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    # The reference MoT's launcher path reports the all-gather bytes per step (the embedded demo
-    # is a diffusers pipeline).
-    from fsdp_fp8.testing.mot_checkpoint import write_mot_checkpoint
+    from fsdp_fp8.cli.runner import main
 
-    mot = tmp_path / "mot"
-    if not mot.exists():
-        write_mot_checkpoint(mot)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(root / "launch" / "infer.py"),
-        "--checkpoint",
-        str(mot),
-        "--steps",
-        "3",
-        "--report",
-        str(report),
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=bound(280))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(report.read_text()), proc.stdout
+    out = {}
+    with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)}):
+        for mode in ("none", "all"):
+            report = Path(reports, "not", "yet", f"report-{mode}.json")  # the runner makes the directory
+            assert main(["--checkpoint", mot, "--steps", "3", "--report", str(report), "--resident", mode]) == 0
+            out[mode] = json.loads(report.read_text()) if rank == 0 else None
+    return out
 
 
 @pytest.mark.timeout(600)
-def test_the_launcher_reports_all_gather_bytes_per_step(tmp_path):
-    none, _ = _launch(tmp_path, "--resident", "none")
-    every, out = _launch(tmp_path, "--resident", "all")
+def test_the_launcher_reports_all_gather_bytes_per_step(mot_root, tmp_path, capfd):
+    # The reference MoT's launcher path reports the all-gather bytes per step (the embedded demo
+    # is a diffusers pipeline).
+    reports = run_ranks(_launch, 2, mot_root, str(tmp_path), timeout=300)[0]
+    none, every, out = reports["none"], reports["all"], capfd.readouterr().out
     assert none["latent_sha256"] == every["latent_sha256"]
     steps = none["allgather_bytes_per_step"]
     assert len(steps) == 3 and steps[1] == steps[2] > 0  # every step re-gathers every block, twice
