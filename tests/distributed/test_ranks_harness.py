@@ -214,6 +214,34 @@ def test_a_straggler_is_killed_fail_grace_after_another_rank_failed(monkeypatch)
     assert 1.0 <= float(grace.group(1)) <= after, (grace.group(1), after)  # scaled up, never early
 
 
+def _fail_once_rank_0_is_stopped(rank: int, world_size: int):
+    import signal
+
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # only the harness ends it now
+    while open(f"/proc/{pids[0]}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+    raise RuntimeError("rank 1 failed beside a stopped rank 0")
+
+
+def test_a_stopped_rank_is_killed_once_another_failed_without_the_grace(monkeypatch):
+    """A rank stopped by SIGSTOP cannot report whatever the grace: once another rank has failed
+    it is killed at once (the heartbeat tests stop ranks on purpose), and the message says why."""
+    import ranks
+
+    monkeypatch.setattr(ranks, "FAIL_GRACE_S", 30.0)  # waited out, the message would say so
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_fail_once_rank_0_is_stopped, 2, timeout=600)
+    message = str(info.value)
+    assert "RuntimeError: rank 1 failed beside a stopped rank 0" in message, message
+    assert (
+        "rank 0 returned no result and was killed: it was stopped by a signal (state T) when another rank failed"
+        in message
+    ), message
+
+
 def _barrier_without_rank_0(rank: int, world_size: int, flag: str):
     if rank == 0:
         while not os.path.exists(flag):  # never joins the barrier; returns once rank 1 gave up
