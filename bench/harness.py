@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+JOIN_S = 30.0  # run_children: how long a child that answered has to leave before it is killed
 
 
 # --- ranks in fresh processes ----------------------------------------------------------------
@@ -73,7 +74,8 @@ def run_children(ctx, children: Sequence[tuple[int, Callable, tuple]], timeout: 
     """Each ``(rank, target, args)`` as ``target(*args, conn)`` in a fresh process of ``ctx``; each
     one's result through its pipe, in order, all by one deadline ``timeout`` seconds away. A child
     that says nothing by then, or ends without a word (killed, crashed), is ``{"rank", "error"}``.
-    Then every child is joined, and killed after 30 s."""
+    A silent child is killed at once (nothing it says later is read; its peers' teardown then
+    fails fast instead of waiting for it); the others are joined, and killed after ``JOIN_S``."""
     pipes, procs = [], []
     for _, target, args in children:
         reader, writer = ctx.Pipe(duplex=False)
@@ -84,14 +86,18 @@ def run_children(ctx, children: Sequence[tuple[int, Callable, tuple]], timeout: 
         procs.append(proc)
     deadline = time.monotonic() + timeout
     results = []
-    for (rank, _, _), reader in zip(children, pipes):
+    for (rank, _, _), reader, proc in zip(children, pipes, procs):
         left = max(0.1, deadline - time.monotonic())
         try:
-            results.append(reader.recv() if reader.poll(left) else {"rank": rank, "error": "timed out"})
+            if reader.poll(left):
+                results.append(reader.recv())
+            else:
+                results.append({"rank": rank, "error": "timed out"})
+                proc.kill()
         except EOFError:
             results.append({"rank": rank, "error": "the process ended without a result (killed or crashed)"})
     for proc in procs:
-        proc.join(timeout=30)
+        proc.join(timeout=JOIN_S)
         if proc.is_alive():
             proc.kill()
     return results

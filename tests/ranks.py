@@ -33,10 +33,12 @@ once, in the server: a test that sets such a variable (``TORCH_LOGS``, say) for 
 
 Nothing can hang: the whole run is bounded by ``timeout``; once one rank fails, or once
 every other rank has finished, stragglers get a few seconds (``FAIL_GRACE_S``,
-``LAG_GRACE_S``) and are then killed. ``pg_timeout`` (seconds) is passed to
-``init_process_group``, so a collective waiting on a peer that never arrives raises inside
-the rank after that long instead of at gloo's 30-minute default: the tests that check how
-the library reports such a hang use it, the way a launcher should set its own timeout.
+``LAG_GRACE_S``) and are then killed. A straggler stopped by a signal (SIGSTOP: the heartbeat
+tests stop ranks on purpose) cannot report at all, so once a rank has failed it is killed at
+once. ``pg_timeout`` (seconds) is passed to ``init_process_group``, so a collective waiting
+on a peer that never arrives raises inside the rank after that long instead of at gloo's
+30-minute default: the tests that check how the library reports such a hang use it, the way a
+launcher should set its own timeout.
 
 Every one of these durations is a reference-machine figure multiplied by
 ``calibration.slowdown()`` (tests/calibration.py): on a busy machine the guards wait
@@ -73,6 +75,8 @@ FAIL_GRACE_S = 3.0
 # Once a rank has finished, the stragglers get this long after the latest finish; a rank
 # that really hangs while the others are done is killed then, not at the overall timeout.
 LAG_GRACE_S = 10.0
+# How often the ranks are looked at during a failure's grace (for one stopped by a signal).
+POLL_S = 0.1
 
 
 # What the fork server imports before it forks ranks: what nearly every rank function imports,
@@ -213,10 +217,16 @@ def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
             stop_at = min(stop_at, first_failure + fail_grace)
         if last_finish is not None:
             stop_at = min(stop_at, last_finish + lag_grace)
-        if now >= stop_at:
+        running = [r for r in range(world_size) if r not in finished]
+        # A rank stopped by a signal (SIGSTOP) cannot report until something continues it, and
+        # nothing in a run does: once another rank has failed, its grace would only be waited out.
+        frozen = first_failure is not None and bool(running) and all(_stopped(procs[r].pid) for r in running)
+        if now >= stop_at or frozen:
             scaled = f" ({{:g}} s on the reference machine x slowdown {factor:.2f}, tests/calibration.py)"
             stopped = (
-                f"the run timed out after {_tenths_down(timeout * factor)} s" + scaled.format(timeout)
+                "it was stopped by a signal (state T) when another rank failed, so it could not report"
+                if frozen and now < stop_at
+                else f"the run timed out after {_tenths_down(timeout * factor)} s" + scaled.format(timeout)
                 if now >= deadline
                 else f"it was still running {_tenths_down(fail_grace)} s after another rank failed"
                 + scaled.format(FAIL_GRACE_S)
@@ -231,7 +241,9 @@ def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
                 waitables[procs[rank].sentinel] = ("exit", rank)
             if rank not in eof and rank not in messages:
                 waitables[readers[rank]] = ("message", rank)
-        for ready in mp_connection.wait(list(waitables), timeout=min(stop_at - now, REMEASURE_S)):
+        # During a failure's grace, look again every POLL_S: a rank can stop meanwhile.
+        poll = POLL_S if first_failure is not None else REMEASURE_S
+        for ready in mp_connection.wait(list(waitables), timeout=min(stop_at - now, REMEASURE_S, poll)):
             what, rank = waitables[ready]
             if what == "exit":
                 procs[rank].join()
@@ -269,6 +281,15 @@ def _collect(procs, readers, timeout: float, factor: float) -> RankResults:
         if code != 0 or rank in teardown
     }
     return results
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state "T" in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[:1] == ["T"]
+    except OSError:  # gone, or no /proc: not known to be stopped
+        return False
 
 
 def _describe_exit(code: int | None) -> str:

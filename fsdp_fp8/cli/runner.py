@@ -67,7 +67,8 @@ def init_distributed(timeout_s: float) -> None:
     """Under torchrun (``RANK`` set) this rank's process group (``preflight.start_process_group``:
     gloo on CPU, NCCL on CUDA); a single process (no torchrun) runs without a group."""
     if "RANK" in os.environ and not dist.is_initialized():
-        start_process_group(timeout_s)
+        with interrupts.ended_in_native_wait():  # the rendezvous: a peer that already exited never comes
+            start_process_group(timeout_s)
 
 
 def parallel_mesh_of(settings: RunSettings) -> ParallelMesh | None:

@@ -30,8 +30,8 @@ def _answer(rank: int, conn) -> None:
     conn.close()
 
 
-def _silent(rank: int, seconds: float, conn) -> None:
-    time.sleep(seconds)  # says nothing past the deadline; ends on its own before the 30 s join
+def _silent(rank: int, conn) -> None:
+    time.sleep(3600)  # never answers: killed at the deadline, not waited for
 
 
 def _gone(rank: int, conn) -> None:
@@ -41,9 +41,12 @@ def _gone(rank: int, conn) -> None:
 def test_run_children_reports_silent_and_vanished_children_and_keeps_the_others():
     from calibration import bound
 
-    deadline = bound(4)  # time for the answering children to start, on a busy machine too
-    children = [(0, _answer, (0,)), (1, _silent, (1, deadline + 3)), (2, _gone, (2,)), (3, _answer, (3,))]
+    deadline = bound(2)  # time for the answering children to start (0.2 s on a quiet machine)
+    children = [(0, _answer, (0,)), (1, _silent, (1,)), (2, _gone, (2,)), (3, _answer, (3,))]
+    start = time.monotonic()
     results = harness.run_children(mp.get_context("spawn"), children, timeout=deadline)
+    # The silent child was killed at the deadline: the join of the others would have waited JOIN_S for it.
+    assert time.monotonic() - start < deadline + harness.JOIN_S
     assert results[1] == {"rank": 1, "error": "timed out"}
     assert results[2]["rank"] == 2 and "without a result" in results[2]["error"]
     assert [r["rank"] for r in results] == [0, 1, 2, 3] and "pid" in results[0] and "pid" in results[3]

@@ -2,15 +2,23 @@
 rank in turn stopped (SIGSTOP) or killed (SIGKILL) between two collectives, while the other
 waits in the next one with the process group's default timeout (30 minutes): the live rank is
 told which rank stopped, on which host, and exits non-zero, long before any transport timeout.
-No false alarms: a peer that is slow but alive, or one that left the block early, is not named.
+No false alarms: a peer that is slow but alive, or one that left the block early, is not named
+(3 ranks, both in one run).
+
+The tests last what they judge, no more: a stopped rank is ended by the harness once the live
+rank has failed; a wait for a beat thread to have read a peer is a condition, not a sleep; a beat
+thread starved on a busy machine is made exact by skipping its reads (``_watched``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
+import threading
+import time
 
 import pytest
 from calibration import bound
@@ -25,7 +33,7 @@ def _stall_s() -> float:
     return bound(1.5)
 
 
-def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow_s: float = 0.0):
+def _generate(rank: int, world: int, victim: int, how: str, stall_s: float):
     import torch
     import torch.distributed as dist
 
@@ -34,45 +42,94 @@ def _generate(rank: int, world: int, victim: int, how: str, stall_s: float, slow
     with watch_peers(stall_s=stall_s, interval_s=INTERVAL_S):
         for step in range(6):
             if rank == victim and step == 3:
-                if how == "slow":
-                    import time
-
-                    time.sleep(slow_s)  # alive (its heartbeat thread beats on), only slow
-                elif how == "raise":
+                if how == "raise":
                     raise ValueError(f"rank {rank}'s own error")
-                elif how in ("stop", "kill"):
-                    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
             t = torch.ones(1)
             dist.all_reduce(t)  # the live rank waits here for the victim
-        if how == "early" and rank == victim:
-            import time
-
-            time.sleep(slow_s)  # still inside the block, long after the other rank left it
     return "finished"
 
 
-def _signalled_while_watched(
-    rank: int, settle_s: float, interval_s: float, kill_rank_1: bool, signum: int, rank_1_late_s: float = 0.0
-):
-    """Both ranks in a watch with signal handlers installed (as the launcher's ranks are), past
-    their first beats; rank 1 first killed (SIGKILL) or sent ``signum``; rank 0 sent ``signum``
-    once rank 1's process is gone. ``rank_1_late_s``: rank 1 enters the watch that much later."""
-    import time
+def _slow_beside_one_that_left(rank: int, world: int, stall_s: float, slow_s: float):
+    """At 3 ranks, both false alarms in one run: rank 0 leaves the block after the first
+    collectives (it stops beating; its last word says so) and ends; rank 2 then sleeps ``slow_s``
+    between two collectives of ranks 1 and 2 (alive: its heartbeat thread beats on) while rank 1
+    waits in the next. Ranks 1 and 2 stay inside the block ``slow_s`` after rank 0 left it."""
+    import torch
+    import torch.distributed as dist
 
+    from fsdp_fp8.runtime.heartbeat import watch_peers
+
+    pair = dist.new_group([1, 2])  # every rank takes part in making it
+    with watch_peers(stall_s=stall_s, interval_s=INTERVAL_S):
+        for step in range(3):
+            dist.all_reduce(torch.ones(1))
+        for step in range(3 if rank > 0 else 0):
+            if rank == 2 and step == 1:
+                time.sleep(slow_s)
+            dist.all_reduce(torch.ones(1), group=pair)  # rank 1 waits here for rank 2
+    return "finished"
+
+
+@contextlib.contextmanager
+def _watched(starved: bool = False, **kwargs):
+    """``watch_peers(**kwargs)``, yielding its watch and an event: once the event is set (from the
+    start with ``starved``), the watch's beat thread reads no peer, as a thread starved on a busy
+    machine; it still beats, and the rank's other threads still read (where a long interval would
+    only make that likely, and last as long)."""
+    from unittest import mock
+
+    from fsdp_fp8.runtime import heartbeat
+
+    watches, starve = [], threading.Event()
+    if starved:
+        starve.set()
+    real_start = heartbeat._Watch.start
+
+    def start(watch):
+        real_look = watch._look
+
+        def look(peer: int) -> None:
+            if not (starve.is_set() and threading.current_thread() is watch.beater):
+                real_look(peer)
+
+        watch._look = look
+        watches.append(watch)
+        real_start(watch)
+
+    with mock.patch.object(heartbeat._Watch, "start", start), heartbeat.watch_peers(**kwargs):
+        yield watches[0], starve
+
+
+def _until_read(watch, peer: int) -> None:
+    """Until ``watch``'s beat thread has read ``peer``'s beat (its host and pid)."""
+    deadline = time.monotonic() + bound(30.0)
+    while peer not in watch.processes:
+        assert time.monotonic() < deadline, f"rank {watch.rank}'s watch never read rank {peer}'s beat"
+        time.sleep(0.01)
+
+
+def _signalled_while_watched(rank: int, kill_rank_1: bool, signum: int, settle: bool, starve_rank_0: bool):
+    """Both ranks in a watch with signal handlers installed (as the launcher's ranks are); with
+    ``settle``, each rank's beat thread has read the other's beat first; with ``starve_rank_0``,
+    rank 0's beat thread reads no peer from then on (from the start, without ``settle``). Rank 1
+    is then killed (SIGKILL) or sent ``signum``; rank 0 is sent ``signum`` once rank 1's process
+    is gone (within 0.1 s, as torchrun's SIGTERM can come)."""
     import torch
     import torch.distributed as dist
 
     from fsdp_fp8.cli import interrupts
-    from fsdp_fp8.runtime.heartbeat import watch_peers
 
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
     interrupts.install()
-    if rank == 1:
-        time.sleep(rank_1_late_s)
-    with watch_peers(stall_s=bound(30.0), interval_s=interval_s):
-        dist.all_reduce(torch.ones(1))
-        time.sleep(settle_s)  # each rank has read the other's beats (its host and pid)
+    starved = starve_rank_0 and not settle and rank == 0
+    with _watched(starved, stall_s=bound(30.0), interval_s=INTERVAL_S) as (watch, starve):
+        if settle:
+            _until_read(watch, 1 - rank)
+            if starve_rank_0 and rank == 0:
+                starve.set()
+        dist.all_reduce(torch.ones(1))  # neither goes on before both have read (or not) the other
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL if kill_rank_1 else signum)
         while _alive(pids[1]):
@@ -82,32 +139,33 @@ def _signalled_while_watched(
     return "finished"
 
 
-def _stopped_after_the_peer_died(rank: int, world: int, settle_s: float):
+def _stopped_after_the_peer_died(rank: int, world: int):
     """Rank 1 dies between two collectives; rank 0, inside no collective, is then sent SIGTERM,
     as torchrun sends it to the other ranks once one has died."""
-    return _signalled_while_watched(rank, settle_s, INTERVAL_S, True, signal.SIGTERM)
+    return _signalled_while_watched(rank, True, signal.SIGTERM, settle=True, starve_rank_0=False)
 
 
 def _stopped_before_its_beat_thread_read_the_peer(rank: int, world: int):
-    """As ``_stopped_after_the_peer_died``, but rank 0's beat thread never read rank 1's beat
-    (a thread starved on a busy machine, here: its only look came before rank 1 entered, and the
-    next is 3 s away) when torchrun's SIGTERM comes, within 0.1 s of rank 1's death."""
-    return _signalled_while_watched(rank, 0.0, 3.0, True, signal.SIGTERM, rank_1_late_s=1.0)
+    """As ``_stopped_after_the_peer_died``, but rank 0's beat thread never read rank 1's beat (a
+    thread starved on a busy machine) when torchrun's SIGTERM comes."""
+    return _signalled_while_watched(rank, True, signal.SIGTERM, settle=False, starve_rank_0=True)
 
 
 def _the_same_error_one_after_the_other(rank: int, world: int):
     """Every rank fails on the same input inside the watch: rank 0 at once (it waits for rank 1's
     beats, says its last word and exits, as the launcher's rank 0 does once it has printed), rank
-    1 once rank 0's process is gone, its beat thread not having looked since (a 3 s interval)."""
-    import time
-
+    1 once rank 0's process is gone, its beat thread having read rank 0's beat but nothing since
+    (starved)."""
+    import torch
     import torch.distributed as dist
-
-    from fsdp_fp8.runtime.heartbeat import watch_peers
 
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
-    with watch_peers(stall_s=bound(30.0), interval_s=3.0):
+    with _watched(stall_s=bound(30.0), interval_s=INTERVAL_S) as (watch, starve):
+        _until_read(watch, 1 - rank)
+        if rank == 1:
+            starve.set()
+        dist.all_reduce(torch.ones(1))  # rank 0 fails only once rank 1's beat thread is starved
         if rank == 1:
             while _alive(pids[0]):
                 time.sleep(0.02)
@@ -132,11 +190,11 @@ def _blocked_in_the_backend_when_the_peer_died(rank: int, world: int):
     return "finished"
 
 
-def _both_stopped_one_after_the_other(rank: int, world: int, settle_s: float, interval_s: float):
+def _both_stopped_one_after_the_other(rank: int, world: int):
     """A Ctrl-C reaches every rank, one a little before the other: rank 1 is stopped first and
     leaves; rank 0, stopped once rank 1's process is gone, finds a peer gone that said its last
-    word as it left (sooner than rank 0's next look: a long ``interval_s``)."""
-    return _signalled_while_watched(rank, settle_s, interval_s, False, signal.SIGINT)
+    word as it left (its beat thread, starved, has not read it since rank 1's first beat)."""
+    return _signalled_while_watched(rank, False, signal.SIGINT, settle=True, starve_rank_0=True)
 
 
 def _alive(pid: int) -> bool:
@@ -200,7 +258,7 @@ def test_a_rank_stopped_after_a_peer_died_names_the_peer(monkeypatch):
 
     monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
     with pytest.raises(RanksFailed) as info:
-        run_ranks(_stopped_after_the_peer_died, 2, bound(1.0), timeout=300)
+        run_ranks(_stopped_after_the_peer_died, 2, timeout=300)
     message = str(info.value)
     assert "rank 1 died of SIGKILL before returning a result" in message, message
     assert "rank 0 raised:" in message and "PeerLostError: " in message, message
@@ -260,7 +318,7 @@ def test_a_peer_stopped_by_the_same_signal_is_not_named(monkeypatch):
 
     monkeypatch.setattr(ranks, "FAIL_GRACE_S", 60.0)
     with pytest.raises(RanksFailed) as info:
-        run_ranks(_both_stopped_one_after_the_other, 2, bound(2.5), 2.0, timeout=300)
+        run_ranks(_both_stopped_one_after_the_other, 2, timeout=300)
     message = str(info.value)
     assert "rank 0 raised:" in message and "rank 1 raised:" in message, message
     assert message.count("Interrupted: stopped by SIGINT") == 2, message
@@ -274,7 +332,6 @@ def test_an_agreed_error_is_not_blamed_on_a_peer_that_left_with_it():
     1's watch has read the beat of a rank 0 whose process has ended, not yet its last word."""
     import subprocess
     import sys
-    import time
 
     import torch.distributed as dist
 
@@ -305,10 +362,9 @@ def test_an_agreed_error_is_not_blamed_on_a_peer_that_left_with_it():
 
 def test_a_slow_peer_or_one_that_left_early_is_not_named():
     stall_s = _stall_s()
-    # Rank 1 sleeps 1.5 stall_s inside the block: between two collectives, then after the last
-    # one, when rank 0 has left the block (and stopped beating).
-    assert run_ranks(_generate, 2, 1, "slow", stall_s, 1.5 * stall_s, timeout=300) == ["finished"] * 2
-    assert run_ranks(_generate, 2, 1, "early", stall_s, 1.5 * stall_s, timeout=300) == ["finished"] * 2
+    # Rank 2 sleeps 1.5 stall_s between two collectives; rank 0 has left the block (and stopped
+    # beating) before it: rank 1 judges both, rank 2 the one that left.
+    assert run_ranks(_slow_beside_one_that_left, 3, stall_s, 1.5 * stall_s, timeout=300) == ["finished"] * 3
 
 
 def test_an_error_of_a_rank_s_own_is_raised_unchanged():

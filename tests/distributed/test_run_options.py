@@ -331,6 +331,30 @@ def test_a_rank_waits_for_rank_0_under_torchrun_only(monkeypatch):
     assert slept == [interrupts.ERROR_GRACE_S]
 
 
+def test_a_signal_taken_in_a_native_wait_s_block_goes_the_handler_s_way():
+    """``ended_in_native_wait`` ends the rank only for a signal its handler has not taken (a main
+    thread stuck in native code: tests/distributed/test_launcher.py's rendezvous); one taken is the
+    handler's ``Interrupted``, and the process goes on (else this test's process would end)."""
+    import os
+    import signal
+    import time
+
+    from fsdp_fp8.cli import interrupts
+
+    handlers = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    try:
+        interrupts.install()
+        with pytest.raises(interrupts.Interrupted, match="stopped by SIGTERM"):
+            with interrupts.ended_in_native_wait():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(3 * interrupts.NATIVE_GRACE_S)  # Python: the handler raises at once
+        # The block joined its watcher on the way out: had it ended the process, nothing would run here.
+        assert signal.set_wakeup_fd(-1) == -1  # and it put back the wakeup fd it found
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def test_the_choices_parsed_without_torch_are_the_librarys():
     from fsdp_fp8.generation.values import QUANTIZE_METHODS, RESIDENT_POLICIES
     from fsdp_fp8.runtime.ptq import METHODS
