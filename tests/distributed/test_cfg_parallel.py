@@ -27,8 +27,9 @@ from pipelines import LAUNCH_SIZE, PIPE_SIZE  # noqa: E402
 from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-STEPS = 8
-EXPECTED_TRACE = "W8A16 x3 / W8A8 x2 / W8A16 x3"
+# 7 steps under the published policy: one W8A8 step (CPU's torch._scaled_mm is slow: one shows it)
+STEPS = 7
+EXPECTED_TRACE = "W8A16 x3 / W8A8 x1 / W8A16 x3"
 PROMPTS = ("a red fox", "a lighthouse in a storm")
 
 

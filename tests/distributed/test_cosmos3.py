@@ -35,10 +35,11 @@ from small_models import load_files  # noqa: E402
 
 FLUX = Path(__file__).parents[1] / "fixtures" / "modelopt-0.47-flux-transformer"
 WORLD_SIZES = (1, 2, 4)
-STEPS, CHECKED_STEPS = 8, (0, 4, 7)  # first, a middle one, last
+# 7 steps under the published policy: one W8A8 step in the middle (CPU's torch._scaled_mm is slow)
+STEPS, CHECKED_STEPS = 7, (0, 3, 6)  # first, the middle one, last
 COND, UNCOND = torch.arange(5), torch.arange(7) + 9  # und rows 5 / 7; gen rows 4 (latent 4x4, patch 2)
 LATENT = (1, 4, 1, 4, 4)
-EXPECTED_TRACE = "W8A16 x3 / W8A8 x2 / W8A16 x3"
+EXPECTED_TRACE = "W8A16 x3 / W8A8 x1 / W8A16 x3"
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -53,7 +54,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def wiring_mismatches(model, policy, towers) -> tuple[dict, list[str]]:
-    """Install ``towers``, run an 8-step CFG loop, and compare each FP8 linear's precision at
+    """Install ``towers``, run a STEPS-step CFG loop, and compare each FP8 linear's precision at
     the checked steps with what the *observed* tower says it must be.
 
     A linear's tower is observed, not named: one called inside a decoder layer on as many rows
@@ -273,7 +274,7 @@ def test_swapping_the_two_towers_in_the_map_is_caught(observed, world):
 
 
 @pytest.mark.parametrize("world", (1, 2))
-def test_pipeline_eight_steps_with_cfg_same_digest_and_the_published_trace(observed, world):
+def test_pipeline_seven_steps_with_cfg_same_digest_and_the_published_trace(observed, world):
     from fsdp_fp8.format.step_policy import describe_trace
 
     reference = observed[1][0]
@@ -397,7 +398,7 @@ def test_a_pipeline_transformer_called_outside_a_denoising_step_is_refused(pipel
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="outside a denoising step"):
             model(**inputs)  # the policy could not be applied: refused, not run at W8A8
-        with denoising_step(model, 4, STEPS) as precision:
+        with denoising_step(model, 3, STEPS) as precision:  # the middle step: W8A8
             model(**inputs)
     assert precision == "W8A8"
 

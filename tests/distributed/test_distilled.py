@@ -1,19 +1,25 @@
 """Distilled 4-step roots (diffusers' ``Cosmos3DistilledModularPipeline``): the distilled demo
 (the demo's random components, ``modular_model_index.json`` with a fixed ``distilled_sigmas``, the
 transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
-image-to-video, each request's latent at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 (a request
-per rank) equal to one rank's; the report names the mode; ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel`` refused
-before the load, one line, exit 2; through the Python API one error on every rank. Served over
-HTTP (``serve`` at Ulysses 2), a request that leaves the steps and guidance out runs the schedule
-and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
-why. The non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
+text- and image-to-video on one rank, the report naming the mode; at 2 ranks (FSDP), Ulysses 2 and
+HSDP replicas 2 (a request per rank) its latents equal one rank's: text-to-image at FSDP and
+Ulysses, both videos at replicas. ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel``
+refused before the load, one line, exit 2; through the Python API one error on every rank. The
+non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
 through the same modular path, guidance, a negative prompt and sound included: the digests of
 ``Cosmos3OmniPipeline`` on one rank, and at CFG 2 and Ulysses 2 (in the same run of 2 ranks).
 
 The same spawn runs a root of the real ModelOpt 0.47 distilled fixture (tests/fixtures/
 ``modelopt-0.47-cosmos3-distilled-transformer``, calibrated through diffusers' own distilled
 pipeline; no step policy, as ModelOpt wrote it) beside the distilled demo's other components:
-text-to-image and image-to-video at 2 ranks and Ulysses 2, the one-rank latents of that root.
+text-to-image and text- and image-to-video at 2 ranks, Ulysses 2 and HSDP replicas 2, the one-rank
+latents of that root. Every step of a distilled root is W8A8 (``torch._scaled_mm``, CPU's slow
+reference kernel), and the fixture's hidden 32 makes its forward about a tenth of the demo's: so
+every job runs at every layout on the fixture, the demo keeps one job a layout, and the tests that
+run one more request (a plain ``model_index.json``, a cancel, the server at Ulysses 2) run the
+fixture root. Served over HTTP, a request that leaves the steps and guidance out runs the schedule
+and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
+why.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from ranks import run_ranks  # noqa: E402
 
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
-FIXTURE_LAYOUTS = ("fsdp", "ulysses")  # the fixture root's, in the same spawn
+JOBS = ("image", "videos")  # text-to-image; text- and image-to-video (one prompts file, 5 frames)
+# The demo's job at each layout (the fixture root runs every job at every layout, in the same spawn):
+# replicas take the videos' two requests, one a rank
+DEMO_JOBS = {"fsdp": ("image",), "ulysses": ("image",), "replicas": ("videos",)}
 MODE = "distilled, 4 steps"
 # the non-distilled modular pipeline's job: guidance with a negative prompt, sound, W8A16 and W8A8 steps
 OMNI_JOB = ("--frames", "5", "--sound", "--negative-prompt", "blur", "--steps", "7")
@@ -61,13 +70,14 @@ def _launch(root: str, report: Path, *extra: str, rank: int = 0) -> dict | None:
     return json.loads(report.read_text()) if rank == 0 else None
 
 
-def _jobs(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0) -> dict:
-    """Text-to-image, then a text-to-video and an image-to-video request of one prompts file."""
+def _jobs(root: str, inputs: str, reports: Path, name: str, extra: tuple, rank: int = 0, jobs=JOBS) -> dict:
+    """Text-to-image, and a text-to-video and an image-to-video request of one prompts file (``jobs``)."""
     decoded = ("--output", str(reports / f"{name}-image.png"))  # decoded and written by the request's writer
-    image = _launch(root, reports / f"{name}-image.json", "--frames", "1", *decoded, *extra, rank=rank)
     prompts = ("--prompts", str(Path(inputs, "requests.jsonl")), "--frames", "5")
-    videos = _launch(root, reports / f"{name}-videos.json", *prompts, *extra, rank=rank)
-    return {f"{name} image": image, f"{name} videos": videos}
+    args = {"image": ("--frames", "1", *decoded), "videos": prompts}
+    return {
+        f"{name} {job}": _launch(root, reports / f"{name}-{job}.json", *args[job], *extra, rank=rank) for job in jobs
+    }
 
 
 def _api_refusals(rank: int) -> list[str]:
@@ -96,9 +106,8 @@ def _observe(rank: int, world: int, root: str, fixture: str, inputs: str, report
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
-            obs |= _jobs(root, inputs, Path(reports), name, extra, rank)
-        for name in FIXTURE_LAYOUTS:
-            obs |= _jobs(fixture, inputs, Path(reports), f"fixture {name}", LAYOUTS[name], rank)
+            obs |= _jobs(root, inputs, Path(reports), name, extra, rank, DEMO_JOBS[name])
+            obs |= _jobs(fixture, inputs, Path(reports), f"fixture {name}", extra, rank)
         obs["api"] = _api_refusals(rank)
         for name, extra in OMNI_LAYOUTS.items():
             obs[f"omni {name}"] = _launch(omni, Path(reports, f"omni-{name}.json"), *OMNI_JOB, *extra, rank=rank)
@@ -186,7 +195,7 @@ def test_distilled_modes_name_the_schedule(one_rank):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_distilled_latents_equal_one_rank(observed, layout):
     one, ranks = observed
-    for job in ("image", "videos"):
+    for job in DEMO_JOBS[layout]:
         assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
 
 
@@ -194,7 +203,7 @@ def test_the_fixture_root_runs_the_fixture_on_the_schedule(one_rank):
     """ModelOpt's 31 FP8 linears (its recipe quantizes ``proj_in`` and ``time_embedder``, the
     demo's export does not), every step W8A8, other latents than the demo's."""
     one, _ = one_rank
-    for job in ("image", "videos"):
+    for job in JOBS:
         report = one[f"fixture one {job}"]
         assert report["pipeline"] == "Cosmos3DistilledModularPipeline" and report["step_policy"] == "none"
         assert report["precision_trace"] == "W8A8 x4" and report["fp8_linears"] == 31
@@ -204,10 +213,10 @@ def test_the_fixture_root_runs_the_fixture_on_the_schedule(one_rank):
         assert all(f[1] != d[1] for f, d in zip(fixture, demo))  # ... on another transformer
 
 
-@pytest.mark.parametrize("layout", FIXTURE_LAYOUTS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_fixture_roots_latents_equal_one_rank(observed, layout):
     one, ranks = observed
-    for job in ("image", "videos"):
+    for job in JOBS:
         got, want = _latents(ranks[0][f"fixture {layout} {job}"]), _latents(one[f"fixture one {job}"])
         assert got == want, (layout, job)
 
@@ -273,26 +282,26 @@ def test_distilled_refusals_before_the_load(distilled_root, extra, reason, capsy
     assert reason.format(root=distilled_root) in err
 
 
-def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(distilled_root, one_rank, tmp_path):
-    """A distilled root with a plain ``model_index.json`` (entries without a loading spec) instead
-    of ``modular_model_index.json``: the same pipeline, the same latent."""
+def test_a_root_whose_model_index_names_the_distilled_pipeline_runs_alike(fixture_root, one_rank, tmp_path):
+    """A distilled root (the fixture's) with a plain ``model_index.json`` (entries without a loading
+    spec) instead of ``modular_model_index.json``: the same pipeline, the same latent."""
     import shutil
 
     root = tmp_path / "root"
-    shutil.copytree(distilled_root, root)
+    shutil.copytree(fixture_root, root)
     modular = json.loads((root / "modular_model_index.json").read_text())
     (root / "modular_model_index.json").unlink()
     index = {k: v[:2] if isinstance(v, list) and len(v) == 3 else v for k, v in modular.items()}
     (root / "model_index.json").write_text(json.dumps(index))
     report = _launch(str(root), tmp_path / "report.json", "--frames", "1")
     assert report["pipeline"] == "Cosmos3DistilledModularPipeline"
-    assert _latents(report)[0][:2] == _latents(one_rank[0]["one image"])[0][:2]
+    assert _latents(report)[0][:2] == _latents(one_rank[0]["fixture one image"])[0][:2]
 
 
-def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(distilled_root):
+def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(fixture_root):
     """The step callback (our block at the end of diffusers' denoising loop) stops the loop when
     every request of the round is cancelled, and diffusers logs no error for it; the next request
-    runs its 4 steps."""
+    runs its 4 steps (on the fixture root: a tenth of the demo's W8A8 work)."""
     import torch
 
     from fsdp_fp8 import load_pipeline
@@ -319,7 +328,7 @@ def test_a_cancel_stops_the_distilled_loop_and_the_next_request_runs_whole(disti
 
     records = Records()
     logging.getLogger(DIFFUSERS_BLOCKS_LOGGER).addHandler(records)  # after the logger's filters
-    pipe = load_pipeline(distilled_root, device=torch.device("cpu"))
+    pipe = load_pipeline(fixture_root, device=torch.device("cpu"))
     forwards = []
     pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
     engine = Engine(pipe)
@@ -357,9 +366,9 @@ def test_values_without_the_launchers_given_options_are_checked_as_they_are(dist
 
 
 @pytest.fixture(scope="module")
-def server(distilled_root, demo_cache, tmp_path_factory):
-    """The distilled demo served at Ulysses 2 on 2 ranks, each at this process's thread count (the
-    launcher's one-rank run here had it)."""
+def server(fixture_root, demo_cache, tmp_path_factory):
+    """The fixture's distilled root served at Ulysses 2 on 2 ranks, each at this process's thread
+    count (the launcher's one-rank run here had it)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
     import torch
@@ -367,7 +376,7 @@ def server(distilled_root, demo_cache, tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("distilled-serve")
     threads = torch.get_num_threads()
-    ranks = Ranks(2, directory, str(demo_cache), "--checkpoint", distilled_root, "--ulysses", "2", threads=threads)
+    ranks = Ranks(2, directory, str(demo_cache), "--checkpoint", fixture_root, "--ulysses", "2", threads=threads)
     yield ranks
     ranks.stop()
 
@@ -382,7 +391,7 @@ def test_a_served_request_runs_the_schedule_with_the_launchers_one_rank_digests(
     assert client.videos.poll(video.id, poll_interval_ms=200).status == "completed"
     record = server.get(f"/v1/videos/{video.id}")[1]
     assert record["request"]["steps"] == 4 and record["request"]["guidance"] == 1.0 and record["steps_run"] == 4
-    (row,) = one["one image"]["outputs"]
+    (row,) = one["fixture one image"]["outputs"]
     assert (record["latent_sha256"], record["frames_sha256"]) == (row["latent_sha256"], row["frames_sha256"])
 
 
@@ -399,6 +408,6 @@ def test_a_served_request_runs_the_schedule_with_the_launchers_one_rank_digests(
     ],
     ids=["steps", "guidance", "negative-prompt", "action"],
 )
-def test_a_served_request_the_distilled_root_cannot_run_is_a_400_naming_why(server, distilled_root, fields, reason):
+def test_a_served_request_the_distilled_root_cannot_run_is_a_400_naming_why(server, fixture_root, fields, reason):
     status, body, _ = server.post({"prompt": "x", "size": "32x32", **fields})
-    assert status == 400 and reason.format(root=distilled_root) in body["error"]["message"], body
+    assert status == 400 and reason.format(root=fixture_root) in body["error"]["message"], body

@@ -267,7 +267,9 @@ def test_a_lost_rank_fails_the_jobs_naming_it_and_every_process_exits_non_zero(d
         running = client.videos.create(prompt="long", extra_body={"num_inference_steps": 400})
         queued = client.videos.create(prompt="waiting", extra_body={"num_inference_steps": 5})
         deadline = time.monotonic() + bound(60)
-        while client.videos.retrieve(running.id).progress < 5 and time.monotonic() < deadline:
+        # past its first steps (progress 2 + 93 * step // 400: 3 from step 5), few of them W8A8 (CPU's slow
+        # torch._scaled_mm: steps 3 to 396 under the demo's policy)
+        while client.videos.retrieve(running.id).progress < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         ranks.procs[1].kill()
         lost = None

@@ -27,7 +27,7 @@ from ranks import run_ranks  # noqa: E402
 
 STEPS = 10
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # 16 generation tokens: whole on one rank
-VIDEO = {"num_frames": 9, "height": 64, "width": 48}  # 144 generation tokens: split by Ulysses 2
+VIDEO = {"num_frames": 5, "height": 32, "width": 32}  # 32 generation tokens: 16 a rank under Ulysses 2
 PROMPTS = ("a red fox", "a lighthouse in a storm")
 EAGER = 1e9  # a threshold the budget never reaches: reuse wherever the rules allow
 NEVER = 0.0  # a budget always spent: compute every step
@@ -184,7 +184,7 @@ def test_requests_made_to_disagree_keep_their_own_outputs_without_a_hang(observe
 # --- the launcher: CFG 2 x Ulysses 2 and HSDP replicas with two prompts, at 4 ranks
 
 LAUNCH_STEPS = ("--steps", "6", "--cache", "seacache")  # 6 steps: every one W8A16 under the demo's policy
-LAUNCH_VIDEO = ("--frames", "5", "--height", "64", "--width", "48")  # 96 generation tokens: split by Ulysses 2
+LAUNCH_VIDEO = ("--frames", "5", "--height", "32", "--width", "32")  # 32 generation tokens: 16 a rank under Ulysses 2
 LAUNCH_IMAGE = ("--frames", "1", "--height", "32", "--width", "32")
 
 
