@@ -117,7 +117,9 @@ class ShapeTensor:
         shape = self._resolved(shape)
         stride = _view_strides(self.shape, self.stride, shape)
         if stride is None or numel(shape) != numel(self.shape):
-            raise ValueError(f"a view of shape {shape} of a tensor of shape {self.shape}")
+            raise RuntimeError(
+                f"a view of shape {shape} of a tensor of shape {self.shape}: the mirror differs from the module"
+            )
         return self._view(shape, stride)
 
     def reshape(self, *shape) -> ShapeTensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_fp8.errors import ArgumentError, CheckpointError
 from fsdp_fp8.runtime.shape_bytes import ITEMSIZE, Run, ShapeTensor, cat, conv, like, pad
 
 CACHE_T = 2  # diffusers' CACHE_T: frames a causal conv keeps
@@ -60,8 +61,8 @@ def unmodelled(config: dict, dtype) -> list[str]:
     if not problems:
         try:
             _shape(config)
-        except (TypeError, ValueError) as exc:
-            problems.append(f"{exc}: not modelled")
+        except (TypeError, ValueError) as exc:  # WanShape's own TypeError, or our CheckpointError
+            problems += [f"{p}: not modelled" for p in getattr(exc, "problems", [str(exc)])]
     return problems
 
 
@@ -74,10 +75,11 @@ def _shape(config: dict) -> WanShape:
     ints = [shape.base_dim, shape.z_dim, shape.num_res_blocks, shape.out_channels]
     ints += [shape.scale_factor_spatial, *shape.dim_mult, shape.decoder_base_dim or 1, shape.patch_size or 1]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ints):
-        raise ValueError(f"a size that is no positive integer in {values}")
+        raise CheckpointError(f"a size that is no positive integer in {values}", "VAE config")
     if len(shape.temperal_downsample) < len(shape.dim_mult) - 1 or not shape.dim_mult:
-        raise ValueError(
-            f"`temperal_downsample` {list(shape.temperal_downsample)} for `dim_mult` {list(shape.dim_mult)}"
+        raise CheckpointError(
+            f"`temperal_downsample` {list(shape.temperal_downsample)} for `dim_mult` {list(shape.dim_mult)}",
+            "VAE config",
         )
     return shape
 
@@ -395,7 +397,7 @@ def _unpatchify(x: ShapeTensor, p: int) -> ShapeTensor:
 def _patchify(x: ShapeTensor, p: int) -> ShapeTensor:
     b, c, f, h, w = x.shape
     if h % p != 0 or w % p != 0:
-        raise ValueError(f"Height ({h}) and width ({w}) must be divisible by patch_size ({p})")
+        raise ArgumentError(f"Height ({h}) and width ({w}) must be divisible by patch_size ({p})", "VAE size")
     x = x.view(b, c, f, h // p, p, w // p, p)
     x = x.permute(0, 1, 6, 4, 2, 3, 5).contiguous()
     return x.view(b, c * p * p, f, h // p, w // p)
@@ -430,7 +432,7 @@ def _tiled_decode(run: Run, a: WanShape, z: ShapeTensor, tiles) -> ShapeTensor:
     sample_h, sample_w = height * ratio, width * ratio
     latent_h, latent_w, latent_stride_h, latent_stride_w = (s // ratio for s in tiles)
     if not latent_stride_h or not latent_stride_w:
-        raise ValueError(f"tile strides {stride_h}, {stride_w} under the VAE's {ratio}x compression")
+        raise ArgumentError(f"tile strides {stride_h}, {stride_w} under the VAE's {ratio}x compression", "VAE tiles")
     if p is not None:
         sample_h, sample_w, stride_h, stride_w = sample_h // p, sample_w // p, stride_h // p, stride_w // p
         tile_h, tile_w = tile_h // p, tile_w // p
