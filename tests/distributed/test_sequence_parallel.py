@@ -29,21 +29,16 @@ pytestmark = pytest.mark.timeout(900)
 from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
+from fsdp_fp8.format.step_policy import PUBLISHED_POLICY  # noqa: E402
 from fsdp_fp8.runtime.parallel_layout import AttentionHeads, ParallelLayout, head_problems, layout_problems  # noqa: E402
 
 STEPS = 2
 # The fixture's: its generation tower W8A8 at every step (the split rows, whose bits are the point),
 # its reasoner W8A16 (the text stays whole on every rank of a Ulysses group)
 GENERATION_W8A8 = {
-    "schema_version": 1,
-    "type": "first_last_n",
-    "index_space": "denoising_loop_iteration",
-    "scope": ["transformer"],
-    "default_mode": "native",
+    **PUBLISHED_POLICY,
     "first_steps": {"count": 0, "mode": "a16"},
     "last_steps": {"count": 0, "mode": "a16"},
-    "overlap": "a16",
-    "reasoner": "a16",
 }
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # latent 8 x 8, patch 2: 16 generation tokens
 VIDEO = {"num_frames": 9, "height": 64, "width": 48}  # latent 3 x 16 x 12: 144 generation tokens
