@@ -5,9 +5,11 @@ one shard group that are made to decide differently at every step keep their own
 rank hangs.
 
 The demo pipeline, and a real ModelOpt 0.47 export beside the demo's VAE (test_cfg_parallel's
-fixture pipeline), at 10 steps: its step policy runs steps 0-2 and 7-9 W8A16, 3-6 W8A8, so the
-rule that a step reuses only residuals of its own precision shows at steps 3 and 7. One spawn per
-world size records what the tests judge; world size 1 is this process.
+fixture pipeline), at 9 steps under a step policy of the test's (``POLICY``): steps 0-3 and 5-8
+W8A16, step 4 W8A8 (one W8A8 step: CPU's ``torch._scaled_mm`` is slow), so an eager cache computes
+step 3 for the limit of two reused steps in a row, and steps 4 and 5 for the rule that a step
+reuses only residuals of its own precision. One spawn per world size records what the tests
+judge; world size 1 is this process. The launcher's runs keep the checkpoints' own policy.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ pytestmark = pytest.mark.timeout(900)
 from pipelines import digest as _digest  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-STEPS = 10
+from fsdp_fp8.format.step_policy import PUBLISHED_POLICY  # noqa: E402
+
+STEPS = 9
+# The published policy with 4 first and 4 last W8A16 steps: at 9 steps, one W8A8 step (4)
+POLICY = {**PUBLISHED_POLICY, "first_steps": {"count": 4, "mode": "a16"}, "last_steps": {"count": 4, "mode": "a16"}}
+PRECISIONS = ["W8A16"] * 4 + ["W8A8"] + ["W8A16"] * 4
+# an eager cache: 0 first, 3 after two reused, 4 and 5 where the precision changes, 8 last
+EAGER_COMPUTED = [0, 3, 4, 5, 8]
 IMAGE = {"num_frames": 1, "height": 32, "width": 32}  # 16 generation tokens: whole on one rank
 VIDEO = {"num_frames": 5, "height": 32, "width": 32}  # 32 generation tokens: 16 a rank under Ulysses 2
 PROMPTS = ("a red fox", "a lighthouse in a storm")
@@ -37,7 +46,9 @@ DEFAULT = 0.25  # diffusers' own (SeaCacheConfig().threshold)
 def _pipeline(root: str, cache, cfg_parallel: bool = False, ulysses: int = 1):
     from fsdp_fp8 import load_pipeline
 
-    pipe = load_pipeline(root, device=torch.device("cpu"), cache=cache, cfg_parallel=cfg_parallel, ulysses=ulysses)
+    pipe = load_pipeline(
+        root, device=torch.device("cpu"), cache=cache, cfg_parallel=cfg_parallel, ulysses=ulysses, step_policy=POLICY
+    )
     pipe.set_progress_bar_config(disable=True)
     pipe.stacks = []  # the decoder stacks this rank really ran (its first block's forwards)
     pipe.transformer.layers[0].register_forward_pre_hook(lambda *_: pipe.stacks.append(1))
@@ -132,14 +143,14 @@ def test_the_cache_skips_decoder_stacks_and_changes_the_output(observed):
 
 
 def test_a_step_reuses_only_residuals_of_its_own_precision(observed):
-    # steps 0-2 and 7-9 W8A16, 3-6 W8A8: at most 2 reused in a row, the first and the last step
-    # computed, and steps 3 and 7 computed because the last computed step ran at the other precision
+    # steps 0-3 and 5-8 W8A16, 4 W8A8: at most 2 reused in a row (step 3), the first and the last step
+    # computed, and steps 4 and 5 computed because the last computed step ran at the other precision
     from fsdp_fp8.format.cache_option import computed_steps_range
 
     eager = observed[1][(EAGER, PROMPTS[0])]["computed"]
-    assert eager == [0, 3, 6, 7, 9]
+    assert eager == EAGER_COMPUTED
     # inspect's forecast (the fewest steps the rules allow) is what an eager cache computes
-    assert computed_steps_range(["W8A16"] * 3 + ["W8A8"] * 4 + ["W8A16"] * 3) == (len(eager), STEPS)
+    assert computed_steps_range(PRECISIONS) == (len(eager), STEPS)
 
 
 ALONE = {
@@ -176,9 +187,10 @@ def test_requests_made_to_disagree_keep_their_own_outputs_without_a_hang(observe
     eager, never = (obs["forced"] for obs in observed[2])
     assert eager["digest"] == observed[1][(EAGER, PROMPTS[0])]["digest"]
     assert never["digest"] == observed[1][(NEVER, PROMPTS[1])]["digest"]
-    assert eager["computed"] == [0, 3, 6, 7, 9] and never["computed"] == list(range(STEPS))
+    assert eager["computed"] == EAGER_COMPUTED and never["computed"] == list(range(STEPS))
     # the eager request's rank ran the blocks of every step it reused, for its neighbour's all-gathers
-    assert eager["ran_for_peers"] == 2 * (STEPS - 5) and eager["stacks"] == never["stacks"] == 2 * STEPS
+    reused = STEPS - len(EAGER_COMPUTED)
+    assert eager["ran_for_peers"] == 2 * reused and eager["stacks"] == never["stacks"] == 2 * STEPS
 
 
 # --- the launcher: CFG 2 x Ulysses 2 and HSDP replicas with two prompts, at 4 ranks
