@@ -1,4 +1,12 @@
-"""Session-wide test set-up: pytest-timeout's per-test hang guard scaled to the machine.
+"""Session-wide test set-up: one intra-op thread per process, and pytest-timeout's per-test hang
+guard scaled to the machine.
+
+Every process of the suite (the xdist workers, the ranks they fork, the jobs they start) computes
+on one intra-op thread, as a torchrun rank does (torchrun sets ``OMP_NUM_THREADS=1``): on two cores
+two workers each running 2-4 ranks at torch's default of one thread per core oversubscribe the
+machine, and the suite then ran 616 s instead of 466 s (one quiet run each). An ``OMP_NUM_THREADS``
+already set is kept. The tests whose subject is the thread count set it themselves
+(tests/unit/test_decode_threads.py, test_ulysses_attention.py).
 
 The ``timeout`` in pyproject.toml (and each ``@pytest.mark.timeout``) is a reference-machine
 figure; each test's guard is that times ``calibration.slowdown()`` measured as the test starts,
@@ -9,9 +17,15 @@ that hangs is stopped after the scaled time, and the report says the factor used
 from __future__ import annotations
 
 import os
+import sys
 
 import calibration
 import pytest
+
+# Before torch is imported here, and inherited by the xdist workers this process starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # a plugin imported it first: it read the variable before it was set
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
