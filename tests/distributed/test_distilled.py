@@ -1,9 +1,8 @@
 """Distilled 4-step roots (diffusers' ``Cosmos3DistilledModularPipeline``): the distilled demo
 (the demo's random components, ``modular_model_index.json`` with a fixed ``distilled_sigmas``, the
-transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image and
-text- and image-to-video on one rank, the report naming the mode; at 2 ranks (FSDP), Ulysses 2 and
-HSDP replicas 2 (a request per rank) its latents equal one rank's: text-to-image at FSDP and
-Ulysses, both videos at replicas. ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel``
+transformer a ModelOpt FP8 export without a step policy) run by the launcher, text-to-image on one
+rank, the report naming the mode; at 2 ranks (FSDP), Ulysses 2 and HSDP replicas 2 its latent
+equals one rank's. ``--steps`` / ``--guidance`` off the schedule and ``--cfg-parallel``
 refused before the load, one line, exit 2; through the Python API one error on every rank. The
 non-distilled modular pipeline (``Cosmos3OmniModularPipeline``, the demo's components) runs
 through the same modular path, guidance, a negative prompt and sound included: the digests of
@@ -12,11 +11,11 @@ through the same modular path, guidance, a negative prompt and sound included: t
 The same spawn runs a root of the real ModelOpt 0.47 distilled fixture (tests/fixtures/
 ``modelopt-0.47-cosmos3-distilled-transformer``, calibrated through diffusers' own distilled
 pipeline; no step policy, as ModelOpt wrote it) beside the distilled demo's other components:
-text-to-image and text- and image-to-video at 2 ranks, Ulysses 2 and HSDP replicas 2, the one-rank
-latents of that root. Every step of a distilled root is W8A8 (``torch._scaled_mm``, CPU's slow
-reference kernel), and the fixture's hidden 32 makes its forward about a tenth of the demo's: so
-every job runs at every layout on the fixture, the demo keeps one job a layout, and the tests that
-run one more request (a plain ``model_index.json``, a cancel, the server at Ulysses 2) run the
+text-to-image and text- and image-to-video (one prompts file: at replicas 2 a request a replica) on
+one rank, at 2 ranks, Ulysses 2 and HSDP replicas 2, the one-rank latents of that root. Every step
+of a distilled root is W8A8 (``torch._scaled_mm``, CPU's slow reference kernel), and the fixture's
+hidden 32 makes its forward about a tenth of the demo's: so every job runs at every layout on the
+fixture, the demo runs text-to-image alone, and the tests that run one more request (a plain ``model_index.json``, a cancel, the server at Ulysses 2) run the
 fixture root. Served over HTTP, a request that leaves the steps and guidance out runs the schedule
 and gives the launcher's one-rank digests; one off the schedule, or an action job, is a 400 naming
 why.
@@ -42,9 +41,9 @@ from ranks import run_ranks  # noqa: E402
 SIZE = ("--height", "32", "--width", "32")
 LAYOUTS = {"fsdp": (), "ulysses": ("--ulysses", "2"), "replicas": ("--replicas", "2")}
 JOBS = ("image", "videos")  # text-to-image; text- and image-to-video (one prompts file, 5 frames)
-# The demo's job at each layout (the fixture root runs every job at every layout, in the same spawn):
-# replicas take the videos' two requests, one a rank
-DEMO_JOBS = {"fsdp": ("image",), "ulysses": ("image",), "replicas": ("videos",)}
+# The demo's job at each layout and on one rank (the fixture root runs every job at every layout, in the
+# same spawn): a 5-frame W8A8 video of the demo costs a fixture video's three times over
+DEMO_JOBS = ("image",)
 MODE = "distilled, 4 steps"
 # the non-distilled modular pipeline's job: guidance with a negative prompt, sound, W8A16 and W8A8 steps
 OMNI_JOB = ("--frames", "5", "--sound", "--negative-prompt", "blur", "--steps", "7")
@@ -106,7 +105,7 @@ def _observe(rank: int, world: int, root: str, fixture: str, inputs: str, report
     obs = {}
     with mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world), "DISTILLED_ROOT": root}):
         for name, extra in LAYOUTS.items():
-            obs |= _jobs(root, inputs, Path(reports), name, extra, rank, DEMO_JOBS[name])
+            obs |= _jobs(root, inputs, Path(reports), name, extra, rank, DEMO_JOBS)
             obs |= _jobs(fixture, inputs, Path(reports), f"fixture {name}", extra, rank)
         obs["api"] = _api_refusals(rank)
         for name, extra in OMNI_LAYOUTS.items():
@@ -152,9 +151,9 @@ def fixture_root(distilled_root, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def one_rank(distilled_root, fixture_root, inputs, reports):
-    """One rank's reports: the demo's ``one image`` / ``one videos``, the fixture root's ``fixture
-    one image`` / ``fixture one videos``; and the reports' folder."""
-    one = _jobs(distilled_root, str(inputs), reports, "one", ())
+    """One rank's reports: the demo's ``one image``, the fixture root's ``fixture one image`` /
+    ``fixture one videos``; and the reports' folder."""
+    one = _jobs(distilled_root, str(inputs), reports, "one", (), jobs=DEMO_JOBS)
     return one | _jobs(fixture_root, str(inputs), reports, "fixture one", ()), reports
 
 
@@ -185,17 +184,17 @@ def test_distilled_modes_name_the_schedule(one_rank):
     (row,) = one["one image"]["outputs"]
     assert row["output"].endswith("one-image.png") and row["frames_sha256"]
     assert [m for m, *_ in _latents(one["one image"])] == [f"text-to-image, {MODE}"]
-    assert [m for m, *_ in _latents(one["one videos"])] == [
+    assert [m for m, *_ in _latents(one["fixture one videos"])] == [
         f"text-to-video, 5 frames, {MODE}",
         f"image-to-video, 5 frames, {MODE}",
     ]
-    assert len({d for _, d, _ in _latents(one["one videos"])}) == 2
+    assert len({d for _, d, _ in _latents(one["fixture one videos"])}) == 2
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_distilled_latents_equal_one_rank(observed, layout):
     one, ranks = observed
-    for job in DEMO_JOBS[layout]:
+    for job in DEMO_JOBS:
         assert _latents(ranks[0][f"{layout} {job}"]) == _latents(one[f"one {job}"]), (layout, job)
 
 
@@ -207,8 +206,9 @@ def test_the_fixture_root_runs_the_fixture_on_the_schedule(one_rank):
         report = one[f"fixture one {job}"]
         assert report["pipeline"] == "Cosmos3DistilledModularPipeline" and report["step_policy"] == "none"
         assert report["precision_trace"] == "W8A8 x4" and report["fp8_linears"] == 31
+    for job in DEMO_JOBS:
         assert one[f"one {job}"]["fp8_linears"] == 28
-        fixture, demo = _latents(report), _latents(one[f"one {job}"])
+        fixture, demo = _latents(one[f"fixture one {job}"]), _latents(one[f"one {job}"])
         assert [m for m, *_ in fixture] == [m for m, *_ in demo]  # the same requests ...
         assert all(f[1] != d[1] for f, d in zip(fixture, demo))  # ... on another transformer
 

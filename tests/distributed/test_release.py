@@ -71,6 +71,18 @@ def _fix_malloc_thresholds() -> None:
     assert libc.mallopt(-1, 128 << 10) == 1 and libc.mallopt(-3, 128 << 10) == 1
 
 
+def _w8a16(model: torch.nn.Module) -> None:
+    """Every FP8 linear of ``model`` at W8A16. The forward is here for what FSDP2 and gloo leave
+    behind (the root kept gathered, the all-gathers' temporaries), not for its arithmetic; W8A8's
+    ``torch._scaled_mm`` is CPU's reference kernel, ~4 s a forward of this model at one thread
+    against ~0.05 s dequantized (the checkpoint has no step policy, which would choose per step)."""
+    from fsdp_fp8.fp8.linear import Float8StaticLinear
+
+    for module in model.modules():
+        if isinstance(module, Float8StaticLinear):
+            module.mode = "a16"
+
+
 def _cycles(rank: int, world: int, path: str) -> dict:
     """RSS growth over ``CYCLES`` load -> close cycles, then over as many load -> forward -> close cycles;
     then what the last closed model answers to a forward and to ``save_checkpoint``."""
@@ -85,6 +97,7 @@ def _cycles(rank: int, world: int, path: str) -> dict:
     def cycle(forward: bool) -> int:
         with load_model(None, path, device=torch.device("cpu")) as loaded:
             if forward:  # FSDP2 then keeps the root gathered, beside its own padded shard
+                _w8a16(loaded.model)
                 with torch.no_grad():
                     loaded.model.denoise(latents, timestep, None)
         kept.append(loaded)
