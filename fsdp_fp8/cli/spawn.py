@@ -28,11 +28,15 @@ def _exit_status(code: int) -> int:
 
 
 def first_failure(failures: dict) -> object:
-    """The failure that came first: the earliest timestamp; among failures the agent saw within
-    the same second (its stamps are whole seconds), a rank ended by a signal (a negative exit
-    code: killed, crashed) before one that exited on its own, which usually did so because it
-    saw that peer go; then the lowest rank."""
-    rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode >= 0, r))
+    """The failure that came first. The agent reports the ranks it found ended at one poll (0.1 s
+    apart), stamped in whole seconds: a rank that exited on its own wrote its stamp as it failed, a
+    rank ended by a signal (a negative exit code: killed, crashed) wrote none and is stamped when
+    the agent saw it, up to a poll later, so often one second later than its peer that exited on
+    seeing it go. So among the failures stamped within one second of the earliest, one a signal
+    ended comes first; then the earliest stamp; then the lowest rank."""
+    earliest = min(f.timestamp for f in failures.values())
+    near = [r for r, f in failures.items() if f.timestamp <= earliest + 1]
+    rank = min(near, key=lambda r: (failures[r].exitcode >= 0, failures[r].timestamp, r))
     return failures[rank]
 
 

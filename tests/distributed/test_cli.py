@@ -324,8 +324,10 @@ def test_inspect_speaks_in_a_users_words(demo_root, capsys):
 
 
 def test_the_launchers_status_is_the_first_failed_ranks_own():
-    """Of ranks torch's agent saw fail within one (whole-second) stamp, the one a signal ended
-    (killed) came first, not the peer that exited 1 on seeing it go; otherwise the earliest."""
+    """Of ranks torch's agent saw fail within one second by its whole-second stamps, the one a
+    signal ended (killed) came first, not the peer that exited 1 on seeing it go: the killed rank
+    is stamped when the agent saw it, which can be the next second (the suite's launcher test of a
+    rank killed mid-loop once exited 1 so). Otherwise the earliest, then the lowest rank."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from fsdp_fp8.cli.spawn import _exit_status, first_failure
@@ -337,6 +339,9 @@ def test_the_launchers_status_is_the_first_failed_ranks_own():
 
     same_second = {0: failed(0, 1, 7), 1: failed(1, -9, 7)}
     assert _exit_status(first_failure(same_second).exitcode) == 137
-    earlier = {0: failed(0, 1, 6), 1: failed(1, -9, 7)}
+    stamped_the_next_second = {0: failed(0, 1, 6), 1: failed(1, -9, 7)}
+    assert _exit_status(first_failure(stamped_the_next_second).exitcode) == 137
+    earlier = {0: failed(0, 1, 5), 1: failed(1, -9, 7)}
     assert _exit_status(first_failure(earlier).exitcode) == 1
+    assert _exit_status(first_failure({0: failed(0, 1, 6), 1: failed(1, 3, 7)}).exitcode) == 1
     assert first_failure({0: failed(0, 2, 7), 1: failed(1, 1, 7)}).local_rank == 0
