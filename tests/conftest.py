@@ -17,15 +17,13 @@ that hangs is stopped after the scaled time, and the report says the factor used
 from __future__ import annotations
 
 import os
-import sys
 
 import calibration
 import pytest
 
-# Before torch is imported here, and inherited by the xdist workers this process starts.
+# Read by torch when it is first imported (after this: no plugin of the suite imports it), and
+# inherited by the xdist workers this process starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-if "torch" in sys.modules:  # a plugin imported it first: it read the variable before it was set
-    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
